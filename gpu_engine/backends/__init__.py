@@ -1,0 +1,42 @@
+"""Backend selection: `auto` takes CUDA where CuPy and a GPU are present, else the CPU, and says why."""
+from __future__ import annotations
+
+import logging
+
+from gpu_engine.backends.base import (  # noqa: F401 - the package's public names
+    Backend,
+    BackendUnavailable,
+    DispatchShape,
+    ResidentMatrix,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "cpu", "cuda")
+
+
+def _cuda_backend() -> Backend:
+    try:
+        from gpu_engine.backends.cuda import CudaBackend
+    except ImportError as exc:
+        raise BackendUnavailable(f"CUDA backend needs CuPy: {exc}") from exc
+    return CudaBackend()
+
+
+def create_backend(name: str = "auto") -> Backend:
+    """The backend called `name`; raises BackendUnavailable if `cuda` cannot run here."""
+    from gpu_engine.backends.cpu import NumpyBackend
+
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}, expected one of {', '.join(BACKEND_NAMES)}")
+    if name == "cpu":
+        return NumpyBackend()
+    if name == "cuda":
+        return _cuda_backend()
+    try:
+        return _cuda_backend()
+    except BackendUnavailable as exc:
+        backend = NumpyBackend()
+        backend.fallback_reason = f"auto: CUDA unavailable ({exc}); using the CPU backend"
+        log.warning(backend.fallback_reason)
+        return backend

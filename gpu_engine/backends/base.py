@@ -1,0 +1,95 @@
+"""The backend interface: a backend makes a matrix resident on its device and answers key batches."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+
+from gpu_engine.dpf import KeyBatch
+from gpu_engine.matrix import PAGE_BYTES, PageMatrix
+
+# progress(done_bytes, total_bytes) while a matrix is made resident
+ProgressFn = Callable[[int, int], None]
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here (no CuPy, no GPU, not enough device memory)."""
+
+
+@dataclass(frozen=True)
+class DispatchShape:
+    """How one batch of keys is cut into launches; chosen by the batching policy, not the backend."""
+
+    micro_batch: int = 0  # keys per launch; 0 = the whole batch in one launch
+    streams: int = 1  # CUDA streams the micro-batches are spread over (1..8)
+    graph: bool = False  # replay a captured CUDA graph when the same launch shape repeats
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        if not 1 <= self.streams <= 8:
+            raise ValueError(f"streams must be in 1..8, got {self.streams}")
+
+
+class ResidentMatrix(ABC):
+    """One epoch's matrix held on a backend's device; answers batches of keys against it."""
+
+    def __init__(self, matrix: PageMatrix) -> None:
+        self.num_pages = matrix.num_pages
+        self.domain_bits = matrix.domain_bits
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Device bytes this resident matrix occupies."""
+
+    @abstractmethod
+    def answer(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
+        """Answers for every key: uint8 array of shape (len(keys), PAGE_BYTES)."""
+
+    @abstractmethod
+    def write_rows(self, rows: Mapping[int, bytes]) -> None:
+        """Overwrite rows (row index -> 256 bytes). Callers serialise this with answer()."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Free the device memory; the object must not be used afterwards."""
+
+    def check_keys(self, keys: KeyBatch) -> None:
+        """Reject a batch this matrix cannot answer, before anything is launched."""
+        if len(keys) == 0:
+            raise ValueError("empty key batch")
+        if keys.domain_bits != self.domain_bits:
+            raise ValueError(
+                f"keys have domain_bits {keys.domain_bits}, matrix has {self.domain_bits}"
+            )
+
+
+class Backend(ABC):
+    """A compute device that can hold matrices and answer key batches."""
+
+    name: str = "abstract"  # "cpu" | "cuda"
+
+    def __init__(self) -> None:
+        # Why this backend was chosen when another was asked for (auto fallback), else None.
+        self.fallback_reason: Optional[str] = None
+
+    @abstractmethod
+    def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> ResidentMatrix:
+        """Make a matrix resident (upload it); raises BackendUnavailable if it cannot fit."""
+
+    @abstractmethod
+    def memory_info(self) -> dict:
+        """{"device": str, "used_bytes": int, "total_bytes": int} for the device."""
+
+    def describe(self) -> dict:
+        info = {"backend": self.name, "fallback_reason": self.fallback_reason}
+        info.update(self.memory_info())
+        return info
+
+
+def empty_answers(num_keys: int) -> np.ndarray:
+    """A poisoned answer buffer, so a key the backend forgot to write cannot pass as zeros."""
+    return np.full((num_keys, PAGE_BYTES), 0xA5, dtype=np.uint8)

@@ -1,0 +1,229 @@
+"""The page matrix (PROTOCOL.md section 1) and epochs: load, generate, metadata, row writes."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import numpy as np
+
+PAGE_BYTES = 4096
+ROW_BYTES = 256
+ROWS_PER_PAGE = PAGE_BYTES // ROW_BYTES  # 16
+WORDS_PER_PAGE = PAGE_BYTES // 4  # 1024 u32 words
+WORDS_PER_ROW = ROW_BYTES // 4
+_GEN_CHUNK_PAGES = 4096  # pages drawn per RNG call (16 MiB) when generating
+
+
+def domain_bits_for(num_pages: int, configured: Optional[int] = None) -> int:
+    """The smallest d >= 1 with 2**d >= num_pages, or the operator's larger `configured` one."""
+    if num_pages < 1:
+        raise ValueError(f"a matrix needs at least one page, got {num_pages}")
+    needed = max(1, (num_pages - 1).bit_length())
+    if configured is None:
+        return needed
+    if configured < needed:
+        raise ValueError(
+            f"domain_bits {configured} is too small for {num_pages} pages (needs >= {needed})"
+        )
+    if configured > 32:
+        raise ValueError(f"domain_bits {configured} is above the maximum of 32")
+    return configured
+
+
+class PageMatrix:
+    """num_pages pages of 4096 bytes as u32 words; the body may be a copy-on-write memmap.
+
+    A file whose length is not a multiple of 4096 keeps its full pages mapped and its last,
+    zero-padded page in memory: read pages through block()/iter_blocks(), not a single array.
+    """
+
+    def __init__(
+        self,
+        body: np.ndarray,
+        tail: Optional[np.ndarray] = None,
+        domain_bits: Optional[int] = None,
+        source: Optional[str] = None,
+    ) -> None:
+        for name, arr in (("body", body), ("tail", tail)):
+            if arr is None:
+                continue
+            if arr.dtype != np.uint32 or arr.ndim != 2 or arr.shape[1] != WORDS_PER_PAGE:
+                raise ValueError(f"{name} must be (n, {WORDS_PER_PAGE}) uint32, got {arr.dtype} {arr.shape}")
+            if not arr.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous")
+        if tail is not None and tail.shape[0] != 1:
+            raise ValueError(f"tail must hold exactly one page, got {tail.shape[0]}")
+        self._body = body
+        self._tail = tail
+        self.num_pages = body.shape[0] + (0 if tail is None else 1)
+        self.domain_bits = domain_bits_for(self.num_pages, domain_bits)
+        self.source = source  # file path, or None for a generated matrix
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * PAGE_BYTES
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_pages * ROWS_PER_PAGE
+
+    def block(self, start: int, stop: int) -> np.ndarray:
+        """Pages [start, stop) as a (n, 1024) u32 array: a view where it can be, else a copy."""
+        if not 0 <= start <= stop <= self.num_pages:
+            raise IndexError(f"page range [{start}, {stop}) outside [0, {self.num_pages})")
+        body_pages = self._body.shape[0]
+        if stop <= body_pages:
+            return self._body[start:stop]
+        return np.concatenate([self._body[start:body_pages], self._tail])
+
+    def iter_blocks(self, pages_per_block: int) -> Iterator[Tuple[int, np.ndarray]]:
+        """(first_page, block) over the whole matrix in order."""
+        for start in range(0, self.num_pages, pages_per_block):
+            yield start, self.block(start, min(self.num_pages, start + pages_per_block))
+
+    def page(self, index: int) -> bytes:
+        return self.block(index, index + 1).astype("<u4").tobytes()
+
+    def row(self, index: int) -> bytes:
+        page, slot = divmod(index, ROWS_PER_PAGE)
+        return self.page(page)[slot * ROW_BYTES : (slot + 1) * ROW_BYTES]
+
+    def check_row(self, index: int, data: bytes) -> None:
+        if not 0 <= index < self.num_rows:
+            raise ValueError(f"row {index} is outside [0, {self.num_rows})")
+        if len(data) != ROW_BYTES:
+            raise ValueError(f"row {index} data is {len(data)} bytes, expected {ROW_BYTES}")
+
+    def write_row(self, index: int, data: bytes) -> None:
+        """Overwrite one row in place (private to this process: the file is never written)."""
+        self.check_row(index, data)
+        page, slot = divmod(index, ROWS_PER_PAGE)
+        words = np.frombuffer(data, dtype="<u4")
+        target = self._body if page < self._body.shape[0] else self._tail
+        local = page if target is self._body else 0
+        target[local, slot * WORDS_PER_ROW : (slot + 1) * WORDS_PER_ROW] = words
+
+
+def load_matrix(path, domain_bits: Optional[int] = None) -> PageMatrix:
+    """Memory-map a matrix file copy-on-write; a partial last page is zero-padded."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"matrix file {path} is empty")
+    full, rest = divmod(size, PAGE_BYTES)
+    if full:
+        body = np.memmap(path, dtype="<u4", mode="c", shape=(full, WORDS_PER_PAGE))
+    else:
+        body = np.zeros((0, WORDS_PER_PAGE), dtype=np.uint32)
+    tail = None
+    if rest:
+        raw = bytearray(PAGE_BYTES)
+        with open(path, "rb") as fh:
+            fh.seek(full * PAGE_BYTES)
+            raw[:rest] = fh.read(rest)
+        tail = np.frombuffer(bytes(raw), dtype="<u4").astype(np.uint32).reshape(1, WORDS_PER_PAGE)
+    return PageMatrix(body, tail, domain_bits=domain_bits, source=str(path))
+
+
+def _random_blocks(num_pages: int, seed: int) -> Iterator[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    for start in range(0, num_pages, _GEN_CHUNK_PAGES):
+        n = min(_GEN_CHUNK_PAGES, num_pages - start)
+        yield rng.integers(0, 1 << 32, size=(n, WORDS_PER_PAGE), dtype=np.uint32)
+
+
+def random_matrix(num_pages: int, seed: int = 0, domain_bits: Optional[int] = None) -> PageMatrix:
+    """A seeded random matrix in memory; the same pages write_matrix_file writes for that seed."""
+    if num_pages < 1:
+        raise ValueError(f"a matrix needs at least one page, got {num_pages}")
+    body = np.concatenate(list(_random_blocks(num_pages, seed)))
+    return PageMatrix(body, domain_bits=domain_bits)
+
+
+def write_matrix_file(path, num_pages: int, seed: int = 0, progress=None) -> Path:
+    """Write a seeded random matrix file in 16 MiB chunks; progress(done_pages, num_pages)."""
+    if num_pages < 1:
+        raise ValueError(f"a matrix needs at least one page, got {num_pages}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    done = 0
+    with open(tmp, "wb") as fh:
+        for block in _random_blocks(num_pages, seed):
+            fh.write(block.astype("<u4").tobytes())
+            done += block.shape[0]
+            if progress:
+                progress(done, num_pages)
+    os.replace(tmp, path)  # a crash never leaves a half-written matrix under the real name
+    return path
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One immutable matrix and its metadata (PROTOCOL.md section 6)."""
+
+    epoch_id: int
+    matrix: PageMatrix = field(compare=False)
+    block_number: int = 0
+    state_root: bytes = bytes(32)
+    seeds: Tuple[int, int, int] = (0, 0, 0)
+
+    def __post_init__(self) -> None:
+        if self.epoch_id < 0:
+            raise ValueError(f"epoch_id must be >= 0, got {self.epoch_id}")
+        if len(self.state_root) != 32:
+            raise ValueError(f"state_root must be 32 bytes, got {len(self.state_root)}")
+        if len(self.seeds) != 3 or any(not 0 <= s < (1 << 64) for s in self.seeds):
+            raise ValueError(f"seeds must be three u64 values, got {self.seeds!r}")
+
+    def describe(self) -> dict:
+        """The JSON of GET /epoch (PROTOCOL.md section 5)."""
+        return {
+            "epoch_id": self.epoch_id,
+            "num_rows": self.matrix.num_rows,
+            "seeds": list(self.seeds),
+            "block_number": self.block_number,
+            "state_root": "0x" + self.state_root.hex(),
+            "page_pir": {
+                "domain_bits": self.matrix.domain_bits,
+                "rows_per_page": ROWS_PER_PAGE,
+                "num_pages": self.matrix.num_pages,
+                "page_size_bytes": PAGE_BYTES,
+            },
+        }
+
+
+def metadata_path(matrix_path) -> Path:
+    return Path(str(matrix_path) + ".epoch.json")
+
+
+def write_epoch_metadata(
+    matrix_path, epoch_id: int = 1, block_number: int = 0, state_root: bytes = bytes(32),
+    seeds: Tuple[int, int, int] = (0, 0, 0),
+) -> Path:
+    out = metadata_path(matrix_path)
+    out.write_text(json.dumps({
+        "epoch_id": epoch_id,
+        "block_number": block_number,
+        "state_root": "0x" + state_root.hex(),
+        "seeds": list(seeds),
+    }, indent=2) + "\n")
+    return out
+
+
+def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> Epoch:
+    """The matrix file plus its sidecar `<path>.epoch.json` (epoch 1 with zero metadata if absent)."""
+    matrix = load_matrix(matrix_path, domain_bits)
+    meta_file = metadata_path(matrix_path)
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    root = meta.get("state_root", "0x" + "00" * 32)
+    return Epoch(
+        epoch_id=int(meta.get("epoch_id", 1)),
+        matrix=matrix,
+        block_number=int(meta.get("block_number", 0)),
+        state_root=bytes.fromhex(root[2:] if root.startswith("0x") else root),
+        seeds=tuple(int(s) for s in meta.get("seeds", (0, 0, 0))),
+    )

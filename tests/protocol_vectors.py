@@ -1,0 +1,35 @@
+"""The test vectors of PROTOCOL.md section 7, shared by the test modules."""
+import numpy as np
+
+from gpu_engine.matrix import PageMatrix
+
+ROOT0 = bytes(range(16))
+ROOT1 = bytes(range(16, 32))
+KEY0_HEX = (
+    "000102030405060708090a0b0c0d0e0f000008cd3f287358a378bafc41832129e71706010075a9d9f3f4631d9b2aa574755d"
+    "8cfdf800001315899305c42459b706932ad6433b08010056f16098290d53e7e905238f2c71622d0000e0daf3ec1783a293c4"
+    "8350ccf16f690c00007e36e2384aef5b9fd0ea0b5441c09e1c00009888f8800eab3864bbc42d6d46292abf01006707eda7ef"
+    "f2450d40b93cc15f1c98bd0100f22a6249b3678dddc1efbd8a7253a205"
+)
+KEY1_HEX = "101112131415161718191a1b1c1d1e1f0101" + KEY0_HEX[36:]
+MASKS = {  # x -> (key0 mask, key1 mask)
+    0: ("d189a817afeeddaa28cba218930bf82d",) * 2,
+    41: ("7a14b0ca7a4678cc839e45c834a4d373",) * 2,
+    42: ("7052d6288c2c90c221c9de84591059d2", "8fad29d773d36f3dde36217ba6efa62d"),
+    43: ("43012fdff4e39945d158296a84ed735c",) * 2,
+    255: ("aaa2398dda2902910c2a6659656c7858",) * 2,
+}
+ANSWER0_SHA256 = "b121b8e8fcd3b32edaa53de533cffc4e2237cddb2cac36d21ccc34c24bdb04b3"
+ANSWER1_SHA256 = "67f5b6d8f09a7a45f207b4ed92f5d633538d6e0d9117e98a3395a87d17a756a4"
+ANSWER0_PREFIX = "2d00d7182f7577e733c749242127bb6cbd00e7b8aff5c7c73307091451879b3c"
+
+
+def vector_pages() -> np.ndarray:
+    """The 200-page matrix whose page i byte j is (131*i + 17*j + 11) mod 256, as bytes."""
+    i = np.arange(200)[:, None]
+    j = np.arange(4096)[None, :]
+    return ((131 * i + 17 * j + 11) % 256).astype(np.uint8)
+
+
+def vector_matrix() -> PageMatrix:
+    return PageMatrix(vector_pages().view("<u4").astype(np.uint32), domain_bits=8)
