@@ -1,0 +1,35 @@
+"""Request middleware: refuse a body over MORPHO_MAX_BODY_BYTES with 413 before it is read."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import JsonResponse
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 (or 400 for a malformed Content-Length) from the declared length alone."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        raw = request.META.get("CONTENT_LENGTH") or "0"
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError(raw)
+        except ValueError:
+            return JsonResponse(
+                {
+                    "detail": f"Content-Length: expected a non-negative integer, got {raw!r}",
+                    "errors": [{"field": "Content-Length", "message": f"expected a non-negative integer, got {raw!r}"}],
+                },
+                status=400,
+            )
+        limit = settings.MORPHO_MAX_BODY_BYTES
+        if length > limit:
+            message = f"expected at most {limit} bytes (MORPHO_MAX_BODY_BYTES), got {length}"
+            return JsonResponse(
+                {"detail": f"body: {message}", "errors": [{"field": "body", "message": message}]},
+                status=413,
+            )
+        return self.get_response(request)

@@ -1,0 +1,222 @@
+"""Django settings for morphoweb: every value comes from the environment, with an embedded default."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _env(name: str, default: str) -> str:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name}: expected true/false (1/0, yes/no, on/off), got {raw!r}")
+
+
+def _env_int(name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}: expected an integer, got {raw!r}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ImproperlyConfigured(f"{name}: expected an integer in {lo}..{hi}, got {value}")
+    return value
+
+
+def _env_float(name: str, default: float, lo: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}: expected a number, got {raw!r}") from None
+    if value < lo:
+        raise ImproperlyConfigured(f"{name}: expected a number >= {lo}, got {value}")
+    return value
+
+
+def _env_list(name: str, default: str) -> list[str]:
+    return [item.strip() for item in _env(name, default).split(",") if item.strip()]
+
+
+# Directory for the embedded defaults (SQLite database, Celery's file broker, demo matrix).
+VAR_DIR = Path(_env("MORPHO_VAR_DIR", str(BASE_DIR / "var")))
+
+# --- Core Django -------------------------------------------------------------------------------
+
+# Signing key (string). The default is for local runs only; production sets its own.
+SECRET_KEY = _env("SECRET_KEY", "morphoweb-insecure-local-default-change-me")
+# Debug pages and tracebacks (bool). Off by default: an API error must never show a traceback.
+DEBUG = _env_bool("DEBUG", False)
+# Host names this server answers for (comma-separated list).
+ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_prometheus",
+    "policies",
+    "queries",
+]
+
+MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    # First of ours: an oversized body is refused before anything reads it.
+    "morphoweb.middleware.BodySizeLimitMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
+]
+
+ROOT_URLCONF = "morphoweb.urls"
+WSGI_APPLICATION = "morphoweb.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database ----------------------------------------------------------------------------------
+
+# Database URL (dj-database-url syntax). Default: a SQLite file under MORPHO_VAR_DIR.
+DATABASE_URL = _env("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
+if DATABASE_URL.startswith("sqlite:"):
+    # SQLite does not create the folder of its file; the default lives in var/, which a fresh
+    # clone does not have.
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+DATABASES = {
+    "default": dj_database_url.parse(
+        DATABASE_URL,
+        # Seconds a connection is kept open between requests (0 = close after each request).
+        conn_max_age=_env_int("DATABASE_CONN_MAX_AGE", 0, lo=0),
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Static files, i18n ------------------------------------------------------------------------
+
+STATIC_URL = "static/"
+# Where collectstatic gathers files for a production web server (path).
+STATIC_ROOT = Path(_env("STATIC_ROOT", str(BASE_DIR / "staticfiles")))
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+# --- REST framework ----------------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["queries.api.errors.StrictJSONParser"],
+    # Parse errors, validation errors and engine refusals all become JSON with the field named.
+    "EXCEPTION_HANDLER": "queries.api.errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+# --- The PIR engine ----------------------------------------------------------------------------
+
+# The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json).
+MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")))
+# Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
+MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
+if MORPHO_ENGINE_BACKEND not in ("auto", "cpu", "cuda"):
+    raise ImproperlyConfigured(
+        f"MORPHO_ENGINE_BACKEND: expected auto, cpu or cuda, got {MORPHO_ENGINE_BACKEND!r}"
+    )
+# DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
+MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None, lo=1, hi=32)
+# Queries per batch request (count, 1..32).
+MORPHO_MAX_BATCH = _env_int("MORPHO_MAX_BATCH", 32, lo=1, hi=32)
+# Largest request body accepted (bytes); a larger one gets 413. 32 queries at d = 32 fit in 128 KiB.
+MORPHO_MAX_BODY_BYTES = _env_int("MORPHO_MAX_BODY_BYTES", 256 * 1024, lo=1024)
+# How long a request waits for its answers before giving up with 503 (seconds).
+MORPHO_QUERY_TIMEOUT = _env_float("MORPHO_QUERY_TIMEOUT", 60.0, lo=0.001)
+# After the engine failed to start, how long to answer 503 before trying again (seconds).
+MORPHO_ENGINE_RETRY_AFTER = _env_int("MORPHO_ENGINE_RETRY_AFTER", 5, lo=1)
+# Start the engine when the WSGI application loads, so a bad matrix or backend fails the boot
+# rather than the first query (bool).
+MORPHO_ENGINE_EAGER = _env_bool("MORPHO_ENGINE_EAGER", True)
+
+# Django reads at most this many bytes into request.body/POST; kept equal to our own limit.
+DATA_UPLOAD_MAX_MEMORY_SIZE = MORPHO_MAX_BODY_BYTES
+
+# --- Celery ------------------------------------------------------------------------------------
+
+# Broker URL. Default: Kombu's filesystem transport under MORPHO_VAR_DIR, which needs no server.
+CELERY_BROKER_URL = _env("CELERY_BROKER_URL", "filesystem://")
+# Folder the filesystem transport exchanges messages through (path; only for filesystem://).
+CELERY_FILESYSTEM_BROKER_DIR = Path(
+    _env("CELERY_FILESYSTEM_BROKER_DIR", str(VAR_DIR / "celery-broker"))
+)
+if CELERY_BROKER_URL.startswith("filesystem:"):
+    # Producer and consumer share one folder: what one process writes, the worker reads.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_FILESYSTEM_BROKER_DIR / "queue"),
+        "data_folder_out": str(CELERY_FILESYSTEM_BROKER_DIR / "queue"),
+        "control_folder": str(CELERY_FILESYSTEM_BROKER_DIR / "control"),
+        "store_processed": False,
+    }
+# Result backend URL; unset = none (job results are stored in the database by the app itself).
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# A task is acknowledged only after it ran, so a worker that dies loses nothing.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Tasks a worker reserves beyond the one it runs (count): GPU workers take one at a time.
+CELERY_WORKER_PREFETCH_MULTIPLIER = _env_int("CELERY_WORKER_PREFETCH_MULTIPLIER", 1, lo=1)
+
+# --- Logging -----------------------------------------------------------------------------------
+
+# Log level for morphoweb, queries, policies and gpu_engine (DEBUG, INFO, WARNING, ...).
+MORPHO_LOG_LEVEL = _env("MORPHO_LOG_LEVEL", "INFO").upper()
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
+        for name in ("morphoweb", "queries", "policies", "gpu_engine")
+    },
+}

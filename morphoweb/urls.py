@@ -1,0 +1,13 @@
+"""Root URL configuration: the PIR API at the root, the admin, and Prometheus metrics."""
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("", include("queries.api.urls")),
+    path("admin/", admin.site.urls),
+    path("", include("django_prometheus.urls")),
+]
+
+# Unknown paths and crashes answer JSON too: API clients parse every response body.
+handler404 = "queries.api.errors.not_found"
+handler500 = "queries.api.errors.server_error"

@@ -1,0 +1,1 @@
+"""Batching policy records; none yet (they arrive with the live-policy work)."""

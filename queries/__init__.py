@@ -1,0 +1,1 @@
+"""The queries app: the PIR REST API, its client, and (later) bulk query jobs."""

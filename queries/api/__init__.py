@@ -1,0 +1,1 @@
+"""The PIR REST API (PROTOCOL.md section 5)."""

@@ -1,0 +1,143 @@
+"""Error responses of the API: field-keyed 400s, 503 + Retry-After for refusals, JSON 404/500."""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+from django.http import JsonResponse
+from rest_framework import exceptions, status
+from rest_framework.parsers import JSONParser
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from gpu_engine.engine import EngineBusy
+from morphoweb.engine_runtime import EngineStartFailed
+
+
+class Unavailable(Exception):
+    """This request cannot be served now (no answer in time, epoch changed under it): 503."""
+
+    def __init__(self, reason: str, retry_after: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class StrictJSONParser(JSONParser):
+    """DRF's JSON parser, but a body nested too deeply for Python's parser is a 400, not a 500."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        try:
+            return super().parse(stream, media_type, parser_context)
+        except RecursionError:
+            raise exceptions.ParseError("JSON parse error - nested too deeply") from None
+
+
+def _walk(detail: Any, path: list) -> Iterator[tuple[list, Any]]:
+    # DRF nests errors as dicts (field name or list index -> errors) and lists (per item, or
+    # the messages of one field); the leaves are ErrorDetail strings.
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            yield from _walk(value, path + [key])
+    elif isinstance(detail, list):
+        if all(isinstance(item, str) for item in detail):
+            for item in detail:
+                yield path, item
+        else:
+            for index, value in enumerate(detail):
+                if value:  # ListSerializer puts {} at items that were valid
+                    yield from _walk(value, path + [index])
+    else:
+        yield path, detail
+
+
+def _index_after(path: list, name: str) -> Optional[int]:
+    for position, part in enumerate(path[:-1]):
+        if part == name and isinstance(path[position + 1], (int, str)):
+            try:
+                return int(path[position + 1])
+            except ValueError:
+                return None
+    return None
+
+
+def flatten_errors(detail: Any, single_query: bool = False) -> list[dict]:
+    """One entry per error: the field path, its query and key index, the code and the message."""
+    errors = []
+    for path, message in _walk(detail, []):
+        path = [part for part in path if part != "non_field_errors"]
+        field = ""
+        for part in path:
+            if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+                field += f"[{part}]"
+            else:
+                field += f".{part}" if field else str(part)
+        query = _index_after(path, "queries")
+        if query is None and single_query and path[:1] == ["keys"]:
+            query = 0
+        errors.append(
+            {
+                "field": field or "body",
+                "query": query,
+                "key": _index_after(path, "keys"),
+                "code": getattr(message, "code", "invalid"),
+                "message": str(message),
+            }
+        )
+    return errors
+
+
+def _retry_after(seconds: float) -> str:
+    # Retry-After takes whole seconds; never tell a client to retry at once.
+    return str(max(1, math.ceil(seconds or 1)))
+
+
+def unavailable(reason: str, retry_after: float) -> Response:
+    return Response(
+        {"detail": reason},
+        status=status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": _retry_after(retry_after)},
+    )
+
+
+def exception_handler(exc, context):
+    """DRF exception handler: every error response is JSON that says what was wrong."""
+    if isinstance(exc, EngineBusy):
+        return unavailable(exc.reason, exc.retry_after)
+    if isinstance(exc, (EngineStartFailed, Unavailable)):
+        return unavailable(exc.reason, exc.retry_after)
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None  # not an API error: a bug, and Django's 500 handler answers it
+    if isinstance(exc, exceptions.ValidationError):
+        view = context.get("view")
+        errors = flatten_errors(exc.detail, getattr(view, "single_query", False))
+        first = errors[0] if errors else {"field": "body", "message": "invalid request"}
+        response.data = {"detail": f"{first['field']}: {first['message']}", "errors": errors}
+    elif isinstance(exc, exceptions.ParseError):
+        message = f"expected a JSON document, got: {exc.detail}"
+        response.data = {
+            "detail": f"body: {message}",
+            "errors": [{"field": "body", "query": None, "key": None, "code": "parse_error",
+                        "message": message}],
+        }
+    elif isinstance(exc, exceptions.UnsupportedMediaType):
+        request = context.get("request")
+        got = request.content_type if request is not None else ""
+        message = f"expected application/json, got {got or 'no Content-Type'}"
+        response.data = {
+            "detail": f"Content-Type: {message}",
+            "errors": [{"field": "Content-Type", "query": None, "key": None,
+                        "code": "unsupported_media_type", "message": message}],
+        }
+    return response
+
+
+def not_found(request, exception=None):
+    """handler404: unknown paths answer JSON, like the API."""
+    return JsonResponse({"detail": f"no endpoint at {request.path}"}, status=404)
+
+
+def server_error(request):
+    """handler500: a bug; the body says so without a traceback."""
+    return JsonResponse({"detail": "internal server error"}, status=500)

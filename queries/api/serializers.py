@@ -1,0 +1,180 @@
+"""Serializers of the PIR API: hex DPF keys in, hex pages out, every error naming field and values."""
+from __future__ import annotations
+
+import re
+
+from django.conf import settings
+from rest_framework import serializers
+
+from gpu_engine.dpf import DpfKey, KeyFormatError, key_length
+
+KEYS_PER_QUERY = 3
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type, for 'expected X, got Y' messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def to_hex(data: bytes) -> str:
+    """Response encoding: 0x-prefixed lower-case hex."""
+    return "0x" + bytes(data).hex()
+
+
+def _strict_list(data, what: str, lo: int, hi: int) -> list:
+    # Checked before any element is parsed, so an oversized list costs nothing, and the
+    # message carries the count that was sent.
+    if not isinstance(data, list):
+        raise serializers.ValidationError(
+            f"expected an array of {what}, got {json_type(data)}", code="not_a_list"
+        )
+    if not lo <= len(data) <= hi:
+        expected = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        raise serializers.ValidationError(
+            f"expected {expected} {what}, got {len(data)}", code="count"
+        )
+    return data
+
+
+class DpfKeyField(serializers.Field):
+    """One DPF key as hex (with or without 0x), parsed against the server's domain_bits."""
+
+    default_error_messages = {
+        "required": "expected a hex-encoded DPF key, got nothing",
+        "null": "expected a hex-encoded DPF key, got null",
+    }
+
+    def to_internal_value(self, data) -> DpfKey:
+        if not isinstance(data, str):
+            raise serializers.ValidationError(
+                f"expected a hex string, got {json_type(data)}", code="type"
+            )
+        text = data[2:] if data[:2] in ("0x", "0X") else data
+        if len(text) % 2:
+            raise serializers.ValidationError(
+                f"expected an even number of hex digits, got {len(text)}", code="odd_length"
+            )
+        # bytes.fromhex would skip spaces; a key is digits only.
+        digits = _HEX_DIGITS.match(text).end()
+        if digits != len(text):
+            raise serializers.ValidationError(
+                f"expected hex digits 0-9a-f, got {text[digits]!r} at position {digits}",
+                code="not_hex",
+            )
+        raw = bytes.fromhex(text)
+        domain_bits = self.context["domain_bits"]
+        expected_len = key_length(domain_bits)
+        # The length is checked against the server's domain first, so that a key sized for
+        # another domain is reported as such rather than as a bad byte inside it.
+        if len(raw) != expected_len and len(raw) >= 19 and raw[18] != domain_bits:
+            raise serializers.ValidationError(
+                f"domain_bits: expected {domain_bits} (this server's epoch), got {raw[18]} "
+                f"(a key of {len(raw)} bytes)",
+                code="domain_bits",
+            )
+        if len(raw) != expected_len:
+            raise serializers.ValidationError(
+                f"key length: expected {expected_len} bytes (35 + 18 * domain_bits "
+                f"{domain_bits}), got {len(raw)}",
+                code="key_length",
+            )
+        try:
+            return DpfKey.from_bytes(raw, expected_domain_bits=domain_bits)
+        except KeyFormatError as exc:
+            raise serializers.ValidationError(str(exc), code="key_format") from None
+
+    def to_representation(self, value: DpfKey) -> str:
+        return to_hex(value.to_bytes())
+
+
+class KeyListField(serializers.ListField):
+    """Exactly three keys: the query's three candidate pages."""
+
+    default_error_messages = {
+        "required": f"expected an array of {KEYS_PER_QUERY} hex-encoded DPF keys, got nothing",
+        "null": f"expected an array of {KEYS_PER_QUERY} hex-encoded DPF keys, got null",
+    }
+
+    def __init__(self, **kwargs):
+        super().__init__(child=DpfKeyField(), **kwargs)
+
+    def to_internal_value(self, data):
+        _strict_list(data, "keys", KEYS_PER_QUERY, KEYS_PER_QUERY)
+        return super().to_internal_value(data)
+
+
+class PageQuerySerializer(serializers.Serializer):
+    """One query: `{"keys": [k0, k1, k2]}`."""
+
+    keys = KeyListField()
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            raise serializers.ValidationError(
+                {"non_field_errors": [f"expected a JSON object, got {json_type(data)}"]},
+                code="invalid",
+            )
+        return super().to_internal_value(data)
+
+
+class QueryListField(serializers.ListField):
+    """1 to MORPHO_MAX_BATCH queries."""
+
+    default_error_messages = {
+        "required": "expected an array of queries, got nothing",
+        "null": "expected an array of queries, got null",
+    }
+
+    def __init__(self, **kwargs):
+        super().__init__(child=PageQuerySerializer(), **kwargs)
+
+    def to_internal_value(self, data):
+        _strict_list(data, "queries", 1, settings.MORPHO_MAX_BATCH)
+        return super().to_internal_value(data)
+
+
+class BatchQuerySerializer(serializers.Serializer):
+    """A batch: `{"queries": [{"keys": [...]}, ...]}`, answered in order against one epoch."""
+
+    queries = QueryListField()
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            raise serializers.ValidationError(
+                {"non_field_errors": [f"expected a JSON object, got {json_type(data)}"]},
+                code="invalid",
+            )
+        return super().to_internal_value(data)
+
+
+class PageAnswerSerializer(serializers.Serializer):
+    """The answers of one query: `{"pages": [a0, a1, a2]}`, 4096 bytes each as hex."""
+
+    pages = serializers.SerializerMethodField()
+
+    def get_pages(self, pages) -> list[str]:
+        return [to_hex(page) for page in pages]
+
+    def to_representation(self, pages):
+        return {"pages": self.get_pages(pages)}
+
+
+class EpochSerializer(serializers.Serializer):
+    """`GET /epoch`: the epoch a party serves and the shape of its page PIR domain."""
+
+    def to_representation(self, epoch) -> dict:
+        # The JSON shape is part of the protocol, so it is defined once, beside the Epoch.
+        return epoch.describe()

@@ -1,0 +1,121 @@
+"""Views of the PIR API: validate with a serializer, hand the queries to the engine, wait, answer."""
+from __future__ import annotations
+
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from django.conf import settings
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from morphoweb.engine_runtime import EngineStartFailed, get_engine
+from queries.api.errors import Unavailable, unavailable
+from queries.api.serializers import (
+    BatchQuerySerializer,
+    EpochSerializer,
+    PageAnswerSerializer,
+    PageQuerySerializer,
+)
+
+
+class PublicAPIView(APIView):
+    # PIR queries are anonymous by design: no session, no CSRF token, no user lookup.
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+
+def answer(engine, epoch, queries):
+    """Submit to the engine and wait: the answer, or 503 when it cannot come in time."""
+    try:
+        future = engine.submit(queries)
+    except ValueError:
+        # The keys were validated against `epoch`; the engine refuses them only if it switched
+        # to an epoch of another domain since. The client re-reads /epoch and retries.
+        if engine.epoch is epoch:
+            raise
+        raise Unavailable("the epoch changed while the request was validated", 1) from None
+    timeout = settings.MORPHO_QUERY_TIMEOUT
+    try:
+        return future.result(timeout=timeout)
+    except FutureTimeout:
+        future.cancel()
+        raise Unavailable(f"no answer from the engine within {timeout:g} s", timeout) from None
+
+
+class HealthView(PublicAPIView):
+    """`GET /health`: 200 with the epoch, backend and queue depth; 503 when the engine is down."""
+
+    def get(self, request):
+        try:
+            engine = get_engine()
+        except EngineStartFailed as exc:
+            response = unavailable(exc.reason, exc.retry_after)
+            response.data = {"status": "unavailable", "detail": exc.reason}
+            return response
+        health = engine.health()
+        epoch = engine.epoch
+        # The protocol's fields first, then everything the engine reports (backend, fallback
+        # reason, queue depth per lane, resident bytes, device memory).
+        body = {
+            "status": "ok" if health.get("running", True) else "unavailable",
+            "epoch_id": epoch.epoch_id,
+            "block_number": epoch.block_number,
+            "num_pages": epoch.matrix.num_pages,
+            "domain_bits": epoch.matrix.domain_bits,
+        }
+        body.update({key: value for key, value in health.items() if key not in body})
+        if body["status"] != "ok":
+            response = unavailable("engine is not running", settings.MORPHO_ENGINE_RETRY_AFTER)
+            response.data = body
+            return response
+        return Response(body)
+
+
+class EpochView(PublicAPIView):
+    """`GET /epoch`: what a client needs to make keys for this party."""
+
+    serializer_class = EpochSerializer
+
+    def get(self, request):
+        return Response(self.serializer_class(get_engine().epoch).data)
+
+
+class PageQueryView(PublicAPIView):
+    """`POST /query/page/gpu`: one query of three keys, three 4096-byte answers."""
+
+    serializer_class = PageQuerySerializer
+    single_query = True  # errors name query 0
+
+    def post(self, request):
+        engine = get_engine()
+        epoch = engine.epoch
+        serializer = self.serializer_class(
+            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
+        )
+        serializer.is_valid(raise_exception=True)
+        result = answer(engine, epoch, [serializer.validated_data["keys"]])
+        body = {"epoch_id": result.epoch_id}
+        body.update(PageAnswerSerializer(result.pages[0]).data)
+        return Response(body)
+
+
+class BatchPageQueryView(PublicAPIView):
+    """`POST /query/page/gpu/batch`: 1..MORPHO_MAX_BATCH queries answered in order, one epoch."""
+
+    serializer_class = BatchQuerySerializer
+
+    def post(self, request):
+        engine = get_engine()
+        epoch = engine.epoch
+        serializer = self.serializer_class(
+            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
+        )
+        serializer.is_valid(raise_exception=True)
+        queries = [query["keys"] for query in serializer.validated_data["queries"]]
+        result = answer(engine, epoch, queries)
+        return Response(
+            {
+                "epoch_id": result.epoch_id,
+                "results": [PageAnswerSerializer(pages).data for pages in result.pages],
+            }
+        )

@@ -1,0 +1,1 @@
+"""Query records; none yet (bulk job records arrive with the Celery work)."""
