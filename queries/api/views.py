@@ -38,7 +38,8 @@ def answer(engine, epoch, queries):
     try:
         return future.result(timeout=timeout)
     except FutureTimeout:
-        future.cancel()
+        # Not cancelled: the engine resolves every future it dequeued, and the answer is
+        # simply dropped when it comes.
         raise Unavailable(f"no answer from the engine within {timeout:g} s", timeout) from None
 
 

@@ -1,0 +1,185 @@
+"""Shared fixtures: GPU test skipping, the protocol's vector matrix, and live party servers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --- GPU tests: run only where CuPy and a CUDA device are present ---------------------------------
+
+_gpu_reason_cache: list = []
+
+
+def gpu_absent_reason():
+    """Why GPU tests cannot run here, or None when they can."""
+    if not _gpu_reason_cache:
+        reason = None
+        if importlib.util.find_spec("cupy") is None:
+            reason = "CuPy is not installed (pip install -e '.[cuda]')"
+        else:
+            try:
+                import cupy
+
+                if cupy.cuda.runtime.getDeviceCount() < 1:
+                    reason = "no CUDA device is visible"
+            except Exception as exc:  # CuPy raises its own runtime errors when no driver is found
+                reason = f"no usable CUDA device ({type(exc).__name__}: {exc})"
+        _gpu_reason_cache.append(reason)
+    return _gpu_reason_cache[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and gpu_absent_reason():
+        skip = pytest.mark.skip(reason=f"gpu test: {gpu_absent_reason()}")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+# --- The 200-page matrix of PROTOCOL.md section 7 -----------------------------------------------
+
+VECTOR_EPOCH = {
+    "epoch_id": 5,
+    "block_number": 1234,
+    "state_root": bytes(range(32)),
+    "seeds": (1, 2, 3**40),
+}
+
+
+@pytest.fixture(scope="session")
+def vector_matrix_path(tmp_path_factory) -> Path:
+    """The vector matrix as a file, with an epoch sidecar."""
+    from gpu_engine.matrix import write_epoch_metadata
+    from tests.protocol_vectors import vector_pages
+
+    path = tmp_path_factory.mktemp("vectors") / "vectors.bin"
+    path.write_bytes(vector_pages().tobytes())
+    write_epoch_metadata(path, **VECTOR_EPOCH)
+    return path
+
+
+@pytest.fixture
+def serve_matrix(settings):
+    """Point this process's engine at a matrix file (CPU backend); restarts it, and stops it after."""
+    from morphoweb.engine_runtime import shutdown_engine
+
+    def serve(path, **overrides):
+        shutdown_engine()
+        settings.MORPHO_MATRIX_PATH = Path(path)
+        settings.MORPHO_ENGINE_BACKEND = "cpu"
+        settings.MORPHO_DOMAIN_BITS = None
+        for name, value in overrides.items():
+            setattr(settings, name, value)
+
+    yield serve
+    shutdown_engine()
+
+
+# --- Live servers in their own processes ----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url: str, body=None, timeout: float = 60.0):
+    """(status, headers, parsed JSON) of one request; error statuses are returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read())
+
+
+class ServerProcess:
+    """A Django server (runserver or gunicorn) in a child process, on a free local port."""
+
+    def __init__(self, argv, env, log_path: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 90.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                status, _, body = http_json(self.url + "/health", timeout=5)
+                if status == 200 and body.get("status") == "ok":
+                    return self
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()[-4000:]}")
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server still running after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+        self._log.close()
+
+
+def server_env(**values) -> dict:
+    """The environment of a child server: this one's, minus settings that would leak in."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    env.update({k: str(v) for k, v in values.items()})
+    return env
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory):
+    """start_server(kind, env) -> ServerProcess with `runserver` or `gunicorn`; stopped after the module."""
+    started = []
+    log_dir = tmp_path_factory.mktemp("server-logs")
+
+    def start(kind: str, env: dict, wait: bool = True) -> ServerProcess:
+        port = free_port()
+        if kind == "runserver":
+            argv = [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"]
+        elif kind == "gunicorn":
+            argv = [sys.executable, "-m", "gunicorn", "morphoweb.wsgi", "--bind",
+                    f"127.0.0.1:{port}", "--workers", "1", "--threads", "4", "--timeout", "120"]
+        else:
+            raise ValueError(kind)
+        server = ServerProcess(argv, env, log_dir / f"{kind}-{port}.log", port)
+        started.append(server)
+        return server.wait_healthy() if wait else server
+
+    yield start
+    for server in started:
+        server.stop()
