@@ -1,0 +1,132 @@
+"""The PIR client against two live party servers (runserver processes) over the same matrix."""
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gpu_engine.dpf import DpfKey, eval_point
+from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
+from queries.client import EpochMismatch, PirClient, ServerError, plan_query
+from tests.conftest import REPO, server_env
+
+PAGES = 300  # 4,800 rows, domain_bits 9
+EPOCH = 11
+
+
+@pytest.fixture(scope="module")
+def matrix_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("client") / "matrix.bin"
+    write_matrix_file(path, PAGES, seed=3)
+    write_epoch_metadata(path, epoch_id=EPOCH, block_number=77)
+    return path
+
+
+@pytest.fixture(scope="module")
+def parties(start_server, matrix_file, tmp_path_factory):
+    """Parties A and B over the same matrix, and C over a copy of it named as another epoch."""
+    other = matrix_file.with_name("other.bin")
+    shutil.copyfile(matrix_file, other)
+    write_epoch_metadata(other, epoch_id=EPOCH + 1, block_number=78)
+    db_dir = tmp_path_factory.mktemp("dbs")
+    servers = []
+    for name, path in (("a", matrix_file), ("b", matrix_file), ("c", other)):
+        env = server_env(MORPHO_MATRIX_PATH=path, MORPHO_ENGINE_BACKEND="cpu",
+                         DATABASE_URL=f"sqlite:///{db_dir / name}.sqlite3")
+        servers.append(start_server("runserver", env, wait=False))
+    return [server.wait_healthy().url for server in servers]
+
+
+@pytest.fixture(scope="module")
+def expected(matrix_file):
+    return load_matrix(matrix_file)
+
+
+def test_fetch_single_rows(parties, expected):
+    a, b, _ = parties
+    with PirClient(a, b) as client:
+        info = client.epoch()
+        assert (info.epoch_id, info.num_pages, info.num_rows, info.domain_bits) == (EPOCH, PAGES, PAGES * 16, 9)
+        for row in (0, 17, 2345, PAGES * 16 - 1):
+            assert client.fetch_row(row) == expected.row(row)
+
+
+def test_fetch_many_rows_in_batches(parties, expected):
+    a, b, _ = parties
+    rows = random.Random(5).sample(range(PAGES * 16), 40)  # two requests: 32 + 8 queries
+    with PirClient(a, b) as client:
+        assert client.fetch_rows(rows, batch=True) == [expected.row(r) for r in rows]
+    with PirClient(a, b, max_batch=3) as client:
+        assert client.fetch_rows(rows[:7], batch=True) == [expected.row(r) for r in rows[:7]]
+
+
+def test_cli_prints_each_row_as_hex(parties, expected):
+    a, b, _ = parties
+    for extra in ([], ["--batch"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "queries.client", "--server-a", a, "--server-b", b,
+             "--row", "5", "--row", "4000", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines() == [
+            f"row 5: 0x{expected.row(5).hex()}",
+            f"row 4000: 0x{expected.row(4000).hex()}",
+        ]
+
+
+def test_mismatched_epochs_are_refused(parties):
+    a, _, c = parties
+    with PirClient(a, c) as client:
+        with pytest.raises(EpochMismatch) as caught:
+            client.fetch_row(1)
+    assert f"A ({a}) epoch {EPOCH}, B ({c}) epoch {EPOCH + 1}" in str(caught.value)
+    result = subprocess.run(
+        [sys.executable, "-m", "queries.client", "--server-a", a, "--server-b", c, "--row", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert "the servers serve different epochs" in result.stderr
+
+
+def test_row_out_of_range_and_unreachable_server(parties):
+    a, b, _ = parties
+    with PirClient(a, b) as client:
+        with pytest.raises(ValueError, match=rf"row 4800 is outside \[0, 4800\)"):
+            client.fetch_row(PAGES * 16)
+    with PirClient(a, "http://127.0.0.1:9") as client:
+        with pytest.raises(ServerError, match="http://127.0.0.1:9/epoch: cannot reach the server"):
+            client.fetch_row(0)
+
+
+def test_a_server_error_is_reported_with_its_reason(parties):
+    a, b, _ = parties
+    with PirClient(a, b) as client:
+        with pytest.raises(ServerError) as caught:
+            client._call(a, "/query/page/gpu", {"keys": ["00"] * 3})
+    assert caught.value.status == 400
+    assert "HTTP 400: keys[0]: key length: expected 197 bytes" in str(caught.value)
+
+
+def test_every_query_hides_its_page_among_three():
+    # Each query names three distinct pages with the wanted one at a random slot, and each
+    # key pair is a DPF for its page: the servers cannot tell which of the three is wanted.
+    slots = set()
+    for trial in range(60):
+        page = trial % 50
+        plan = plan_query(page, num_pages=50, domain_bits=6)
+        assert len(set(plan.pages)) == 3 and plan.pages[plan.target_slot] == page
+        assert all(0 <= p < 50 for p in plan.pages)
+        slots.add(plan.target_slot)
+        for slot, (ha, hb) in enumerate(zip(plan.keys_a, plan.keys_b)):
+            ka, kb = DpfKey.from_bytes(bytes.fromhex(ha), 6), DpfKey.from_bytes(bytes.fromhex(hb), 6)
+            assert (ka.party, kb.party) == (0, 1)
+            at = bytes(x ^ y for x, y in zip(eval_point(ka, plan.pages[slot]), eval_point(kb, plan.pages[slot])))
+            assert at == b"\xff" * 16
+    assert slots == {0, 1, 2}
+    # A one- or two-page matrix still gets three keys.
+    assert plan_query(0, num_pages=1, domain_bits=1).pages == (0, 0, 0)
+    assert sorted(plan_query(1, num_pages=2, domain_bits=1).pages) == [0, 0, 1]
