@@ -77,6 +77,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    # Bulk jobs authenticate with DRF tokens (`manage.py drf_create_token USER`) or a session.
+    "rest_framework.authtoken",
     "django_prometheus",
     "policies",
     "queries",
@@ -129,6 +131,15 @@ DATABASES = {
         conn_max_age=_env_int("DATABASE_CONN_MAX_AGE", 0, lo=0),
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Web processes and Celery workers write the same file: WAL lets readers run beside a writer,
+    # IMMEDIATE takes the write lock at BEGIN (no deadlocked lock upgrades), and a writer waits
+    # up to `timeout` seconds for the lock instead of failing with "database is locked".
+    DATABASES["default"].setdefault("OPTIONS", {}).update({
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    })
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Static files, i18n ------------------------------------------------------------------------
@@ -193,6 +204,8 @@ if CELERY_BROKER_URL.startswith("filesystem:"):
         "data_folder_out": str(CELERY_FILESYSTEM_BROKER_DIR / "queue"),
         "control_folder": str(CELERY_FILESYSTEM_BROKER_DIR / "control"),
         "store_processed": False,
+        # Seconds an idle worker sleeps between looks at the folder (Kombu's default is 1 s).
+        "polling_interval": 0.1,
     }
 # Result backend URL; unset = none (job results are stored in the database by the app itself).
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or None
@@ -203,6 +216,24 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # Tasks a worker reserves beyond the one it runs (count): GPU workers take one at a time.
 CELERY_WORKER_PREFETCH_MULTIPLIER = _env_int("CELERY_WORKER_PREFETCH_MULTIPLIER", 1, lo=1)
+# A worker started before its broker (or after a broker restart) keeps trying to connect.
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- Bulk jobs (queries/bulk.py; workers: bin/gpu-workers) ------------------------------------
+
+# Most queries in one bulk job (count).
+MORPHO_BULK_MAX_QUERIES = _env_int("MORPHO_BULK_MAX_QUERIES", 100_000, lo=1)
+# Queries per chunk: one Celery task and one result write each (count).
+MORPHO_BULK_CHUNK = _env_int("MORPHO_BULK_CHUNK", 256, lo=1)
+# Celery queue every GPU worker consumes; worker i also consumes "<queue>.<i>".
+MORPHO_BULK_QUEUE = _env("MORPHO_BULK_QUEUE", "gpu")
+# A running chunk whose worker stopped renewing it for this long is queued again (seconds).
+MORPHO_BULK_LEASE_SECONDS = _env_float("MORPHO_BULK_LEASE_SECONDS", 30.0, lo=0.5)
+# A queued chunk not taken this long after its task was sent is sent again (seconds): the
+# broker may have lost the message (restart without persistence); a duplicate is harmless.
+MORPHO_BULK_REQUEUE_SECONDS = _env_float("MORPHO_BULK_REQUEUE_SECONDS", 300.0, lo=0.5)
+# How often each worker looks for such chunks (seconds).
+MORPHO_BULK_SWEEP_SECONDS = _env_float("MORPHO_BULK_SWEEP_SECONDS", 5.0, lo=0.1)
 
 # --- Logging -----------------------------------------------------------------------------------
 

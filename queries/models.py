@@ -1,1 +1,139 @@
-"""Query records; none yet (bulk job records arrive with the Celery work)."""
+"""Bulk job records: a job, its chunks (the unit of work and of retry), and one result row per chunk."""
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import models
+
+from gpu_engine.dpf import key_length
+
+KEYS_PER_QUERY = 3
+
+
+class JobStatus(models.TextChoices):
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    DONE = "done", "done"
+    FAILED = "failed", "failed"
+    CANCELLED = "cancelled", "cancelled"
+
+
+# States a job or chunk can still leave; the others are final.
+ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class BulkJob(models.Model):
+    """A user's offline job: many queries, answered in chunks by the GPU workers."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="bulk_jobs")
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED,
+                              db_index=True)
+    total = models.PositiveIntegerField(help_text="queries in the job")
+    answered = models.PositiveIntegerField(default=0, help_text="queries whose answers are stored")
+    domain_bits = models.PositiveSmallIntegerField(help_text="DPF depth the keys were validated against")
+    chunk_size = models.PositiveIntegerField(help_text="queries per chunk (one task, one result write)")
+    error = models.TextField(blank=True, help_text="why the job failed, if it did")
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+    started = models.DateTimeField(null=True, blank=True, help_text="when a worker took its first chunk")
+    finished = models.DateTimeField(null=True, blank=True, help_text="done, failed or cancelled at")
+
+    class Meta:
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"bulk job {self.id} ({self.status}, {self.answered}/{self.total})"
+
+    def clean(self) -> None:
+        errors = {}
+        if self.total is not None and self.total < 1:
+            errors["total"] = f"expected at least 1 query, got {self.total}"
+        if self.chunk_size is not None and self.chunk_size < 1:
+            errors["chunk_size"] = f"expected at least 1 query per chunk, got {self.chunk_size}"
+        if self.total is not None and self.answered is not None and self.answered > self.total:
+            errors["answered"] = f"expected at most total ({self.total}), got {self.answered}"
+        if self.domain_bits is not None and not 1 <= self.domain_bits <= 32:
+            errors["domain_bits"] = f"expected 1..32, got {self.domain_bits}"
+        if errors:
+            raise ValidationError(errors)
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE
+
+    @property
+    def key_bytes(self) -> int:
+        return key_length(self.domain_bits)
+
+    @property
+    def progress(self) -> float:
+        return self.answered / self.total if self.total else 0.0
+
+    def epoch_ids(self) -> list[int]:
+        """The epochs this job's stored answers were computed against, ascending."""
+        return sorted(set(self.results.values_list("epoch_id", flat=True)))
+
+
+class BulkChunk(models.Model):
+    """A contiguous run of a job's queries: one Celery task, answered within one epoch."""
+
+    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="chunks")
+    index = models.PositiveIntegerField(help_text="chunk number within the job, from 0")
+    first = models.PositiveIntegerField(help_text="job index of the chunk's first query")
+    count = models.PositiveIntegerField(help_text="queries in the chunk")
+    # The validated keys as raw bytes, 3 per query in order: the worker needs nothing from the broker
+    # but the chunk's id.
+    keys = models.BinaryField()
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
+    attempts = models.PositiveIntegerField(default=0, help_text="times a worker claimed it")
+    worker = models.CharField(max_length=200, blank=True, help_text="node that claimed it last")
+    # A running chunk whose lease ran out belongs to a dead worker; the sweeper queues it again.
+    lease_expires = models.DateTimeField(null=True, blank=True)
+    # When its task was last sent; a queued chunk not taken for long is sent again (broker lost it).
+    dispatched = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True, help_text="last error while answering it")
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "index"], name="bulk_chunk_unique_index"),
+        ]
+        indexes = [models.Index(fields=["status", "lease_expires"]),
+                   models.Index(fields=["status", "dispatched"])]
+
+    def __str__(self) -> str:
+        return f"chunk {self.index} of {self.job_id} (queries {self.first}..{self.first + self.count - 1})"
+
+    def clean(self) -> None:
+        if self.count is not None and self.count < 1:
+            raise ValidationError({"count": f"expected at least 1 query, got {self.count}"})
+        if self.job_id and self.count and self.keys is not None:
+            expected = self.count * KEYS_PER_QUERY * self.job.key_bytes
+            if len(self.keys) != expected:
+                raise ValidationError({"keys": f"expected {expected} bytes for {self.count} queries, "
+                                               f"got {len(self.keys)}"})
+
+
+class BulkResult(models.Model):
+    """A chunk's answers, written once: unique per (job, chunk), so a retried chunk cannot duplicate."""
+
+    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="results")
+    index = models.PositiveIntegerField(help_text="chunk number")
+    first = models.PositiveIntegerField(help_text="job index of the first query")
+    count = models.PositiveIntegerField()
+    epoch_id = models.BigIntegerField(help_text="the epoch every answer of the chunk was computed against")
+    # count x 3 answers of 4096 bytes, in query order then key order.
+    answers = models.BinaryField()
+    worker = models.CharField(max_length=200, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "index"], name="bulk_result_unique_chunk"),
+        ]
+
+    def __str__(self) -> str:
+        return f"answers of chunk {self.index} of {self.job_id} (epoch {self.epoch_id})"
