@@ -1,0 +1,39 @@
+# Entry points: `make run` (two local parties) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+SERVER_A ?= http://127.0.0.1:8001
+SERVER_B ?= http://127.0.0.1:8002
+BENCH_PAGES ?= 65536
+
+.PHONY: venv run test bench-http clean-var
+
+# The virtualenv is (re)built when pyproject.toml changes; `pip install -e` keeps the tree live.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Parties A (127.0.0.1:8001) and B (127.0.0.1:8002) over one generated demo matrix (DEMO_PAGES,
+# default 8192), each with its own SQLite database under var/. Ctrl-C stops both.
+run: $(STAMP)
+	$(PY) -m morphoweb.devserver
+
+# pytest's exit status 5 means "no tests collected": not a failure of the suite.
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; exit 0; fi; exit $$rc
+
+# End-to-end HTTP timings against parties already running (start them with
+# `make run DEMO_PAGES=65536` in another terminal).
+bench-http: $(STAMP)
+	$(PY) -m queries.bench_http --server-a $(SERVER_A) --server-b $(SERVER_B) \
+		--matrix var/demo-$(BENCH_PAGES)p.bin --out docs/benchmarks/http_cpu_$(BENCH_PAGES)p.csv
+
+clean-var:
+	rm -rf var/

@@ -1,0 +1,115 @@
+"""End-to-end HTTP timings of one query and one 32-query batch against running parties (CSV)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from queries.client import MAX_BATCH, PirClient, plan_query
+
+COLUMNS = "endpoint,queries,reps,mean_ms,p50_ms,p95_ms,min_ms,max_ms,queries_per_s"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _time(fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000.0)
+    return samples
+
+
+def _row(endpoint: str, queries: int, samples: list[float]) -> str:
+    ordered = sorted(samples)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    mean = statistics.fmean(samples)
+    return (f"{endpoint},{queries},{len(samples)},{mean:.1f},{statistics.median(samples):.1f},"
+            f"{p95:.1f},{ordered[0]:.1f},{ordered[-1]:.1f},{queries / (mean / 1000.0):.2f}")
+
+
+def run(server_a: str, server_b: str, reps: int, warmup: int, matrix: Optional[str]) -> list[str]:
+    """Time each shape; returns CSV header lines and rows."""
+    client = PirClient(server_a, server_b)
+    info = client.epoch()
+    health = client._call(client.servers[0], "/health")
+    plans = [plan_query((7919 * i) % info.num_pages, info.num_pages, info.domain_bits)
+             for i in range(MAX_BATCH)]
+    single_body = {"keys": list(plans[0].keys_a)}
+    batch_body = {"queries": [{"keys": list(p.keys_a)} for p in plans]}
+    rows = [(97 * i + 13) % info.num_rows for i in range(MAX_BATCH)]
+
+    results = [
+        _row("POST /query/page/gpu (party A)", 1,
+             _time(lambda: client._call(client.servers[0], "/query/page/gpu", single_body), reps, warmup)),
+        _row("POST /query/page/gpu/batch (party A)", MAX_BATCH,
+             _time(lambda: client._call(client.servers[0], "/query/page/gpu/batch", batch_body), reps, warmup)),
+        _row("client: 1 row from A+B (epoch check, keygen, XOR)", 1,
+             _time(lambda: client.fetch_rows(rows[:1], batch=False), reps, warmup)),
+        _row("client: 32 rows from A+B in one batch each", MAX_BATCH,
+             _time(lambda: client.fetch_rows(rows, batch=True), reps, warmup)),
+    ]
+    checked = "not checked (no --matrix)"
+    if matrix:
+        from gpu_engine.matrix import load_matrix
+
+        reference = load_matrix(matrix)
+        got = client.fetch_rows(rows, batch=True)
+        if got != [reference.row(r) for r in rows]:
+            raise SystemExit("the rows fetched do not match the matrix file")
+        checked = f"all {len(rows)} rows fetched equal {matrix}"
+    client.close()
+    header = [
+        f"# machine: {platform.node() or 'host'}; {_cpu_model()}; {os.cpu_count()} CPUs",
+        f"# shape: pages={info.num_pages}, domain_bits={info.domain_bits}, "
+        f"rows={info.num_rows}, epoch_id={info.epoch_id}",
+        f"# server: backend={health.get('backend')}, device={health.get('device')}; "
+        f"parties {server_a} and {server_b} on this machine",
+        f"# command: python -m queries.bench_http {' '.join(sys.argv[1:])}",
+        f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        f"# reps={reps} after {warmup} warm-up; times are wall-clock per request round; "
+        f"3 keys per query; correctness: {checked}",
+        COLUMNS,
+    ]
+    return header + results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--server-a", default="http://127.0.0.1:8001")
+    parser.add_argument("--server-b", default="http://127.0.0.1:8002")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--matrix", help="matrix file the parties serve, to check the rows fetched")
+    parser.add_argument("--out", help="CSV file to write (default: print only)")
+    args = parser.parse_args(argv)
+    if args.matrix and not Path(args.matrix).exists():
+        parser.error(f"--matrix {args.matrix} does not exist")
+    lines = run(args.server_a, args.server_b, args.reps, args.warmup, args.matrix)
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

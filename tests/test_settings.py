@@ -1,0 +1,44 @@
+"""Settings from the environment: bad values refused with a message, every variable documented."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, server_env
+
+
+def check(**env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "manage.py", "check"], cwd=REPO, env=server_env(**env),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MORPHO_MAX_BATCH": "33"}, "MORPHO_MAX_BATCH: expected an integer in 1..32, got 33"),
+    ({"MORPHO_MAX_BATCH": "many"}, "MORPHO_MAX_BATCH: expected an integer, got 'many'"),
+    ({"MORPHO_ENGINE_BACKEND": "tpu"}, "MORPHO_ENGINE_BACKEND: expected auto, cpu or cuda, got 'tpu'"),
+    ({"DEBUG": "maybe"}, "DEBUG: expected true/false"),
+    ({"MORPHO_QUERY_TIMEOUT": "-1"}, "MORPHO_QUERY_TIMEOUT: expected a number >= 0.001, got -1.0"),
+])
+def test_bad_setting_is_refused_with_its_name(env, message):
+    result = check(**env)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_defaults_pass_the_system_check():
+    result = check()
+    assert result.returncode == 0, result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_every_environment_variable_is_documented_in_the_readme():
+    source = (REPO / "morphoweb" / "settings.py").read_text()
+    names = set(re.findall(r'_env\w*\(\s*"([A-Z][A-Z0-9_]+)"', source))
+    names |= set(re.findall(r'os\.environ\.get\(\s*"([A-Z][A-Z0-9_]+)"', source))
+    assert {"MORPHO_MATRIX_PATH", "DATABASE_URL", "CELERY_BROKER_URL"} <= names
+    readme = (REPO / "README.md").read_text()
+    documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)` \|", readme, flags=re.M))
+    assert sorted(names - documented) == []
