@@ -1,24 +1,40 @@
 """The Engine: owns one device, coalesces submitted queries into launches on a scheduler thread."""
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix
+from gpu_engine.backends.base import Backend, ResidentMatrix
+from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import DpfKey, KeyBatch
+from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
-from gpu_engine.scheduler import LANES, BatchingPolicy, Launch, LaneQueue, decide
+from gpu_engine.scheduler import (
+    HEAD_REQUESTS,
+    LANES,
+    BatchingPolicy,
+    Launch,
+    LaneQueue,
+    decide,
+    expiry_cutoff,
+    plan_slo,
+)
 
 log = logging.getLogger(__name__)
 
 PolicySource = Callable[[str], BatchingPolicy]  # lane -> the policy in force now
+# Longest the loop sleeps while queries wait, so that a policy swapped by another thread (a
+# shorter window, a new mode) applies to queries already queued within this time.
+POLICY_RECHECK_S = 0.1
 
 
 class EngineBusy(RuntimeError):
@@ -59,18 +75,6 @@ class _Request:
         return len(self.queries)
 
 
-@dataclass
-class EngineStats:
-    """Counters since start; read without the lock (each field is updated atomically)."""
-
-    launches: int = 0
-    queries_answered: int = 0
-    requests_answered: int = 0
-    failures: int = 0
-    last_batch_queries: int = 0
-    compute_seconds: float = 0.0
-
-
 def static_policy(policy: BatchingPolicy) -> PolicySource:
     return lambda lane: policy
 
@@ -78,24 +82,21 @@ def static_policy(policy: BatchingPolicy) -> PolicySource:
 class Engine:
     """One per process and device; thread-safe. Views and tasks submit, never launch."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        epoch: Epoch,
-        policy: Optional[PolicySource] = None,
-        dispatch: DispatchShape = DispatchShape(),
-    ) -> None:
+    def __init__(self, backend: Backend, epoch: Epoch, policy: Optional[PolicySource] = None) -> None:
         self.backend = backend
         self._policy = policy or static_policy(BatchingPolicy())
-        self._dispatch = dispatch
+        self._last_policies: Dict[str, BatchingPolicy] = {lane: BatchingPolicy() for lane in LANES}
         self._epoch = epoch
         self._resident: ResidentMatrix = backend.load(epoch.matrix)
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
+        self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
+        self._rates: Dict[str, RateMeter] = {lane: RateMeter() for lane in LANES}
         self._control: Deque[Callable[[], None]] = deque()
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._running = False
-        self.stats = EngineStats()
+        self.cost = CostModel()
+        self.stats = EngineStats(LANES)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -113,10 +114,12 @@ class Engine:
         with self._cond:
             self._running = False
             pending = [r for q in self._queues.values() for r in q]
-            for q in self._queues.values():
+            for lane, q in self._queues.items():
                 q.clear()
+                self._depth[lane] = 0
             self._cond.notify_all()
         for request in pending:
+            self.stats.refuse(request.lane, "stopped", request.size)
             request.future.set_exception(EngineUnavailable("engine stopped", retry_after=5))
         if self._thread is not None:
             self._thread.join(timeout)
@@ -126,9 +129,34 @@ class Engine:
     def epoch(self) -> Epoch:
         return self._epoch
 
+    def set_policy_source(self, policy: PolicySource) -> None:
+        """Read policies from `policy` from the next decision on (the live-policy bridge)."""
+        self._policy = policy
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake the scheduler to decide again now (a policy changed)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def policies(self) -> Dict[str, BatchingPolicy]:
+        """The policy of each lane now; a failing source keeps the last good one."""
+        for lane in LANES:
+            try:
+                policy = self._policy(lane)
+                if isinstance(policy, BatchingPolicy):
+                    self._last_policies[lane] = policy
+                else:
+                    log.error("policy source gave %r for lane %s; keeping the last one", policy, lane)
+            except Exception:  # noqa: BLE001 - a broken source must not stop the scheduler
+                log.exception("policy source failed for lane %s; keeping the last one", lane)
+        return dict(self._last_policies)
+
     # -- work ------------------------------------------------------------------------------
     def submit(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive") -> "Future[BatchAnswer]":
-        """Queue one request (a list of queries, each a list of keys); its answers share one epoch."""
+        """Queue one request (a list of queries, each a list of keys); its answers share one epoch.
+
+        Raises EngineOverloaded when the lane already holds its policy's max_queue queries."""
         if lane not in self._queues:
             raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
         if not queries or any(not q for q in queries):
@@ -137,13 +165,42 @@ class Engine:
         if keys.domain_bits != self._epoch.matrix.domain_bits:
             raise ValueError(f"keys have domain_bits {keys.domain_bits}, the epoch has "
                              f"{self._epoch.matrix.domain_bits}")
+        policy = self._policy_for(lane)
         request = _Request(queries, keys, lane, time.monotonic())
         with self._cond:
             if not self._running:
                 raise EngineUnavailable("engine is not running", retry_after=5)
-            self._queues[lane].append(request)
-            self._cond.notify()
+            depth = self._depth[lane]
+            if depth + request.size > policy.max_queue:
+                refused = EngineOverloaded(
+                    f"{lane} queue is full: {depth} queries queued, {request.size} more would pass "
+                    f"the policy's max_queue of {policy.max_queue}", retry_after=self._drain_s(depth, policy))
+            else:
+                refused = None
+                self._queues[lane].append(request)
+                self._depth[lane] = depth + request.size
+                self._rates[lane].add(request.size, request.arrived)
+                self._cond.notify()
+        if refused is not None:
+            self.stats.refuse(lane, "queue_full", request.size)
+            raise refused
         return request.future
+
+    def _policy_for(self, lane: str) -> BatchingPolicy:
+        try:
+            policy = self._policy(lane)
+            if isinstance(policy, BatchingPolicy):
+                return policy
+        except Exception:  # noqa: BLE001 - the scheduler logs it; admission uses the last good one
+            pass
+        return self._last_policies[lane]
+
+    def _drain_s(self, depth: int, policy: BatchingPolicy) -> float:
+        # How long the queue ahead takes to clear at full batches, as the Retry-After hint.
+        fit = self.cost.fit()
+        if not fit.samples:
+            return 1.0
+        return max(1.0, math.ceil(depth / policy.max_batch) * fit.predict(policy.max_batch))
 
     def answer(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive",
                timeout: Optional[float] = None) -> BatchAnswer:
@@ -185,47 +242,78 @@ class Engine:
             self._cond.notify()
         return future
 
-    # -- the scheduler loop: lock, decide, dequeue, run, repeat ---------------------------
-    def _snapshot(self) -> List[LaneQueue]:
-        return [LaneQueue(lane, tuple(r.size for r in q), q[0].arrived if q else None)
+    # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
+    def _snapshot(self, now: float) -> List[LaneQueue]:
+        return [LaneQueue(lane, tuple(r.size for r in itertools.islice(q, HEAD_REQUESTS)),
+                          q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now))
                 for lane, q in self._queues.items()]
+
+    def _dequeue(self, lane: str, count: int) -> List[_Request]:
+        queue = self._queues[lane]
+        taken = [queue.popleft() for _ in range(count)]
+        self._depth[lane] -= sum(r.size for r in taken)
+        return taken
+
+    def _expire(self, policies: Mapping[str, BatchingPolicy], now: float) -> List[_Request]:
+        expired: List[_Request] = []
+        for lane, queue in self._queues.items():
+            cutoff = expiry_cutoff(policies[lane], now)
+            count = 0
+            for request in queue:  # arrival order: the overdue ones are a prefix
+                if request.arrived >= cutoff:
+                    break
+                count += 1
+            expired += self._dequeue(lane, count)
+        return expired
 
     def _loop(self) -> None:
         while True:
+            batch: Optional[Tuple[Launch, List[_Request]]] = None
+            expired: List[_Request] = []
             with self._cond:
                 while self._running and not self._control:
-                    decision = decide(self._snapshot(), {l: self._policy(l) for l in LANES}, time.monotonic())
-                    if isinstance(decision, Launch):
-                        queue = self._queues[decision.lane]
-                        batch = [queue.popleft() for _ in range(decision.requests)]
+                    now = time.monotonic()
+                    policies = self.policies()
+                    expired = self._expire(policies, now)
+                    if expired:
                         break
-                    self._cond.wait(decision.seconds)
-                else:
-                    batch = None
+                    decision = decide(self._snapshot(now), policies, self.cost.fit(), now)
+                    if isinstance(decision, Launch):
+                        batch = (decision, self._dequeue(decision.lane, decision.requests))
+                        break
+                    wait = decision.seconds
+                    self._cond.wait(POLICY_RECHECK_S if wait is None else min(wait, POLICY_RECHECK_S))
                 if not self._running:
                     return
                 control = list(self._control)
                 self._control.clear()
+            for request in expired:
+                timeout = self._last_policies[request.lane].queue_timeout_ms
+                self.stats.refuse(request.lane, "deadline", request.size)
+                request.future.set_exception(EngineOverloaded(
+                    f"{request.lane} query not started within the policy's queue_timeout_ms of "
+                    f"{timeout} ms", retry_after=1))
             for action in control:
                 action()
             if batch:
-                self._launch(batch)
+                self._launch(*batch)
 
-    def _launch(self, batch: List[_Request]) -> None:
+    def _launch(self, decision: Launch, batch: List[_Request]) -> None:
         epoch = self._epoch
         keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
+        queries = sum(r.size for r in batch)
+        started_mono = time.monotonic()
         started = time.perf_counter()
         try:
-            answers = self._resident.answer(keys, self._dispatch)
+            answers = self._resident.answer(keys, decision.dispatch)
         except Exception as exc:  # noqa: BLE001 - a device failure fails this batch, not the engine
             log.exception("launch of %d requests failed", len(batch))
-            self.stats.failures += 1
+            self.stats.failure(decision.lane, queries)
             for request in batch:
                 request.future.set_exception(EngineUnavailable(f"device error: {exc}", retry_after=5))
             return
-        self.stats.compute_seconds += time.perf_counter() - started
-        self.stats.launches += 1
-        self.stats.last_batch_queries = sum(r.size for r in batch)
+        seconds = time.perf_counter() - started
+        self.cost.observe(queries, seconds)
         row = 0
         for request in batch:
             pages = []
@@ -233,12 +321,14 @@ class Engine:
                 pages.append([answers[row + i].tobytes() for i in range(len(query))])
                 row += len(query)
             request.future.set_result(BatchAnswer(epoch.epoch_id, pages))
-            self.stats.requests_answered += 1
-            self.stats.queries_answered += request.size
+        done = time.monotonic()
+        self.stats.launched(decision, seconds, [(r.size, started_mono - r.arrived, done - r.arrived)
+                                                for r in batch], done)
 
+    # -- what operators and metrics read --------------------------------------------------
     def health(self) -> dict:
         with self._cond:
-            depth = {lane: sum(r.size for r in q) for lane, q in self._queues.items()}
+            depth = dict(self._depth)
         return {
             "running": self._running,
             "epoch_id": self._epoch.epoch_id,
@@ -246,6 +336,28 @@ class Engine:
             "resident_bytes": self._resident.nbytes,
             **self.backend.describe(),
         }
+
+    def snapshot(self) -> dict:
+        """Everything the metrics and the admin show, as plain data (no locks held by the caller)."""
+        now = time.monotonic()
+        with self._cond:
+            depth = dict(self._depth)
+            rates = {lane: meter.rate(now) for lane, meter in self._rates.items()}
+        policies = dict(self._last_policies)
+        fit = self.cost.fit()
+        data = self.stats.snapshot(now)
+        data.update(running=self._running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
+                    cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
+                          "samples": fit.samples, "rmse_s": fit.rmse_s})
+        for lane in LANES:
+            policy = policies[lane]
+            info = data["lanes"][lane]
+            info.update(queued=depth[lane], arrival_rate=rates[lane], policy=policy.name, mode=policy.mode)
+            if policy.mode == "slo" and fit.samples:
+                plan = plan_slo(policy, fit, rates[lane])
+                info["slo_plan"] = {"batch": plan.batch, "window_s": plan.window_s,
+                                    "budget_s": plan.budget_s, "feasible": plan.feasible}
+        return data
 
 
 def _concat(batches: Sequence[KeyBatch]) -> KeyBatch:

@@ -1,22 +1,119 @@
-"""Batching decisions as pure functions: queue snapshot + policy + now -> launch or wait."""
+"""Batching decisions as pure functions: queue snapshot + policy + cost model + now -> launch or wait."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple, Union
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+from gpu_engine.backends.base import DispatchShape
+from gpu_engine.costmodel import CostFit
 
 LANES = ("interactive", "bulk")  # in priority order
+MODES = ("latency", "throughput", "adaptive", "slo")
+KEYS_PER_QUERY = 3  # a protocol query carries three keys (PROTOCOL.md section 4)
+# slo keeps the planned utilisation of the device below this, so that queues do not grow
+# without bound when the arrival rate fluctuates around the capacity of a batch size.
+SLO_MAX_UTILISATION = 0.8
+# slo launches without planning until the cost model has seen this many launches.
+SLO_MIN_SAMPLES = 4
+# A snapshot needs no more head requests than a full batch can hold (each has >= 1 query).
+HEAD_REQUESTS = 33
+
+# field -> (lowest, highest, unit words used in every error message)
+POLICY_BOUNDS: Dict[str, Tuple[float, float, str]] = {
+    "max_batch": (1, 32, "queries"),
+    "window_us": (0, 1_000_000, "µs"),
+    "adaptive_threshold": (1, 32, "queries"),
+    "micro_batch": (0, 32 * KEYS_PER_QUERY, "keys"),
+    "streams": (1, 8, "streams"),
+    "p95_target_ms": (0.1, 60_000, "ms"),
+    "safety_margin": (0.0, 0.9, "(fraction of the target)"),
+    "max_queue": (1, 100_000, "queries"),
+    "queue_timeout_ms": (1, 600_000, "ms"),
+    "max_starvation_ms": (1, 600_000, "ms"),
+}
+
+
+class PolicyError(ValueError):
+    """A policy with out-of-range or inconsistent fields; `errors` maps field -> message."""
+
+    def __init__(self, errors: Mapping[str, str]) -> None:
+        super().__init__("; ".join(f"{msg}" for msg in errors.values()))
+        self.errors = dict(errors)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
+    """Field -> message for every bad value, in the words the admin and the engine both show."""
+    errors: Dict[str, str] = {}
+    mode = values.get("mode")
+    if mode not in MODES:
+        errors["mode"] = f"mode must be one of {', '.join(MODES)}, got {mode!r}"
+    name = values.get("name", "")
+    if not isinstance(name, str) or not 1 <= len(name) <= 100:
+        errors["name"] = f"name must be 1..100 characters, got {name!r}"
+    for field, (lo, hi, unit) in POLICY_BOUNDS.items():
+        value = values.get(field)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors[field] = f"{field} must be a number in {_number(lo)}..{_number(hi)} {unit}, got {value!r}"
+        elif not lo <= value <= hi or (isinstance(value, float) and math.isnan(value)):
+            errors[field] = f"{field} must be in {_number(lo)}..{_number(hi)} {unit}, got {_number(value)}"
+    if errors:
+        return errors  # cross-field checks assume every field is in range
+    if mode == "adaptive" and values["adaptive_threshold"] > values["max_batch"]:
+        errors["adaptive_threshold"] = (
+            f"adaptive_threshold must be at most max_batch ({values['max_batch']} queries), "
+            f"got {values['adaptive_threshold']}")
+    if values["max_queue"] < values["max_batch"]:
+        errors["max_queue"] = (f"max_queue must be at least max_batch ({values['max_batch']} queries), "
+                               f"got {values['max_queue']}: a shorter queue can never fill a batch")
+    if values["queue_timeout_ms"] * 1000 <= values["window_us"]:
+        errors["queue_timeout_ms"] = (
+            f"queue_timeout_ms must exceed the admission window ({values['window_us']} µs), "
+            f"got {values['queue_timeout_ms']} ms: every query held for the window would time out")
+    if mode == "slo" and values["p95_target_ms"] > values["queue_timeout_ms"]:
+        errors["p95_target_ms"] = (
+            f"p95_target_ms must be at most queue_timeout_ms ({values['queue_timeout_ms']} ms), "
+            f"got {_number(values['p95_target_ms'])}")
+    return errors
 
 
 @dataclass(frozen=True)
 class BatchingPolicy:
-    """How one lane batches; an immutable snapshot read at every decision."""
+    """How one lane batches; an immutable, validated snapshot read at every decision."""
 
-    name: str = "default"
+    name: str = "default"  # operator's label, shown in metrics and the admin
+    mode: str = "latency"  # latency | throughput | adaptive | slo
     max_batch: int = 32  # queries per launch (1..32)
+    # admission window (µs), counted from the oldest queued query's arrival: throughput and
+    # adaptive hold a partial batch at most this long; slo picks a window no longer than this
+    window_us: int = 2000
+    adaptive_threshold: int = 4  # queue depth (queries) from which adaptive fills batches
+    micro_batch: int = 0  # keys per kernel launch inside one batch; 0 = the whole batch at once
+    streams: int = 1  # CUDA streams the micro-batches are spread over (1..8)
+    cuda_graph: bool = False  # replay a captured CUDA graph when a launch shape repeats
+    p95_target_ms: float = 50.0  # slo: the p95 latency (arrival to answer) to stay under, ms
+    safety_margin: float = 0.2  # slo: fraction of the target kept in reserve for noise
+    max_queue: int = 1024  # queries a lane may hold; a request beyond it is refused (503)
+    queue_timeout_ms: int = 5000  # a query not started this long after arrival fails (503), ms
+    # longest this lane's oldest query waits while a higher-priority lane keeps the device busy, ms
+    max_starvation_ms: int = 1000
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_batch <= 32:
-            raise ValueError(f"max_batch must be in 1..32, got {self.max_batch}")
+        errors = policy_errors({f.name: getattr(self, f.name) for f in fields(self)})
+        if errors:
+            raise PolicyError(errors)
+
+    @property
+    def dispatch(self) -> DispatchShape:
+        return DispatchShape(self.micro_batch, self.streams, self.cuda_graph)
+
+    @property
+    def window_s(self) -> float:
+        return self.window_us / 1e6
 
 
 @dataclass(frozen=True)
@@ -24,22 +121,26 @@ class LaneQueue:
     """What one lane holds at the moment of a decision."""
 
     lane: str
-    request_sizes: Tuple[int, ...]  # queries per queued request, oldest first
+    request_sizes: Tuple[int, ...]  # queries per queued request, oldest first (the head only)
     oldest_arrival: Optional[float]  # monotonic seconds, None when empty
+    queued: int = 0  # queries queued in all (0: the sum of request_sizes)
+    arrival_rate: float = 0.0  # queries per second, recent average
 
     @property
     def depth(self) -> int:
-        return sum(self.request_sizes)
+        return max(self.queued, sum(self.request_sizes))
 
 
 @dataclass(frozen=True)
 class Launch:
-    """Launch the first `requests` requests of `lane` now, as one batch."""
+    """Launch the first `requests` requests of `lane` now, as one batch, in shape `dispatch`."""
 
     lane: str
     requests: int
     queries: int
-    reason: str = "latency"
+    reason: str = "now"  # now | full | window | starvation | warmup
+    mode: str = "latency"  # the mode of the policy that decided
+    dispatch: DispatchShape = DispatchShape()
 
 
 @dataclass(frozen=True)
@@ -50,6 +151,7 @@ class Wait:
 
 
 Decision = Union[Launch, Wait]
+Rule = Callable[[LaneQueue, BatchingPolicy, Optional[CostFit], float], Decision]
 
 
 def take_requests(sizes: Sequence[int], max_batch: int) -> Tuple[int, int]:
@@ -63,12 +165,115 @@ def take_requests(sizes: Sequence[int], max_batch: int) -> Tuple[int, int]:
     return taken, queries
 
 
-def decide(
-    queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy], now: float
-) -> Decision:
-    """Launch whatever the highest-priority non-empty lane holds, up to its batch cap."""
-    for queue in queues:
-        if queue.request_sizes:
-            requests, queries = take_requests(queue.request_sizes, policies[queue.lane].max_batch)
-            return Launch(queue.lane, requests, queries)
-    return Wait(None)
+def launch(queue: LaneQueue, policy: BatchingPolicy, reason: str) -> Launch:
+    requests, queries = take_requests(queue.request_sizes, policy.max_batch)
+    return Launch(queue.lane, requests, queries, reason, policy.mode, policy.dispatch)
+
+
+def expiry_cutoff(policy: BatchingPolicy, now: float) -> float:
+    """Requests that arrived before this instant can no longer start within the lane's timeout."""
+    return now - policy.queue_timeout_ms / 1000
+
+
+# -- one small rule per mode --------------------------------------------------------------------
+def _latency(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+    return launch(queue, policy, "now")
+
+
+def _fill_or_window(queue: LaneQueue, policy: BatchingPolicy, batch: int, window: float,
+                    now: float) -> Decision:
+    if queue.depth >= batch:
+        return launch(queue, policy, "full")
+    held = now - queue.oldest_arrival
+    if held >= window:
+        return launch(queue, policy, "window")
+    return Wait(window - held)
+
+
+def _throughput(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+    return _fill_or_window(queue, policy, policy.max_batch, policy.window_s, now)
+
+
+def _adaptive(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+    # A shallow queue means light load: answer at once. A deep one means more is on its way,
+    # so fill the batch (up to the window) and spend fewer launches per query.
+    if queue.depth < policy.adaptive_threshold:
+        return _latency(queue, policy, cost, now)
+    return _throughput(queue, policy, cost, now)
+
+
+@dataclass(frozen=True)
+class SloPlan:
+    """What slo aims for: hold queries until `batch` are queued or the oldest waited `window_s`."""
+
+    batch: int
+    window_s: float
+    budget_s: float  # the p95 target less the safety margin
+    feasible: bool  # False when even a single-query launch is predicted to miss the budget
+
+
+def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloPlan:
+    """The smallest batch that keeps up with the arrivals (larger ones only add latency), and the
+    longest hold of the oldest query that still meets the budget.
+
+    A query's latency is about hold + queue wait + t(b); a query arriving just behind a launch
+    waits that launch out, so the worst case is hold + 2 t(b)."""
+    budget = policy.p95_target_ms / 1000 * (1 - policy.safety_margin)
+    batch = policy.max_batch
+    for b in range(1, policy.max_batch + 1):
+        if b / cost.predict(b) * SLO_MAX_UTILISATION >= arrival_rate:
+            batch = b
+            break
+    slack = budget - 2 * cost.predict(batch)
+    # Holding longer than it takes the batch to fill on average gains nothing.
+    fill = (batch - 1) / arrival_rate if arrival_rate > 0 else 0.0
+    window = max(0.0, min(policy.window_s, slack, 2 * fill))
+    return SloPlan(batch, window, budget, cost.predict(1) <= budget)
+
+
+def _slo(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+    if cost is None or cost.samples < SLO_MIN_SAMPLES:
+        return launch(queue, policy, "warmup")  # no measurements yet: behave like latency
+    plan = plan_slo(policy, cost, queue.arrival_rate)
+    if plan.batch <= 1:
+        return launch(queue, policy, "now")
+    return _fill_or_window(queue, policy, plan.batch, plan.window_s, now)
+
+
+RULES: Dict[str, Rule] = {"latency": _latency, "throughput": _throughput,
+                          "adaptive": _adaptive, "slo": _slo}
+
+
+def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
+           cost: Optional[CostFit], now: float) -> Decision:
+    """What the engine does next.
+
+    Lanes go in LANES order: a lane launches only when no higher lane holds work, unless its
+    oldest query has waited past its starvation bound, or the cost model predicts its launch
+    ends before the waiting higher lane wants the device. Otherwise wait for the earliest
+    instant at which any of that changes (a window closing, a starvation bound, a deadline)."""
+    order = {lane: i for i, lane in enumerate(LANES)}
+    busy = sorted((q for q in queues if q.request_sizes), key=lambda q: order.get(q.lane, len(order)))
+    if not busy:
+        return Wait(None)
+    for queue in busy[1:]:
+        policy = policies[queue.lane]
+        if now - queue.oldest_arrival >= policy.max_starvation_ms / 1000:
+            return launch(queue, policy, "starvation")
+    wakeups = []
+    higher_wait: Optional[float] = None  # how long the higher lanes still hold the device free
+    for queue in busy:
+        policy = policies[queue.lane]
+        decision = RULES[policy.mode](queue, policy, cost, now)
+        if isinstance(decision, Launch):
+            if higher_wait is None:
+                return decision
+            if cost is not None and cost.samples and cost.predict(decision.queries) <= higher_wait:
+                return decision  # it ends before the higher lane launches
+        else:
+            wakeups.append(decision.seconds)
+            higher_wait = decision.seconds if higher_wait is None else min(higher_wait, decision.seconds)
+        if queue is not busy[0]:
+            wakeups.append(queue.oldest_arrival + policy.max_starvation_ms / 1000 - now)
+        wakeups.append(queue.oldest_arrival + policy.queue_timeout_ms / 1000 - now)
+    return Wait(max(0.0, min(wakeups)))

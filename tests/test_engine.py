@@ -1,4 +1,4 @@
-"""The Engine: answers, coalescing across concurrent submitters, row writes and epoch switches."""
+"""The Engine: answers, coalescing, row writes, epoch switches, backpressure, deadlines, live policies."""
 import threading
 
 import numpy as np
@@ -6,9 +6,10 @@ import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import gen_keys
-from gpu_engine.engine import Engine, EngineUnavailable
+from gpu_engine.backends.base import DispatchShape
+from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
 from gpu_engine.matrix import Epoch, random_matrix
-from gpu_engine.scheduler import BatchingPolicy, LaneQueue, Launch, Wait, decide, take_requests
+from gpu_engine.scheduler import BatchingPolicy, PolicyError
 
 
 def _query(target, d, rng):
@@ -99,15 +100,139 @@ def test_submit_validates_and_refuses_when_stopped():
     eng.stop()
 
 
-def test_decide_takes_whole_requests_up_to_the_cap_and_interactive_first():
-    policies = {"interactive": BatchingPolicy(max_batch=8), "bulk": BatchingPolicy(max_batch=32)}
-    queues = [LaneQueue("interactive", (3, 3, 3), 1.0), LaneQueue("bulk", (32,), 0.5)]
-    assert decide(queues, policies, 2.0) == Launch("interactive", 2, 6)
-    assert decide([LaneQueue("interactive", (), None), queues[1]], policies, 2.0) == Launch("bulk", 1, 32)
-    assert decide([LaneQueue("interactive", (), None)], policies, 2.0) == Wait(None)
-    assert take_requests((40,), 32) == (1, 40)  # an oversized request still goes, alone
+class GatedBackend(NumpyBackend):
+    """The NumPy backend, but each launch waits for `gate` and records the dispatch it was given."""
+
+    def __init__(self):
+        super().__init__(workers=1)
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.dispatches = []
+
+    def load(self, matrix, progress=None):
+        resident = super().load(matrix, progress)
+        answer = resident.answer
+
+        def gated(keys, dispatch=DispatchShape()):
+            self.dispatches.append((len(keys), dispatch))
+            self.started.release()
+            assert self.gate.wait(30)
+            return answer(keys, dispatch)
+
+        resident.answer = gated
+        return resident
+
+
+class Switch:
+    """A PolicySource an operator changes while the engine runs."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, lane):
+        return self.policy
+
+
+def _gated_engine(policy):
+    backend = GatedBackend()
+    eng = Engine(backend, Epoch(epoch_id=1, matrix=random_matrix(64, seed=4)), Switch(policy)).start()
+    return eng, backend
+
+
+def test_full_queue_refuses_at_submit_with_retry_after():
+    eng, backend = _gated_engine(BatchingPolicy(max_batch=2, max_queue=4))
+    rng = np.random.default_rng(5)
+    d = eng.epoch.matrix.domain_bits
+    try:
+        running = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate
+        assert backend.started.acquire(timeout=10)
+        queued = [eng.submit([_query(2, d, rng)[0]] * 2) for _ in range(2)]  # 4 queries queued
+        with pytest.raises(EngineOverloaded) as caught:
+            eng.submit([_query(3, d, rng)[0]])
+        assert caught.value.reason == ("interactive queue is full: 4 queries queued, 1 more would "
+                                       "pass the policy's max_queue of 4")
+        assert caught.value.retry_after >= 1
+        assert eng.snapshot()["lanes"]["interactive"]["refused"] == {"queue_full": 1}
+        backend.gate.set()
+        assert running.result(30).epoch_id == 1
+        assert all(len(f.result(30).pages) == 2 for f in queued)
+    finally:
+        backend.gate.set()
+        eng.stop()
+
+
+def test_query_that_cannot_start_within_the_timeout_fails_overloaded():
+    eng, backend = _gated_engine(BatchingPolicy(queue_timeout_ms=50, window_us=0))
+    rng = np.random.default_rng(6)
+    d = eng.epoch.matrix.domain_bits
+    try:
+        first = eng.submit([_query(1, d, rng)[0]])
+        assert backend.started.acquire(timeout=10)
+        late = eng.submit([_query(2, d, rng)[0]])
+        threading.Event().wait(0.15)  # the device stays busy past the second query's deadline
+        backend.gate.set()
+        assert len(first.result(30).pages) == 1
+        with pytest.raises(EngineOverloaded, match="not started within the policy's queue_timeout_ms of 50 ms"):
+            late.result(30)
+        assert eng.stats.refused == {"deadline": 1}
+    finally:
+        backend.gate.set()
+        eng.stop()
+
+
+def test_launch_uses_the_policy_dispatch_shape_and_a_changed_policy_applies_mid_stream():
+    source = Switch(BatchingPolicy(mode="throughput", window_us=900_000, queue_timeout_ms=5000,
+                                   micro_batch=6, streams=2))
+    backend = GatedBackend()
+    backend.gate.set()
+    eng = Engine(backend, Epoch(epoch_id=1, matrix=random_matrix(64, seed=4)), source).start()
+    rng = np.random.default_rng(7)
+    d = eng.epoch.matrix.domain_bits
+    try:
+        held = eng.submit([_query(1, d, rng)[0]])  # throughput holds it for its 0.9 s window
+        threading.Event().wait(0.1)
+        assert not held.done()
+        source.policy = BatchingPolicy(mode="latency", micro_batch=3, streams=4, cuda_graph=True)
+        assert len(held.result(0.5).pages) == 1  # well before the old window would have closed
+        assert backend.dispatches == [(3, DispatchShape(3, 4, True))]
+        snap = eng.snapshot()
+        assert snap["dispatch_modes"] == {"latency": 1}
+        assert snap["lanes"]["interactive"]["policy"] == "default"
+        assert snap["lanes"]["interactive"]["mode"] == "latency"
+    finally:
+        eng.stop()
+
+
+def test_a_failing_policy_source_keeps_the_last_good_policy(engine):
+    def broken(lane):
+        raise RuntimeError("database away")
+
+    engine.set_policy_source(broken)
+    rng = np.random.default_rng(8)
+    assert len(engine.answer([_query(1, engine.epoch.matrix.domain_bits, rng)[0]], timeout=30).pages) == 1
+
+
+def test_snapshot_reports_what_metrics_and_admin_show(engine):
+    rng = np.random.default_rng(9)
+    d = engine.epoch.matrix.domain_bits
+    for size in (1, 3, 2):
+        engine.answer([_query(t, d, rng)[0] for t in range(size)], timeout=30)
+    engine.answer([_query(4, d, rng)[0]], lane="bulk", timeout=30)
+    snap = engine.snapshot()
+    lane = snap["lanes"]["interactive"]
+    assert (lane["queries"], lane["requests"], lane["launches"]) == (6, 3, 3)
+    assert snap["lanes"]["bulk"]["queries"] == 1
+    assert snap["launches"] == 4 and snap["queries_answered"] == 7
+    assert snap["batch_size"]["count"] == 4 and snap["batch_size"]["sum"] == 7
+    assert lane["latency"]["count"] == 6 and lane["compute"]["count"] == 3
+    assert lane["queue_wait"]["buckets"][-1] == (float("inf"), 6)
+    assert 0 < lane["p50_last_minute_s"] <= lane["p95_last_minute_s"] < 30
+    assert lane["mean_batch_last_minute"] == pytest.approx(2.0)
+    assert lane["arrival_rate"] > 0 and lane["queued"] == 0
+    assert snap["cost"]["samples"] == 4 and snap["cost"]["intercept_s"] + snap["cost"]["per_query_s"] > 0
+    assert snap["dispatch_modes"] == {"latency": 4} and snap["launch_reasons"] == {"now": 4}
 
 
 def test_policy_bounds():
-    with pytest.raises(ValueError, match="max_batch must be in 1..32, got 0"):
+    with pytest.raises(PolicyError, match="max_batch must be in 1..32 queries, got 0"):
         BatchingPolicy(max_batch=0)

@@ -1,0 +1,159 @@
+"""What the engine measured, as plain data: counters, histograms and last-minute figures per lane."""
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Deque, Dict, List, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from gpu_engine.scheduler import Launch
+
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 24, 32)  # queries per launch
+SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                  5.0, 10.0, 30.0)
+RECENT_S = 60.0  # "the last minute" of the admin's live figures
+RECENT_MAX = 100_000  # bound on remembered answers, whatever the rate
+
+
+class Histogram:
+    """Counts under fixed upper bounds plus sum and count: what a Prometheus histogram exports."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def snapshot(self) -> dict:
+        """{"buckets": [(upper bound, cumulative count), ..., (inf, count)], "sum", "count"}."""
+        cumulative, total = [], 0
+        for bound, count in zip(self.bounds + (math.inf,), self.counts):
+            total += count
+            cumulative.append((bound, total))
+        return {"buckets": cumulative, "sum": self.sum, "count": self.count}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank q-quantile (0 < q <= 1) of values; nan when there are none."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+class LaneStats:
+    """One lane's counters and distributions since start."""
+
+    def __init__(self) -> None:
+        self.queries = 0  # queries answered
+        self.requests = 0  # requests answered
+        self.launches = 0
+        self.queue_wait = Histogram(SECONDS_BOUNDS)  # per query: arrival to launch start
+        self.compute = Histogram(SECONDS_BOUNDS)  # per launch: the backend's time
+        self.latency = Histogram(SECONDS_BOUNDS)  # per query: arrival to answer
+        self.refused: Dict[str, int] = {}  # reason -> queries refused
+        # (done, latency) per answered request and (done, batch) per launch, the last minute
+        self.recent_latency: Deque[Tuple[float, float]] = deque(maxlen=RECENT_MAX)
+        self.recent_batches: Deque[Tuple[float, int]] = deque(maxlen=RECENT_MAX)
+
+
+class EngineStats:
+    """Updated by the scheduler thread and by refused submitters; read as a snapshot."""
+
+    def __init__(self, lanes: Sequence[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self.launches = 0
+        self.queries_answered = 0
+        self.requests_answered = 0
+        self.failures = 0  # launches that failed on the device
+        self.last_batch_queries = 0
+        self.compute_seconds = 0.0
+        self.batch_size = Histogram(BATCH_BOUNDS)
+        self.dispatch_modes: Dict[str, int] = {}  # policy mode that decided -> launches
+        self.launch_reasons: Dict[str, int] = {}  # now | full | window | starvation | warmup -> launches
+        self.lanes: Dict[str, LaneStats] = {lane: LaneStats() for lane in lanes}
+
+    def _lane(self, lane: str) -> LaneStats:
+        stats = self.lanes.get(lane)
+        if stats is None:
+            stats = self.lanes[lane] = LaneStats()
+        return stats
+
+    @property
+    def refused(self) -> Dict[str, int]:
+        """Reason -> queries refused, over all lanes."""
+        with self._lock:
+            total: Dict[str, int] = {}
+            for stats in self.lanes.values():
+                for reason, count in stats.refused.items():
+                    total[reason] = total.get(reason, 0) + count
+            return total
+
+    def refuse(self, lane: str, reason: str, queries: int) -> None:
+        with self._lock:
+            refused = self._lane(lane).refused
+            refused[reason] = refused.get(reason, 0) + queries
+
+    def failure(self, lane: str, queries: int) -> None:
+        with self._lock:
+            self.failures += 1
+            refused = self._lane(lane).refused
+            refused["device_error"] = refused.get("device_error", 0) + queries
+
+    def launched(self, launch: "Launch", seconds: float,
+                 requests: List[Tuple[int, float, float]], done: float) -> None:
+        """One launch that took `seconds`; requests are (queries, queue wait, latency)."""
+        queries = sum(size for size, _, _ in requests)
+        with self._lock:
+            lane = self._lane(launch.lane)
+            self.launches += 1
+            self.queries_answered += queries
+            self.requests_answered += len(requests)
+            self.last_batch_queries = queries
+            self.compute_seconds += seconds
+            self.batch_size.observe(queries)
+            self.dispatch_modes[launch.mode] = self.dispatch_modes.get(launch.mode, 0) + 1
+            self.launch_reasons[launch.reason] = self.launch_reasons.get(launch.reason, 0) + 1
+            lane.launches += 1
+            lane.queries += queries
+            lane.requests += len(requests)
+            lane.compute.observe(seconds)
+            lane.recent_batches.append((done, queries))
+            for size, wait, latency in requests:
+                lane.queue_wait.observe(wait, size)
+                lane.latency.observe(latency, size)
+                lane.recent_latency.append((done, latency))
+
+    def snapshot(self, now: float) -> dict:
+        """Plain data: totals, histograms, and per lane the last minute's p95 and mean batch."""
+        with self._lock:
+            lanes = {}
+            for name, lane in self.lanes.items():
+                for recent in (lane.recent_latency, lane.recent_batches):
+                    while recent and recent[0][0] < now - RECENT_S:
+                        recent.popleft()
+                latencies = [latency for _, latency in lane.recent_latency]
+                batches = [size for _, size in lane.recent_batches]
+                lanes[name] = {
+                    "queries": lane.queries, "requests": lane.requests, "launches": lane.launches,
+                    "queue_wait": lane.queue_wait.snapshot(), "compute": lane.compute.snapshot(),
+                    "latency": lane.latency.snapshot(), "refused": dict(lane.refused),
+                    "p95_last_minute_s": percentile(latencies, 0.95),
+                    "p50_last_minute_s": percentile(latencies, 0.50),
+                    "mean_batch_last_minute": sum(batches) / len(batches) if batches else math.nan,
+                    "launches_last_minute": len(batches),
+                }
+            return {
+                "launches": self.launches, "queries_answered": self.queries_answered,
+                "requests_answered": self.requests_answered, "failures": self.failures,
+                "compute_seconds": self.compute_seconds, "batch_size": self.batch_size.snapshot(),
+                "dispatch_modes": dict(self.dispatch_modes), "launch_reasons": dict(self.launch_reasons),
+                "lanes": lanes,
+            }

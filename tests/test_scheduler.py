@@ -1,0 +1,253 @@
+"""Pure batching decisions: each mode, two lanes, bursts, idle spells and policies changed mid-stream."""
+import math
+
+import pytest
+
+from gpu_engine.backends.base import DispatchShape
+from gpu_engine.engine import POLICY_RECHECK_S
+from gpu_engine.costmodel import CostFit, CostModel, RateMeter, fit_line
+from gpu_engine.scheduler import (
+    SLO_MAX_UTILISATION,
+    BatchingPolicy,
+    LaneQueue,
+    Launch,
+    PolicyError,
+    Wait,
+    decide,
+    expiry_cutoff,
+    plan_slo,
+    policy_errors,
+    take_requests,
+)
+
+FIT = CostFit(intercept_s=0.004, per_query_s=0.001, samples=50)  # t(b) = 4 ms + 1 ms per query
+
+
+def lanes(interactive=None, bulk=None):
+    return {"interactive": interactive or BatchingPolicy(), "bulk": bulk or BatchingPolicy()}
+
+
+def q(sizes, oldest, lane="interactive", rate=0.0):
+    return LaneQueue(lane, tuple(sizes), oldest if sizes else None, sum(sizes), rate)
+
+
+# -- the policy value ---------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value,message", [
+    ("max_batch", 0, "max_batch must be in 1..32 queries, got 0"),
+    ("max_batch", 33, "max_batch must be in 1..32 queries, got 33"),
+    ("streams", 9, "streams must be in 1..8 streams, got 9"),
+    ("window_us", -1, "window_us must be in 0..1000000 µs, got -1"),
+    ("safety_margin", 0.95, "safety_margin must be in 0..0.9 (fraction of the target), got 0.95"),
+    ("p95_target_ms", 0.0, "p95_target_ms must be in 0.1..60000 ms, got 0"),
+    ("micro_batch", 97, "micro_batch must be in 0..96 keys, got 97"),
+    ("mode", "fast", "mode must be one of latency, throughput, adaptive, slo, got 'fast'"),
+    ("max_batch", "8", "max_batch must be a number in 1..32 queries, got '8'"),
+])
+def test_out_of_range_fields_are_refused_with_range_and_value(field, value, message):
+    with pytest.raises(PolicyError) as caught:
+        BatchingPolicy(**{field: value})
+    assert caught.value.errors == {field: message}
+    assert str(caught.value) == message
+
+
+def test_cross_field_checks_name_the_field_and_both_values():
+    errors = policy_errors({**BatchingPolicy().__dict__, "mode": "adaptive", "max_batch": 8, "adaptive_threshold": 9,
+                            "max_queue": 4})
+    assert errors == {
+        "adaptive_threshold": "adaptive_threshold must be at most max_batch (8 queries), got 9",
+        "max_queue": "max_queue must be at least max_batch (8 queries), got 4: a shorter queue can "
+                     "never fill a batch",
+    }
+    with pytest.raises(PolicyError, match=r"queue_timeout_ms must exceed the admission window "
+                                          r"\(5000 µs\), got 5 ms"):
+        BatchingPolicy(window_us=5000, queue_timeout_ms=5)
+    with pytest.raises(PolicyError, match=r"p95_target_ms must be at most queue_timeout_ms \(100 ms\)"):
+        BatchingPolicy(mode="slo", p95_target_ms=200, queue_timeout_ms=100)
+    BatchingPolicy(mode="latency", p95_target_ms=200, queue_timeout_ms=100)  # target unused there
+
+
+def test_policy_gives_the_dispatch_shape():
+    policy = BatchingPolicy(micro_batch=12, streams=4, cuda_graph=True)
+    assert policy.dispatch == DispatchShape(12, 4, True)
+    launch = decide([q((1,), 0.0)], lanes(policy), None, 0.0)
+    assert launch.dispatch == DispatchShape(12, 4, True)
+
+
+# -- one lane, each mode ------------------------------------------------------------------------
+def test_latency_launches_whole_requests_up_to_the_cap_at_once():
+    policies = lanes(BatchingPolicy(max_batch=8))
+    d = decide([q((3, 3, 3), 1.0)], policies, None, 1.0)
+    assert (d.lane, d.requests, d.queries, d.reason, d.mode) == ("interactive", 2, 6, "now", "latency")
+    assert take_requests((40,), 32) == (1, 40)  # an oversized request still goes, alone
+    assert decide([q((), None)], policies, None, 1.0) == Wait(None)
+
+
+def test_throughput_window_counts_from_the_oldest_arrival():
+    policies = lanes(BatchingPolicy(mode="throughput", max_batch=8, window_us=2000))
+    # the oldest arrived at 1.000: at 1.0015 only 0.5 ms of its window is left
+    d = decide([q((1, 1), 1.000)], policies, None, 1.0015)
+    assert isinstance(d, Wait) and d.seconds == pytest.approx(0.0005)
+    d = decide([q((1, 1), 1.000)], policies, None, 1.002)
+    assert (d.requests, d.reason) == (2, "window")
+    d = decide([q((4, 4, 1), 1.000)], policies, None, 1.0001)
+    assert (d.requests, d.queries, d.reason) == (2, 8, "full")
+
+
+def test_adaptive_answers_a_shallow_queue_at_once_and_fills_a_deep_one():
+    policies = lanes(BatchingPolicy(mode="adaptive", adaptive_threshold=4, max_batch=16, window_us=3000))
+    assert decide([q((1, 2), 5.0)], policies, None, 5.0).reason == "now"
+    d = decide([q((2, 2), 5.0)], policies, None, 5.001)
+    assert isinstance(d, Wait) and d.seconds == pytest.approx(0.002)
+    assert decide([q((2, 2), 5.0)], policies, None, 5.003).reason == "window"
+
+
+def test_slo_without_measurements_behaves_like_latency():
+    policies = lanes(BatchingPolicy(mode="slo"))
+    assert decide([q((1,), 0.0, rate=500)], policies, None, 0.0).reason == "warmup"
+    assert decide([q((1,), 0.0, rate=500)], policies, CostFit(0.01, 0, 2), 0.0).reason == "warmup"
+
+
+def test_slo_at_light_load_launches_at_once():
+    policies = lanes(BatchingPolicy(mode="slo", p95_target_ms=50, window_us=20000))
+    d = decide([q((1,), 0.0, rate=10)], policies, FIT, 0.0)
+    assert (d.reason, d.mode, d.queries) == ("now", "slo", 1)
+
+
+def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
+    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    plan = plan_slo(policy, FIT, arrival_rate=450)
+    # b / t(b) * 0.8 >= 450/s first holds at b = 6: 6 / 0.010 * 0.8 = 480
+    assert plan.batch == 6
+    assert 5 / FIT.predict(5) * SLO_MAX_UTILISATION < 450
+    assert plan.budget_s == pytest.approx(0.040)
+    assert 0 < plan.window_s <= min(0.040 - 2 * FIT.predict(6), 0.020)
+    policies = lanes(policy)
+    d = decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, 0.001)
+    assert isinstance(d, Wait) and d.seconds == pytest.approx(plan.window_s - 0.001)
+    assert decide([q((1,) * 6, 0.0, rate=450)], policies, FIT, 0.001).reason == "full"
+    assert decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, plan.window_s).reason == "window"
+
+
+def test_slo_with_a_target_it_cannot_meet_never_holds_queries():
+    policy = BatchingPolicy(mode="slo", p95_target_ms=5, window_us=20000)
+    plan = plan_slo(policy, FIT, arrival_rate=400)
+    assert plan.window_s == 0
+    assert plan.feasible is False  # t(1) = 5 ms is over the 4 ms budget
+    assert decide([q((1,), 0.0, rate=400)], lanes(policy), FIT, 0.0).reason == "window"
+
+
+def test_slo_past_capacity_uses_full_batches():
+    policy = BatchingPolicy(mode="slo", max_batch=32, window_us=20000, p95_target_ms=500)
+    assert plan_slo(policy, FIT, arrival_rate=10_000).batch == 32
+
+
+# -- two lanes ----------------------------------------------------------------------------------
+def test_interactive_goes_first_and_bulk_runs_when_it_is_idle():
+    policies = lanes(BatchingPolicy(max_batch=8), BatchingPolicy(max_batch=32))
+    both = [q((3, 3, 3), 1.0), q((32,), 0.5, "bulk")]
+    assert decide(both, policies, None, 1.1).lane == "interactive"
+    d = decide([q((), None), q((32,), 0.5, "bulk")], policies, None, 1.1)
+    assert (d.lane, d.queries) == ("bulk", 32)
+
+
+def test_bulk_is_not_starved_past_its_bound():
+    policies = lanes(BatchingPolicy(), BatchingPolicy(max_starvation_ms=200))
+    queues = [q((1,), 10.0), q((4,), 9.85, "bulk")]
+    assert decide(queues, policies, None, 10.0).lane == "interactive"
+    d = decide(queues, policies, None, 10.05)
+    assert (d.lane, d.reason) == ("bulk", "starvation")
+
+
+def test_bulk_fills_an_interactive_window_only_when_its_launch_fits():
+    policies = lanes(BatchingPolicy(mode="throughput", window_us=20000), BatchingPolicy())
+    queues = [q((1,), 0.0), q((4,), 0.0, "bulk")]
+    # interactive holds its window for 20 ms more; 4 bulk queries take 8 ms: they go now
+    d = decide(queues, policies, FIT, 0.0)
+    assert (d.lane, d.queries) == ("bulk", 4)
+    # 32 bulk queries would take 36 ms and delay interactive: wait for the window instead
+    queues = [q((1,), 0.0), q((32,), 0.0, "bulk")]
+    d = decide(queues, policies, FIT, 0.0)
+    assert isinstance(d, Wait) and d.seconds == pytest.approx(0.020)
+    # without a cost model nothing is known to fit
+    assert isinstance(decide([q((1,), 0.0), q((4,), 0.0, "bulk")], policies, None, 0.0), Wait)
+
+
+def test_wait_wakes_for_the_next_deadline_and_starvation_bound():
+    policies = lanes(BatchingPolicy(mode="throughput", window_us=900_000, queue_timeout_ms=1000),
+                     BatchingPolicy(max_starvation_ms=300, queue_timeout_ms=2000))
+    d = decide([q((1,), 0.0), q((64,), 0.0, "bulk")], policies, None, 0.1)
+    assert d.seconds == pytest.approx(0.2)  # bulk's starvation bound comes first
+    assert expiry_cutoff(policies["interactive"], 5.0) == pytest.approx(4.0)
+
+
+# -- sequences of decisions ---------------------------------------------------------------------
+def simulate(arrivals, policy_at, fit, until):
+    """Drive decide() like the engine loop: arrivals are (time, queries); returns the launches."""
+    pending, launches, now, busy_until = list(arrivals), [], 0.0, 0.0
+    queue = []  # (arrival, size)
+    while now < until:
+        while pending and pending[0][0] <= now:
+            queue.append(pending.pop(0))
+        snapshot = [q(tuple(s for _, s in queue), queue[0][0] if queue else None)]
+        d = decide(snapshot, lanes(policy_at(now)), fit, now) if now >= busy_until else Wait(busy_until - now)
+        if isinstance(d, Launch):
+            launches.append((now, d.queries, d.reason))
+            del queue[: d.requests]
+            busy_until = now + fit.predict(d.queries)
+            continue
+        # like the engine, look again at least every POLICY_RECHECK_S while queries wait
+        step = min(d.seconds if d.seconds is not None else math.inf, POLICY_RECHECK_S if queue else math.inf)
+        next_arrival = pending[0][0] if pending else math.inf
+        now = min(now + max(step, 1e-6), next_arrival, until)
+    return launches
+
+
+def test_a_burst_is_cut_into_full_batches_then_the_rest():
+    burst = [(0.0, 1)] * 70
+    launches = simulate(burst, lambda now: BatchingPolicy(max_batch=32), FIT, 1.0)
+    assert [b for _, b, _ in launches] == [32, 32, 6]
+
+
+def test_idle_spell_then_a_single_query_is_not_held_by_latency_or_slo():
+    for policy in (BatchingPolicy(), BatchingPolicy(mode="slo", window_us=50_000)):
+        launches = simulate([(0.5, 1)], lambda now: policy, FIT, 1.0)
+        assert launches == [(0.5, 1, "now")]
+
+
+def test_policy_changed_mid_stream_applies_to_queries_already_waiting():
+    long_window = BatchingPolicy(mode="throughput", window_us=500_000)
+    # throughput holds the query; at 0.1 s the operator switches to latency and it goes at once
+    launches = simulate([(0.0, 1)], lambda now: long_window if now < 0.15 else BatchingPolicy(), FIT, 1.0)
+    assert launches == [(pytest.approx(0.15 + POLICY_RECHECK_S / 2, abs=POLICY_RECHECK_S / 2), 1, "now")]
+    launches = simulate([(0.0, 1)], lambda now: long_window, FIT, 1.0)
+    assert launches == [(pytest.approx(0.5), 1, "window")]
+
+
+# -- the measurements slo plans with ------------------------------------------------------------
+def test_cost_fit_recovers_a_line_and_refuses_negative_terms():
+    model = CostModel(window=8)
+    for b in (1, 2, 4, 8, 16, 32, 1, 32):
+        model.observe(b, 0.003 + 0.0005 * b)
+    fit = model.fit()
+    assert fit.samples == 8
+    assert fit.intercept_s == pytest.approx(0.003) and fit.per_query_s == pytest.approx(0.0005)
+    assert fit_line([(4, 0.01)] * 3) == CostFit(0.01, 0.0, 3, 0.0)  # one size: a constant
+    flat = fit_line([(1, 0.011), (32, 0.010)])  # noise on a flat curve must not fall
+    assert flat.per_query_s == 0 and flat.intercept_s == pytest.approx(0.0105)
+    through_origin = fit_line([(1, 0.0), (2, 0.003)])
+    assert through_origin.intercept_s == 0 and through_origin.per_query_s > 0
+
+
+def test_rate_meter_tracks_poisson_arrivals_and_forgets_after_idle():
+    import random
+
+    rng = random.Random(7)
+    meter, now = RateMeter(tau_s=2.0), 0.0
+    readings = []
+    while now < 60:
+        now += rng.expovariate(200.0)
+        meter.add(1, now)
+        if now > 10:
+            readings.append(meter.rate(now))
+    assert sum(readings) / len(readings) == pytest.approx(200, rel=0.05)
+    assert meter.rate(now + 20) < 1.0
