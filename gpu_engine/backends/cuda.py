@@ -1,0 +1,279 @@
+"""The CUDA backend (CuPy): the matrix stays in GPU memory and each batch is one fused scan of it."""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+try:
+    import cupy
+    from cupy_backends.cuda.api import runtime
+except ImportError as exc:  # create_backend turns this into BackendUnavailable
+    raise ImportError(f"the CUDA backend needs CuPy ({exc})") from exc
+
+from gpu_engine.backends import cuda_launch as launch
+from gpu_engine.backends.base import (
+    Backend,
+    BackendUnavailable,
+    DispatchShape,
+    ProgressFn,
+    ResidentMatrix,
+    empty_answers,
+)
+from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
+from gpu_engine.dpf import KeyBatch
+from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
+
+UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
+HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
+MAX_CACHED_SHAPES = 32  # (batch size, dispatch) entries whose buffers and graphs are kept
+_H2D, _D2H = 1, 2  # cudaMemcpyKind
+_poison = 0xA5
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+class _Launch:
+    """One micro-batch: its plan, device buffers, stream and, once captured, its CUDA graph."""
+
+    def __init__(self, plan: launch.ScanPlan, start: int, stop: int, stream) -> None:
+        self.plan, self.start, self.stop, self.stream = plan, start, stop, stream
+        k, d = plan.num_keys, plan.domain_bits
+        self.krec = launch.krec_words(d)
+        self.keyrec = cupy.empty((k, self.krec), dtype=np.uint32)
+        self.out = cupy.empty((k, WORDS_PER_PAGE), dtype=np.uint32)
+        self.nodes: List[Tuple[cupy.ndarray, cupy.ndarray]] = [
+            (cupy.empty((k, st.live_out, 4), dtype=np.uint32), cupy.empty((k, st.live_out), dtype=np.uint8))
+            for st in plan.stages
+        ]
+        self.top = get_kernel("dpf_scan.cu", "dpf_expand_top") if plan.stages else None
+        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes)
+        self.graph = None
+
+    def enqueue(self, pages, keys_host: np.ndarray, out_host: np.ndarray) -> None:
+        """Queue key upload, tree top, scan and answer download on this launch's stream."""
+        plan, k = self.plan, self.plan.num_keys
+        s = self.stream.ptr
+        rec_bytes = k * self.krec * 4
+        runtime.memcpyAsync(self.keyrec.data.ptr, keys_host[self.start :].ctypes.data, rec_bytes, _H2D, s)
+        runtime.memsetAsync(self.out.data.ptr, 0, self.out.nbytes, s)
+        d, n = plan.domain_bits, plan.num_pages
+        with self.stream:
+            for i, st in enumerate(plan.stages):
+                in_seed, in_t = self.nodes[i - 1] if i else self.nodes[i]  # stage 0 reads the roots
+                in_stride = plan.stages[i - 1].live_out if i else 0
+                out_seed, out_t = self.nodes[i]
+                self.top(
+                    (st.live_in, k), (launch.TOP_THREADS,),
+                    (self.keyrec, _i32(self.krec), _i32(d), _i64(n), in_seed, in_t, _i64(in_stride),
+                     _i32(st.depth_in), _i32(st.levels), out_seed, out_t, _i64(st.live_out)),
+                )
+            roots_seed, roots_t = self.nodes[-1] if self.nodes else (self.keyrec, self.keyrec)
+            self.scan(
+                (plan.grid,), (launch.SCAN_THREADS,),
+                (pages, _i64(n), _i32(d), _i32(plan.chunk_levels), self.keyrec, _i32(self.krec), _i32(k),
+                 roots_seed, roots_t, _i64(plan.root_stride), _i32(plan.num_groups),
+                 _i32(plan.chunks_per_block), self.out),
+                shared_mem=plan.shared_bytes,
+            )
+        runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr, k * PAGE_BYTES, _D2H, s)
+
+    def run(self, pages, keys_host: np.ndarray, out_host: np.ndarray, use_graph: bool) -> None:
+        if not use_graph:
+            self.enqueue(pages, keys_host, out_host)
+            return
+        if self.graph is None:  # the pinned buffers and device buffers are fixed, so replay is exact
+            self.stream.begin_capture()
+            try:
+                self.enqueue(pages, keys_host, out_host)
+            finally:
+                self.graph = self.stream.end_capture()
+        self.graph.launch(stream=self.stream)
+
+
+class _DispatchState:
+    """Pinned host buffers and launches for one (batch size, dispatch shape), reused across calls."""
+
+    def __init__(self, plans: List[launch.ScanPlan], ranges, streams, krec: int) -> None:
+        total = ranges[-1][1]
+        self._keys_mem = cupy.cuda.alloc_pinned_memory(total * krec * 4)
+        self._out_mem = cupy.cuda.alloc_pinned_memory(total * PAGE_BYTES)
+        self.keys_host = np.frombuffer(self._keys_mem, np.uint32, total * krec).reshape(total, krec)
+        self.out_host = np.frombuffer(self._out_mem, np.uint32, total * WORDS_PER_PAGE).reshape(total, WORDS_PER_PAGE)
+        self.launches = [
+            _Launch(plan, start, stop, streams[i % len(streams)])
+            for i, (plan, (start, stop)) in enumerate(zip(plans, ranges))
+        ]
+
+
+class CudaResident(ResidentMatrix):
+    """One epoch's pages in GPU memory as a (num_pages, 1024) u32 array."""
+
+    def __init__(self, backend: "CudaBackend", pages, num_pages: int, domain_bits: int) -> None:
+        self.num_pages = num_pages
+        self.domain_bits = domain_bits
+        self._backend = backend
+        self._pages = pages
+        self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(8)]
+        self._states: "collections.OrderedDict[tuple, _DispatchState]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        # scan tuning; the benchmarks vary these, the engine keeps the defaults
+        self.max_group_keys = launch.DEFAULT_MAX_GROUP_KEYS
+        self.chunk_levels = launch.DEFAULT_CHUNK_LEVELS
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._pages is None else int(self._pages.nbytes)
+
+    def _live(self):
+        if self._pages is None:
+            raise RuntimeError("this resident matrix was released")
+        return self._pages
+
+    def plan(self, num_keys: int) -> launch.ScanPlan:
+        return launch.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
+                                self.chunk_levels, self._backend.resident_blocks)
+
+    def _state(self, num_keys: int, dispatch: DispatchShape) -> _DispatchState:
+        key = (num_keys, dispatch, self.max_group_keys, self.chunk_levels)
+        state = self._states.get(key)
+        if state is None:
+            ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
+            plans = [self.plan(stop - start) for start, stop in ranges]
+            state = _DispatchState(plans, ranges, self._streams[: dispatch.streams],
+                                   launch.krec_words(self.domain_bits))
+            self._states[key] = state
+            while len(self._states) > MAX_CACHED_SHAPES:
+                self._states.popitem(last=False)
+        self._states.move_to_end(key)
+        return state
+
+    def answer(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
+        self.check_keys(keys)
+        launch.check_key_batch(keys, self.domain_bits)
+        records = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
+        with self._lock:
+            pages = self._live()
+            state = self._state(len(keys), dispatch)
+            state.keys_host[...] = records
+            state.out_host.view(np.uint8)[...] = _poison  # a launch that never lands shows as poison
+            for item in state.launches:
+                item.run(pages, state.keys_host, state.out_host, dispatch.graph)
+            for stream in {id(item.stream): item.stream for item in state.launches}.values():
+                stream.synchronize()
+            answers = empty_answers(len(keys))
+            answers[...] = state.out_host.view(np.uint8)
+        return answers
+
+    def write_rows(self, rows: Mapping[int, bytes]) -> None:
+        idx, data = launch.check_rows(rows, self.num_pages * ROWS_PER_PAGE)
+        if not len(idx):
+            return
+        with self._lock:
+            by_row = self._live().reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)
+            stream = self._streams[0]
+            with stream:  # answers run on these streams; finishing here orders the write before them
+                by_row[cupy.asarray(idx)] = cupy.asarray(data)
+            stream.synchronize()
+
+    def read_page(self, index: int) -> bytes:
+        """Page `index` as it is in GPU memory (row writes included)."""
+        if not 0 <= index < self.num_pages:
+            raise ValueError(f"page {index} is outside [0, {self.num_pages})")
+        return cupy.asnumpy(self._live()[index]).astype("<u4").tobytes()
+
+    def release(self) -> None:
+        with self._lock:
+            for stream in self._streams:
+                stream.synchronize()
+            self._states.clear()
+            self._pages = None
+            cupy.get_default_memory_pool().free_all_blocks()
+            cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+class CudaBackend(Backend):
+    """One GPU (the current CuPy device). Raises BackendUnavailable where none can be used."""
+
+    name = "cuda"
+
+    def __init__(self, device: Optional[int] = None) -> None:
+        super().__init__()
+        try:
+            count = runtime.getDeviceCount()
+        except Exception as exc:  # CuPy present, driver or GPU missing
+            raise BackendUnavailable(f"CuPy is installed but no CUDA GPU is usable: {exc}") from exc
+        if count < 1:
+            raise BackendUnavailable("CuPy is installed but sees no CUDA GPU")
+        self.device = cupy.cuda.Device(device if device is not None else cupy.cuda.runtime.getDevice())
+        self.device.use()
+        props = runtime.getDeviceProperties(self.device.id)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.sm_count = int(props["multiProcessorCount"])
+        self.compute_capability = (int(props["major"]), int(props["minor"]))
+        self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
+
+    def memory_info(self) -> dict:
+        free, total = runtime.memGetInfo()
+        return {"device": f"{self.device_name} (cuda:{self.device.id}, sm_{self.compute_capability[0]}{self.compute_capability[1]})",
+                "used_bytes": int(total - free), "total_bytes": int(total)}
+
+    def _allocate(self, num_pages: int):
+        need = num_pages * PAGE_BYTES
+        free, total = runtime.memGetInfo()
+        if need + HEADROOM_BYTES > free:
+            raise BackendUnavailable(
+                f"the matrix needs {launch.sizes_text(need)} plus {launch.sizes_text(HEADROOM_BYTES)} of "
+                f"working space, but {self.device_name} has {launch.sizes_text(free)} free "
+                f"of {launch.sizes_text(total)}"
+            )
+        try:
+            return cupy.empty((num_pages, WORDS_PER_PAGE), dtype=np.uint32)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            raise BackendUnavailable(f"the matrix needs {launch.sizes_text(need)}: {exc}") from exc
+
+    def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> CudaResident:
+        """Upload in 64 MiB pieces through two pinned buffers, so reading the (memory-mapped)
+        file overlaps the copy of the previous piece."""
+        pages = self._allocate(matrix.num_pages)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        staging = [cupy.cuda.alloc_pinned_memory(UPLOAD_CHUNK_PAGES * PAGE_BYTES) for _ in range(2)]
+        done_events = [None, None]
+        total = matrix.nbytes
+        for n, (first, block) in enumerate(matrix.iter_blocks(UPLOAD_CHUNK_PAGES)):
+            slot = n % 2
+            if done_events[slot] is not None:
+                done_events[slot].synchronize()
+            view = np.frombuffer(staging[slot], np.uint32, block.size).reshape(block.shape)
+            np.copyto(view, block)
+            runtime.memcpyAsync(pages[first:].data.ptr, view.ctypes.data, block.nbytes, _H2D, stream.ptr)
+            done_events[slot] = stream.record()
+            if progress:
+                progress(min(total, (first + block.shape[0]) * PAGE_BYTES), total)
+        stream.synchronize()
+        return CudaResident(self, pages, matrix.num_pages, matrix.domain_bits)
+
+    def generate(self, num_pages: int, seed: int, domain_bits: Optional[int] = None,
+                 progress: Optional[ProgressFn] = None) -> CudaResident:
+        """A pseudo-random matrix made in GPU memory (matrix_fill.cu), for benchmarks at sizes
+        the host cannot feed; cuda_module.fill_reference recomputes any page on the host."""
+        d = domain_bits_for(num_pages, domain_bits)
+        pages = self._allocate(num_pages)
+        fill = get_kernel("matrix_fill.cu", "fill_pages")
+        pairs = pages.reshape(-1).view(np.uint64)
+        step = 1 << 30  # 8 GiB per launch, so progress moves
+        for first in range(0, pairs.size, step):
+            count = min(step, pairs.size - first)
+            fill((self.sm_count * 8,), (256,), (pairs[first:], np.uint64(first), np.uint64(count), np.uint64(seed)))
+            cupy.cuda.Device().synchronize()
+            if progress:
+                progress((first + count) * 8, num_pages * PAGE_BYTES)
+        return CudaResident(self, pages, num_pages, d)

@@ -1,0 +1,223 @@
+"""Launch planning and argument checks for the CUDA kernels: pure code, testable without a GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+SCAN_THREADS = 256  # one thread per 16-byte column of a page (dpf_scan.cu)
+TOP_THREADS = 256
+MAX_TOP_LEVELS = 9  # levels one dpf_expand_top block expands (its shared buffers hold 2**9 nodes)
+SCAN_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # dpf_scan<G> instantiations in the .cu
+DEFAULT_MAX_GROUP_KEYS = 16  # 64 accumulator registers a thread: two blocks fit an SM
+DEFAULT_CHUNK_LEVELS = 7  # 128 pages per expanded chunk: 54 KiB of shared memory at G = 16
+WAVES_PER_LAUNCH = 8  # blocks per launch over blocks resident at once: bounds the tail wave
+KREC_HEADER_WORDS = 12  # root seed 4, final_cw 4, root_t 1, padding 3 (dpf_scan.cu)
+MAX_SHARED_BYTES = 227 * 1024  # opt-in limit of one block on sm_90
+
+
+def live_nodes(num_leaves: int, height: int) -> int:
+    """Nodes of a tree level holding at least one of the first num_leaves leaves, each node
+    spanning 2**height leaves (everything past num_leaves is pruned)."""
+    return -(-num_leaves // (1 << height))
+
+
+def krec_words(domain_bits: int) -> int:
+    """u32 words of one key record: header, d seed corrections, d t-correction words, to x4."""
+    words = KREC_HEADER_WORDS + 5 * domain_bits
+    return (words + 3) & ~3
+
+
+def pack_key_records(root_seed: np.ndarray, root_t: np.ndarray, cw_seed: np.ndarray,
+                     cw_t: np.ndarray, final_cw: np.ndarray) -> np.ndarray:
+    """The (K, krec_words(d)) u32 records dpf_scan.cu reads, from KeyBatch arrays."""
+    k, d = cw_seed.shape[0], cw_seed.shape[1]
+    rec = np.zeros((k, krec_words(d)), dtype=np.uint32)
+    rec[:, 0:4] = root_seed
+    rec[:, 4:8] = final_cw
+    rec[:, 8] = root_t
+    base = KREC_HEADER_WORDS
+    rec[:, base : base + 4 * d] = cw_seed.reshape(k, 4 * d)
+    rec[:, base + 4 * d : base + 5 * d] = cw_t[:, :, 0].astype(np.uint32) | (cw_t[:, :, 1].astype(np.uint32) << 1)
+    return rec
+
+
+def check_array(name: str, arr, dtype, shape: Tuple[int, ...]) -> None:
+    """ValueError unless `arr` (NumPy or CuPy) has this dtype, shape and C-contiguous layout."""
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise ValueError(f"{name} must be {np.dtype(dtype)}, got {arr.dtype}")
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def check_bits(name: str, arr) -> None:
+    if arr.size and int(np.asarray(arr).max()) > 1:
+        raise ValueError(f"{name} must hold only 0 and 1, got {int(np.asarray(arr).max())}")
+
+
+def check_key_batch(batch, domain_bits: int) -> None:
+    """Reject a KeyBatch whose arrays the kernels would misread, before anything launches."""
+    k = len(batch)
+    if k < 1:
+        raise ValueError("empty key batch")
+    if batch.domain_bits != domain_bits:
+        raise ValueError(f"keys have domain_bits {batch.domain_bits}, matrix has {domain_bits}")
+    d = domain_bits
+    check_array("root_seed", batch.root_seed, np.uint32, (k, 4))
+    check_array("root_t", batch.root_t, np.uint8, (k,))
+    check_array("cw_seed", batch.cw_seed, np.uint32, (k, d, 4))
+    check_array("cw_t", batch.cw_t, np.uint8, (k, d, 2))
+    check_array("final_cw", batch.final_cw, np.uint32, (k, 4))
+    check_bits("root_t", batch.root_t)
+    check_bits("cw_t", batch.cw_t)
+
+
+def pick_group_keys(num_keys: int, max_group_keys: int) -> Tuple[int, int]:
+    """(keys per block G, key groups): as few groups as max_group_keys allows, each as even as
+    the compiled group sizes let it be, so padding lanes stay few."""
+    if max_group_keys not in SCAN_GROUP_SIZES:
+        raise ValueError(f"max_group_keys must be one of {SCAN_GROUP_SIZES}, got {max_group_keys}")
+    if num_keys < 1:
+        raise ValueError(f"num_keys must be >= 1, got {num_keys}")
+    groups = -(-num_keys // max_group_keys)
+    need = -(-num_keys // groups)
+    group_keys = min(g for g in SCAN_GROUP_SIZES if g >= need)
+    return group_keys, -(-num_keys // group_keys)
+
+
+def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
+    """Dynamic shared memory of dpf_scan<G> (the layout commented in dpf_scan.cu)."""
+    leaves = 1 << chunk_levels
+    nodes = leaves + leaves // 2
+    uint4s = nodes * group_keys + chunk_levels * group_keys + group_keys
+    return 16 * uint4s + nodes * group_keys + chunk_levels * group_keys
+
+
+def top_stages(depth_top: int) -> List[Tuple[int, int]]:
+    """(depth_in, levels) of the dpf_expand_top launches that reach depth_top, at most
+    MAX_TOP_LEVELS levels each; the short stage goes first, where there are fewest nodes."""
+    if depth_top <= 0:
+        return []
+    count = -(-depth_top // MAX_TOP_LEVELS)
+    first = depth_top - MAX_TOP_LEVELS * (count - 1)
+    stages = [(0, first)]
+    for i in range(1, count):
+        stages.append((first + MAX_TOP_LEVELS * (i - 1), MAX_TOP_LEVELS))
+    return stages
+
+
+@dataclass(frozen=True)
+class TopStage:
+    depth_in: int
+    levels: int
+    live_in: int  # blocks per key: the live nodes of depth_in
+    live_out: int  # nodes written per key: the live nodes of depth_in + levels
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """Every size of one batch's launches (top stages, then one dpf_scan<G> launch)."""
+
+    num_pages: int
+    domain_bits: int
+    num_keys: int
+    group_keys: int
+    num_groups: int
+    chunk_levels: int
+    num_chunks: int
+    chunks_per_block: int
+    grid: int
+    shared_bytes: int
+    stages: Tuple[TopStage, ...]
+
+    @property
+    def depth_top(self) -> int:
+        return self.domain_bits - self.chunk_levels
+
+    @property
+    def root_stride(self) -> int:
+        """Nodes per key in the root arrays dpf_scan reads (1 when the chunk is the whole tree)."""
+        return self.stages[-1].live_out if self.stages else 1
+
+
+def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
+              max_group_keys: int = DEFAULT_MAX_GROUP_KEYS,
+              chunk_levels: int = DEFAULT_CHUNK_LEVELS,
+              resident_blocks: int = 132 * 2) -> ScanPlan:
+    """Plan one launch of num_keys keys over num_pages pages of a depth-domain_bits tree.
+
+    Blocks of one chunk run and consecutive key groups are adjacent (block = run * groups +
+    group), so a run's pages are read from memory once and from L2 by the other groups.
+    """
+    if not 1 <= num_pages <= (1 << domain_bits):
+        raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
+    if chunk_levels < 1:
+        raise ValueError(f"chunk_levels must be >= 1, got {chunk_levels}")
+    c = min(chunk_levels, domain_bits)
+    group_keys, groups = pick_group_keys(num_keys, max_group_keys)
+    shared = scan_shared_bytes(group_keys, c)
+    if shared > MAX_SHARED_BYTES:
+        raise ValueError(
+            f"{group_keys} keys x 2**{c}-page chunks need {shared} bytes of shared memory, "
+            f"over the {MAX_SHARED_BYTES}-byte limit"
+        )
+    chunks = live_nodes(num_pages, c)
+    target_runs = max(1, -(-resident_blocks * WAVES_PER_LAUNCH // groups))
+    runs = min(chunks, target_runs)
+    per_block = -(-chunks // runs)
+    runs = -(-chunks // per_block)
+    stages = tuple(
+        TopStage(a, b, live_nodes(num_pages, domain_bits - a), live_nodes(num_pages, domain_bits - a - b))
+        for a, b in top_stages(domain_bits - c)
+    )
+    return ScanPlan(num_pages, domain_bits, num_keys, group_keys, groups, c, chunks, per_block,
+                    runs * groups, shared, stages)
+
+
+def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]]:
+    """[start, stop) key ranges of the launches; micro_batch 0 = one launch for all keys."""
+    if micro_batch < 0:
+        raise ValueError(f"micro_batch must be >= 0, got {micro_batch}")
+    step = num_keys if micro_batch == 0 else micro_batch
+    return [(s, min(num_keys, s + step)) for s in range(0, num_keys, step)]
+
+
+def workspace_bytes(plan: ScanPlan) -> int:
+    """Device bytes one launch needs besides the matrix: key records, tree nodes, answers."""
+    nodes = sum(st.live_out for st in plan.stages) * plan.num_keys * 17
+    return plan.num_keys * (4 * krec_words(plan.domain_bits) + 4096) + nodes
+
+
+def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(indices (n,) int64, words (n, 64) u32) of a {row: 256 bytes} mapping, all checked first."""
+    idx = np.empty(len(rows), dtype=np.int64)
+    data = np.empty((len(rows), 64), dtype=np.uint32)
+    for i, (row, raw) in enumerate(rows.items()):
+        if not 0 <= int(row) < num_rows:
+            raise ValueError(f"row {row} is outside [0, {num_rows})")
+        if len(raw) != 256:
+            raise ValueError(f"row {row} data is {len(raw)} bytes, expected 256")
+        idx[i] = int(row)
+        data[i] = np.frombuffer(bytes(raw), dtype="<u4")
+    return idx, data
+
+
+def describe_plan(plan: ScanPlan) -> str:
+    stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
+    return (f"keys={plan.num_keys} G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
+            f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "
+            f"smem={plan.shared_bytes} top=[{stages}]")
+
+
+def sizes_text(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"
+
+
+__all__: Sequence[str] = (
+    "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
+    "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
+    "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",
+)

@@ -1,0 +1,71 @@
+"""Loads the kernels in gpu_engine/kernels/*.cu once per process (CuPy RawModule over NVRTC)."""
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+from typing import Dict, Tuple
+
+import numpy as np
+
+from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+# NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets.
+NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",)
+KERNEL_FILES = ("dpf_scan.cu", "matrix_fill.cu")
+_NAME_EXPRESSIONS: Dict[str, Tuple[str, ...]] = {
+    "dpf_scan.cu": tuple(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
+    "matrix_fill.cu": (),
+}
+_lock = threading.Lock()
+
+
+def kernel_source(name: str) -> str:
+    """The exact text handed to NVRTC for kernels/<name>."""
+    if name not in KERNEL_FILES:
+        raise ValueError(f"unknown kernel file {name!r}, expected one of {KERNEL_FILES}")
+    return (KERNEL_DIR / name).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    import cupy
+
+    return cupy.RawModule(
+        code=kernel_source(name), options=NVRTC_OPTIONS, name_expressions=_NAME_EXPRESSIONS[name] or None
+    )
+
+
+def get_kernel(file_name: str, kernel_name: str):
+    """A RawKernel of kernels/<file_name>, compiled on first use and cached for the process."""
+    with _lock:  # one compile per file even when two threads start at once
+        module = _module(file_name)
+        return _kernel(module, kernel_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(module, kernel_name: str):
+    return module.get_function(kernel_name)
+
+
+def scan_kernel(group_keys: int, shared_bytes: int):
+    """dpf_scan<group_keys>, its dynamic shared-memory limit raised to at least shared_bytes."""
+    if group_keys not in SCAN_GROUP_SIZES:
+        raise ValueError(f"group_keys must be one of {SCAN_GROUP_SIZES}, got {group_keys}")
+    kernel = get_kernel("dpf_scan.cu", f"dpf_scan<{group_keys}>")
+    if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+    return kernel
+
+
+def fill_reference(first_pair: int, num_pairs: int, seed: int) -> np.ndarray:
+    """matrix_fill.cu's words for pairs [first_pair, first_pair + num_pairs), computed on the host."""
+    with np.errstate(over="ignore"):
+        i = np.arange(first_pair, first_pair + num_pairs, dtype=np.uint64)
+        z = np.uint64(seed) ^ (i * np.uint64(0xD1342543DE82EF95))
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return z.view(np.uint32)

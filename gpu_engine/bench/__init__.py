@@ -1,0 +1,1 @@
+"""Benchmarks of the engine backends, runnable with numpy (+ cupy) alone."""

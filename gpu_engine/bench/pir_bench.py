@@ -1,0 +1,195 @@
+"""Backend benchmark: Q queries one by one vs as one batch, with answers checked; writes a CSV.
+
+    python -m gpu_engine.bench.pir_bench --backend cuda --pages 65536 --domain-bits 16 \
+        --q 1,2,4,8,16,32 --dispatch micro_batch=0,streams=1,graph=0 --out docs/benchmarks/x.csv
+
+Runs with numpy (+ cupy for --backend cuda) only. Every timed batch is checked twice: the
+single-query answers must equal the batch answers byte for byte, and party 0's answers XOR
+party 1's must give each query's target page (the check that needs no reference backend).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from gpu_engine.backends import DispatchShape, create_backend
+from gpu_engine.dpf import KeyBatch, gen_keys
+from gpu_engine.matrix import domain_bits_for, random_matrix
+
+CSV_COLUMNS = ("q", "single_ms_per_batch", "batch_ms_per_batch", "batch_vs_single_speedup",
+               "single_qps", "batch_qps", "checksum_match")
+KEYS_PER_QUERY = 3
+
+
+@dataclass
+class Queries:
+    targets: List[int]  # 3Q target pages, query-major
+    party0: List  # 3Q DpfKey
+    party1: List
+
+
+def make_queries(q: int, num_pages: int, domain_bits: int, rng: np.random.Generator) -> Queries:
+    targets = [int(t) for t in rng.integers(0, num_pages, size=KEYS_PER_QUERY * q)]
+    pairs = [gen_keys(t, domain_bits, rng=rng) for t in targets]
+    return Queries(targets, [a for a, _ in pairs], [b for _, b in pairs])
+
+
+def parse_dispatch(text: str) -> DispatchShape:
+    """'micro_batch=0,streams=1,graph=0' (any subset) -> DispatchShape."""
+    fields = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name not in ("micro_batch", "streams", "graph"):
+            raise ValueError(f"unknown dispatch field {name!r} in {text!r}")
+        fields[name] = int(value)
+    if "graph" in fields:
+        fields["graph"] = bool(fields["graph"])
+    return DispatchShape(**fields)
+
+
+def dispatch_tag(d: DispatchShape) -> str:
+    return f"mb{d.micro_batch}-s{d.streams}-g{int(d.graph)}"
+
+
+def _median_ms(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_q(resident, page_of: Callable[[int], bytes], queries: Queries, q: int,
+            dispatch: DispatchShape, repeat: int, log: Callable[[str], None]) -> dict:
+    """One CSV row: the single-query loop and the batch, each timed `repeat` times (median)."""
+    batch0 = KeyBatch.from_keys(queries.party0)
+    batch1 = KeyBatch.from_keys(queries.party1)
+    singles = [KeyBatch.from_keys(queries.party0[i * KEYS_PER_QUERY : (i + 1) * KEYS_PER_QUERY])
+               for i in range(q)]
+    # warm-up: compiles kernels, allocates buffers, captures graphs for both launch shapes
+    resident.answer(singles[0], dispatch)
+    answers0 = resident.answer(batch0, dispatch)
+    answers1 = resident.answer(batch1, dispatch)
+    xor_ok = all(
+        (answers0[i] ^ answers1[i]).tobytes() == page_of(t) for i, t in enumerate(queries.targets)
+    )
+    single_answers = np.concatenate([resident.answer(s, dispatch) for s in singles])
+    same = hashlib.sha256(single_answers.tobytes()).digest() == hashlib.sha256(answers0.tobytes()).digest()
+    single_ms = _median_ms(lambda: [resident.answer(s, dispatch) for s in singles], repeat)
+    batch_ms = _median_ms(lambda: resident.answer(batch0, dispatch), repeat)
+    if not (xor_ok and same):
+        log(f"CHECK FAILED q={q}: parties_xor_to_target={xor_ok} single_equals_batch={same}")
+    return {
+        "q": q,
+        "single_ms_per_batch": round(single_ms, 4),
+        "batch_ms_per_batch": round(batch_ms, 4),
+        "batch_vs_single_speedup": round(single_ms / batch_ms, 3),
+        "single_qps": round(q / single_ms * 1e3, 2),
+        "batch_qps": round(q / batch_ms * 1e3, 2),
+        "checksum_match": bool(xor_ok and same),
+    }
+
+
+def write_csv(path: str, header: Sequence[str], rows: Sequence[dict]) -> None:
+    with open(path, "w") as fh:
+        for line in header:
+            fh.write(f"# {line}\n")
+        fh.write(", ".join(CSV_COLUMNS) + "\n")
+        for row in rows:
+            fh.write(", ".join(str(row[c]) for c in CSV_COLUMNS) + "\n")
+
+
+def csv_header(device: str, pages: int, domain_bits: int, backend: str, dispatch: DispatchShape,
+               extra: str = "") -> List[str]:
+    return [
+        f"gpu: {device}",
+        f"shape: pages={pages}, domain_bits={domain_bits}",
+        f"backend: {backend}",
+        f"dispatch: micro_batch={dispatch.micro_batch}, streams={dispatch.streams}, graph={dispatch.graph}"
+        + (f"; {extra}" if extra else ""),
+        "command: " + " ".join(sys.argv),
+        "date: " + _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    ]
+
+
+def make_resident(backend, pages: int, domain_bits: int, seed: int, on_device: bool, log):
+    """(resident, page_of): a seeded random matrix, generated in GPU memory when on_device."""
+    t0 = time.perf_counter()
+    if on_device:
+        resident = backend.generate(pages, seed, domain_bits)
+        page_of = resident.read_page
+    else:
+        matrix = random_matrix(pages, seed, domain_bits)
+        resident = backend.load(matrix)
+        page_of = matrix.page
+    log(f"matrix ready: {pages} pages, d={resident.domain_bits}, {time.perf_counter() - t0:.1f} s "
+        f"({'generated on the GPU' if on_device else 'uploaded from host'})")
+    return resident, page_of
+
+
+def run(resident, page_of, pages: int, domain_bits: int, qs: Sequence[int], dispatch: DispatchShape,
+        repeat: int, seed: int, log: Callable[[str], None]) -> List[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for q in qs:
+        queries = make_queries(q, pages, domain_bits, rng)
+        row = bench_q(resident, page_of, queries, q, dispatch, repeat, log)
+        log("  " + "  ".join(f"{k}={row[k]}" for k in CSV_COLUMNS))
+        rows.append(row)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--pages", type=int, default=65536)
+    ap.add_argument("--domain-bits", type=int, default=None)
+    ap.add_argument("--q", default="1,2,4,8,16,32", help="comma-separated query counts")
+    ap.add_argument("--dispatch", action="append", default=None,
+                    help="micro_batch=..,streams=..,graph=.. (repeatable: one CSV each, tag appended)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
+    ap.add_argument("--max-group-keys", type=int, default=None, help="cuda: keys per block, at most")
+    ap.add_argument("--chunk-levels", type=int, default=None, help="cuda: log2 pages per expanded chunk")
+    ap.add_argument("--out", required=True, help="CSV path")
+    args = ap.parse_args(argv)
+
+    d = domain_bits_for(args.pages, args.domain_bits)
+    qs = [int(x) for x in args.q.split(",") if x]
+    dispatches = [parse_dispatch(t) for t in (args.dispatch or ["micro_batch=0,streams=1,graph=0"])]
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    backend = create_backend(args.backend)
+    if args.gpu_matrix and args.backend != "cuda":
+        ap.error("--gpu-matrix needs --backend cuda")
+    resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, log)
+    extra = []
+    if args.max_group_keys:
+        resident.max_group_keys = args.max_group_keys
+        extra.append(f"max_group_keys={args.max_group_keys}")
+    if args.chunk_levels:
+        resident.chunk_levels = args.chunk_levels
+        extra.append(f"chunk_levels={args.chunk_levels}")
+    device = backend.memory_info()["device"]
+    ok = True
+    for dispatch in dispatches:
+        log(f"{args.backend} {device} pages={args.pages} d={d} dispatch={dispatch_tag(dispatch)}")
+        rows = run(resident, page_of, args.pages, d, qs, dispatch, args.repeat, args.seed, log)
+        out = args.out if len(dispatches) == 1 else args.out.replace(".csv", f"-{dispatch_tag(dispatch)}.csv")
+        write_csv(out, csv_header(device, args.pages, d, args.backend, dispatch, ", ".join(extra)), rows)
+        ok &= all(r["checksum_match"] for r in rows)
+    resident.release()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+// Full-domain DPF expansion fused with the page scan (PROTOCOL.md sections 2-4).
+//
+// Compiled by NVRTC at run time (CuPy RawModule) and by nvcc in CI from this same text, so it
+// includes no headers: NVRTC has no C++ standard library.
+//
+// Work split. A key batch's tree is cut at depth T = d - c: `dpf_expand_top` writes the nodes of
+// depth T (each node once, level by level in shared memory, in stages of at most 9 levels).
+// `dpf_scan<G>` then gives each block one key group (G keys) and a run of chunks; a chunk is the
+// 2^c leaves under one depth-T node. Per chunk the block expands the chunk's c levels for its G
+// keys in shared memory, turns the leaves into masks there, and streams the chunk's pages through
+// registers: thread `col` owns 16-byte column `col` of every page (one mask unit), so each page
+// word costs one LOP3 (acc ^= word & mask) and masks never leave shared memory. Blocks of the same
+// chunk run and different key groups are adjacent in the grid, so they run together and the
+// page re-reads of the later groups are served by L2. Accumulators meet in global memory by XOR
+// atomics once per block.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+
+#define SCAN_THREADS 256  // one thread per 16-byte column of a 4096-byte page
+#define TOP_THREADS 256
+#define MAX_TOP_LEVELS 9  // 2^9 nodes fill a 256-thread block's last level exactly twice
+
+// Key records, one per key, KREC u32 words each (KREC a multiple of 4, set by the host):
+//   [0,4) root seed   [4,8) final_cw   [8] root_t   [12 + 4l, 16 + 4l) seed_cw of level l
+//   [12 + 4d + l] t corrections of level l: bit 0 left, bit 1 right
+#define KREC_ROOT 0
+#define KREC_FINAL 4
+#define KREC_ROOT_T 8
+#define KREC_CW 12
+
+__device__ __forceinline__ u32 rotl32(u32 x, int n) { return __funnelshift_l(x, x, n); }
+
+#define QUARTER(a, b, c, d)                  \
+    a += b; d ^= a; d = rotl32(d, 16);       \
+    c += d; b ^= c; b = rotl32(b, 12);       \
+    a += b; d ^= a; d = rotl32(d, 8);        \
+    c += d; b ^= c; b = rotl32(b, 7);
+
+#define DIAGONAL_ROUND(x)                             \
+    QUARTER(x##0, x##5, x##10, x##15)                 \
+    QUARTER(x##1, x##6, x##11, x##12)                 \
+    QUARTER(x##2, x##7, x##8, x##13)                  \
+    QUARTER(x##3, x##4, x##9, x##14)
+
+#define COLUMN_ROUND(x)                               \
+    QUARTER(x##0, x##4, x##8, x##12)                  \
+    QUARTER(x##1, x##5, x##9, x##13)                  \
+    QUARTER(x##2, x##6, x##10, x##14)                 \
+    QUARTER(x##3, x##7, x##11, x##15)
+
+// expand(seed) of PROTOCOL.md section 2: ChaCha8 blocks 0 and 1 under key (s, s), nonce 0.
+// The two blocks differ only in the counter word, which enters the first column round through
+// quarter (0,4,8,12) alone, so the other three first-round quarters are computed once. Block 1
+// contributes only the low bits of words 0 and 1; the compiler drops the rest of its last round.
+__device__ __forceinline__ void prg_expand(uint4 s, uint4& left, uint4& right, u32& t_left, u32& t_right) {
+    const u32 c0 = 0x61707865u, c1 = 0x3320646eu, c2 = 0x79622d32u, c3 = 0x6b206574u;
+    u32 s1 = c1, s5 = s.y, s9 = s.y, s13 = 0;
+    u32 s2 = c2, s6 = s.z, s10 = s.z, s14 = 0;
+    u32 s3 = c3, s7 = s.w, s11 = s.w, s15 = 0;
+    QUARTER(s1, s5, s9, s13)
+    QUARTER(s2, s6, s10, s14)
+    QUARTER(s3, s7, s11, s15)
+    u32 a0 = c0, a4 = s.x, a8 = s.x, a12 = 0;
+    u32 b0 = c0, b4 = s.x, b8 = s.x, b12 = 1;
+    QUARTER(a0, a4, a8, a12)
+    QUARTER(b0, b4, b8, b12)
+    u32 a1 = s1, a2 = s2, a3 = s3, a5 = s5, a6 = s6, a7 = s7;
+    u32 a9 = s9, a10 = s10, a11 = s11, a13 = s13, a14 = s14, a15 = s15;
+    u32 b1 = s1, b2 = s2, b3 = s3, b5 = s5, b6 = s6, b7 = s7;
+    u32 b9 = s9, b10 = s10, b11 = s11, b13 = s13, b14 = s14, b15 = s15;
+    DIAGONAL_ROUND(a)
+    DIAGONAL_ROUND(b)
+#pragma unroll
+    for (int r = 0; r < 3; ++r) {
+        COLUMN_ROUND(a)
+        COLUMN_ROUND(b)
+        DIAGONAL_ROUND(a)
+        DIAGONAL_ROUND(b)
+    }
+    left = make_uint4(a0 + c0, a1 + c1, a2 + c2, a3 + c3);
+    right = make_uint4(a4 + s.x, a5 + s.y, a6 + s.z, a7 + s.w);
+    // the low bit of a sum is the XOR of the low bits: c0 is odd, c1 even
+    t_left = (b0 ^ 1u) & 1u;
+    t_right = b1 & 1u;
+}
+
+__device__ __forceinline__ uint4 xor4(uint4 a, uint4 b) {
+    return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+}
+
+__device__ __forceinline__ uint4 and_mask(uint4 a, u32 on) {
+    return make_uint4(a.x & on, a.y & on, a.z & on, a.w & on);
+}
+
+// One tree level for up to G keys held in shared memory, nodes stored key-minor
+// ([node * G + key]). Parents [0, n_par) of keys [0, nk) become children [0, 2 n_par).
+// cw_seed/cw_t hold this level's corrections per key. With `final_cw` non-null the children
+// are leaves: they are written as masks (seed ^ final_cw where t) and their t is not kept.
+template <int G>
+__device__ __forceinline__ void expand_level(
+    const uint4* in_seed, const u8* in_t, uint4* out_seed, u8* out_t, int n_par, int nk,
+    const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
+    const int total = n_par * nk;
+    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+        const int i = idx / nk;
+        const int j = idx - i * nk;
+        const uint4 seed = in_seed[i * G + j];
+        const u32 on = 0u - (u32)in_t[i * G + j];
+        uint4 left, right;
+        u32 tl, tr;
+        prg_expand(seed, left, right, tl, tr);
+        const uint4 cw = and_mask(cw_seed[j], on);
+        const u32 tcw = cw_t[j] & on;
+        left = xor4(left, cw);
+        right = xor4(right, cw);
+        tl ^= tcw & 1u;
+        tr ^= (tcw >> 1) & 1u;
+        if (final_cw != 0) {
+            left = xor4(left, and_mask(final_cw[j], 0u - tl));
+            right = xor4(right, and_mask(final_cw[j], 0u - tr));
+        } else {
+            out_t[(2 * i) * G + j] = (u8)tl;
+            out_t[(2 * i + 1) * G + j] = (u8)tr;
+        }
+        out_seed[(2 * i) * G + j] = left;
+        out_seed[(2 * i + 1) * G + j] = right;
+    }
+}
+
+// Nodes of a level that hold at least one of `num_leaves` leaves, when each spans 2^height.
+__device__ __forceinline__ long long live_nodes(long long num_leaves, int height) {
+    return (num_leaves + (1LL << height) - 1) >> height;
+}
+
+__device__ __forceinline__ void load_level_cw(
+    const u32* rec, int domain_bits, int level, uint4* cw_seed_out, u8* cw_t_out) {
+    const u32* cw = rec + KREC_CW + 4 * level;
+    *cw_seed_out = make_uint4(cw[0], cw[1], cw[2], cw[3]);
+    *cw_t_out = (u8)rec[KREC_CW + 4 * domain_bits + level];
+}
+
+// Top of the tree: block (node, key) expands `levels` levels under node `node` of depth
+// `depth_in` and writes the live nodes of depth depth_in + levels to out_seed/out_t
+// ([key * out_stride + index]). With depth_in == 0 the input is the key's root.
+extern "C" __global__ void __launch_bounds__(TOP_THREADS)
+dpf_expand_top(const u32* __restrict__ keyrec, int krec, int domain_bits, long long num_leaves,
+               const uint4* __restrict__ in_seed, const u8* __restrict__ in_t, long long in_stride,
+               int depth_in, int levels,
+               uint4* __restrict__ out_seed, u8* __restrict__ out_t, long long out_stride) {
+    __shared__ uint4 buf_seed[2][1 << MAX_TOP_LEVELS];
+    __shared__ u8 buf_t[2][1 << MAX_TOP_LEVELS];
+    __shared__ uint4 cw_seed[MAX_TOP_LEVELS];
+    __shared__ u8 cw_t[MAX_TOP_LEVELS];
+
+    const long long node = blockIdx.x;
+    const int key = blockIdx.y;
+    const u32* rec = keyrec + (long long)key * krec;
+    const int depth_out = depth_in + levels;
+    if (threadIdx.x < levels) {
+        load_level_cw(rec, domain_bits, depth_in + threadIdx.x, &cw_seed[threadIdx.x], &cw_t[threadIdx.x]);
+    }
+    // level l's nodes go to buffer (levels - l) & 1, so the last level lands in buffer 0
+    if (threadIdx.x == 0) {
+        const int b = levels & 1;
+        if (depth_in == 0) {
+            buf_seed[b][0] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+            buf_t[b][0] = (u8)rec[KREC_ROOT_T];
+        } else {
+            buf_seed[b][0] = in_seed[key * in_stride + node];
+            buf_t[b][0] = in_t[key * in_stride + node];
+        }
+    }
+    __syncthreads();
+    const long long live_out = live_nodes(num_leaves, domain_bits - depth_out);
+    for (int l = 0; l < levels; ++l) {
+        // live parents under this block's node at depth depth_in + l
+        const long long first = node << l;
+        const long long live = live_nodes(num_leaves, domain_bits - depth_in - l) - first;
+        const int n_par = (int)(live < (1LL << l) ? live : (1LL << l));
+        const int src = (levels - l) & 1;
+        expand_level<1>(buf_seed[src], buf_t[src], buf_seed[src ^ 1], buf_t[src ^ 1], n_par, 1,
+                        &cw_seed[l], &cw_t[l], (const uint4*)0);
+        __syncthreads();
+    }
+    const long long first_out = node << levels;
+    for (int i = threadIdx.x; i < (1 << levels); i += blockDim.x) {
+        if (first_out + i < live_out) {
+            out_seed[key * out_stride + first_out + i] = buf_seed[0][i];
+            out_t[key * out_stride + first_out + i] = buf_t[0][i];
+        }
+    }
+}
+
+// Keys per block -> blocks per SM the register budget aims at (G keys = 4G accumulators).
+#define SCAN_MIN_BLOCKS(G) ((G) <= 16 ? 2 : 1)
+// Pages whose loads a thread keeps in flight: more where the scan is memory-bound (few keys).
+#define SCAN_UNROLL(G) ((G) <= 4 ? 8 : 4)
+
+// Shared memory of dpf_scan<G> for chunks of 2^c leaves (the host computes the same sum):
+//   masks/level nodes  L*G uint4 | level nodes (L/2)*G uint4 | cw c*G uint4 | final G uint4
+//   t bits L*G u8 | t bits (L/2)*G u8 | cw t c*G u8
+
+template <int G>
+__global__ void __launch_bounds__(SCAN_THREADS, SCAN_MIN_BLOCKS(G))
+dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, int chunk_levels,
+         const u32* __restrict__ keyrec, int krec, int num_keys,
+         const uint4* __restrict__ root_seed, const u8* __restrict__ root_t, long long root_stride,
+         int num_groups, int chunks_per_block, u64* __restrict__ out) {
+    extern __shared__ uint4 smem[];
+    const int c = chunk_levels;
+    const int L = 1 << c;
+    uint4* big = smem;                      // L*G: the leaves (masks), and every other level
+    uint4* half = big + L * G;              // (L/2)*G: the levels in between
+    uint4* cw_seed = half + (L / 2) * G;    // [level][key]
+    uint4* final_cw = cw_seed + c * G;
+    u8* big_t = (u8*)(final_cw + G);
+    u8* half_t = big_t + L * G;
+    u8* cw_t = half_t + (L / 2) * G;
+
+    const int group = blockIdx.x % num_groups;
+    const long long run = blockIdx.x / num_groups;
+    const int key0 = group * G;
+    const int nk = min(G, num_keys - key0);
+    const int depth_top = domain_bits - c;
+    const long long num_chunks = live_nodes(num_pages, c);
+    const long long chunk_begin = run * chunks_per_block;
+    const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
+    const int col = threadIdx.x;
+
+    for (int i = threadIdx.x; i < c * nk; i += blockDim.x) {
+        const int l = i / nk, j = i - l * nk;
+        load_level_cw(keyrec + (long long)(key0 + j) * krec, domain_bits, depth_top + l,
+                      &cw_seed[l * G + j], &cw_t[l * G + j]);
+    }
+    if (threadIdx.x < nk) {
+        const u32* rec = keyrec + (long long)(key0 + threadIdx.x) * krec + KREC_FINAL;
+        final_cw[threadIdx.x] = make_uint4(rec[0], rec[1], rec[2], rec[3]);
+    }
+
+    uint4 acc[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) acc[j] = make_uint4(0, 0, 0, 0);
+
+    constexpr int U = SCAN_UNROLL(G);
+    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+        const long long leaf0 = chunk << c;
+        const int n_leaves = (int)min((long long)L, num_pages - leaf0);
+        // level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the
+        // leaves (l = c-1) land there; the chunk roots sit where level -1 would have written
+        {
+            uint4* root_buf = (c & 1) ? half : big;
+            u8* root_buf_t = (c & 1) ? half_t : big_t;
+            if (threadIdx.x < nk) {
+                const int key = key0 + threadIdx.x;
+                if (depth_top == 0) {
+                    const u32* rec = keyrec + (long long)key * krec;
+                    root_buf[threadIdx.x] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+                    root_buf_t[threadIdx.x] = (u8)rec[KREC_ROOT_T];
+                } else {
+                    root_buf[threadIdx.x] = root_seed[key * root_stride + chunk];
+                    root_buf_t[threadIdx.x] = root_t[key * root_stride + chunk];
+                }
+            }
+        }
+        __syncthreads();
+        for (int l = 0; l < c; ++l) {
+            const int to_big = ((c - 1 - l) & 1) == 0;
+            const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
+            expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
+                            to_big ? big : half, to_big ? big_t : half_t, n_par, nk,
+                            &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0);
+            __syncthreads();
+        }
+
+        const uint4* col_ptr = pages + leaf0 * SCAN_THREADS + col;
+        int p = 0;
+        for (; p + U <= n_leaves; p += U) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint4* m = big + (p + u) * G;
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    if (j < nk) {
+                        const uint4 mk = m[j];
+                        acc[j].x ^= v[u].x & mk.x;
+                        acc[j].y ^= v[u].y & mk.y;
+                        acc[j].z ^= v[u].z & mk.z;
+                        acc[j].w ^= v[u].w & mk.w;
+                    }
+                }
+            }
+        }
+        for (; p < n_leaves; ++p) {
+            const uint4 v = __ldg(col_ptr + (long long)p * SCAN_THREADS);
+            const uint4* m = big + p * G;
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                if (j < nk) {
+                    const uint4 mk = m[j];
+                    acc[j].x ^= v.x & mk.x;
+                    acc[j].y ^= v.y & mk.y;
+                    acc[j].z ^= v.z & mk.z;
+                    acc[j].w ^= v.w & mk.w;
+                }
+            }
+        }
+        __syncthreads();  // the next chunk's roots and levels overwrite these masks
+    }
+
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        if (j < nk) {
+            u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
+            atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
+            atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
+        }
+    }
+}
+
+// Explicit instantiations: the group sizes the host may pick (cuda_launch.SCAN_GROUP_SIZES).
+// nvcc in CI compiles exactly these; NVRTC looks them up by name.
+#define INSTANTIATE_SCAN(G)                                                                   \
+    template __global__ void dpf_scan<G>(const uint4*, long long, int, int, const u32*, int, \
+                                         int, const uint4*, const u8*, long long, int, int,   \
+                                         u64*);
+INSTANTIATE_SCAN(1)
+INSTANTIATE_SCAN(2)
+INSTANTIATE_SCAN(3)
+INSTANTIATE_SCAN(4)
+INSTANTIATE_SCAN(6)
+INSTANTIATE_SCAN(8)
+INSTANTIATE_SCAN(12)
+INSTANTIATE_SCAN(16)
+INSTANTIATE_SCAN(24)
+INSTANTIATE_SCAN(32)

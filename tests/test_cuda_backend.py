@@ -1,0 +1,289 @@
+"""The CUDA backend: launch planning and argument checks (no GPU), and answers equal to NumPy's (GPU)."""
+import hashlib
+
+import numpy as np
+import pytest
+
+from gpu_engine.backends import BackendUnavailable, DispatchShape
+from gpu_engine.backends import cuda_launch as launch
+from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys
+from gpu_engine.matrix import PAGE_BYTES, PageMatrix, random_matrix
+from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, vector_matrix, vector_pages
+
+MAINNET_PAGES = 16_817_159
+
+
+def _keys(num_keys, num_pages, d, seed):
+    rng = np.random.default_rng(seed)
+    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng)[i % 2] for i in range(num_keys)])
+
+
+# --- launch planning and checks: pure code, run in CI ---------------------------------------------
+
+
+@pytest.mark.parametrize("num_keys, max_group, expect", [
+    (96, 16, (16, 6)), (3, 16, (3, 1)), (9, 16, (12, 1)), (24, 16, (12, 2)), (5, 16, (6, 1)),
+    (1, 16, (1, 1)), (17, 16, (12, 2)), (96, 32, (32, 3)), (48, 8, (8, 6)), (33, 32, (24, 2)),
+])
+def test_pick_group_keys(num_keys, max_group, expect):
+    group_keys, groups = launch.pick_group_keys(num_keys, max_group)
+    assert (group_keys, groups) == expect
+    assert group_keys in launch.SCAN_GROUP_SIZES
+    assert groups * group_keys >= num_keys > (groups - 1) * group_keys
+
+
+def test_pick_group_keys_rejects_uncompiled_sizes():
+    with pytest.raises(ValueError, match="max_group_keys"):
+        launch.pick_group_keys(10, 10)
+    with pytest.raises(ValueError, match="num_keys"):
+        launch.pick_group_keys(0, 16)
+
+
+@pytest.mark.parametrize("depth", list(range(0, 25)))
+def test_top_stages_reach_depth_in_short_stages(depth):
+    stages = launch.top_stages(depth)
+    assert sum(levels for _, levels in stages) == depth
+    assert all(1 <= levels <= launch.MAX_TOP_LEVELS for _, levels in stages)
+    at = 0
+    for depth_in, levels in stages:
+        assert depth_in == at
+        at += levels
+
+
+@pytest.mark.parametrize("pages, d, keys", [
+    (1, 1, 1), (1, 25, 3), (2, 1, 2), (3, 2, 96), (255, 8, 7), (4097, 13, 30), (4097, 20, 3),
+    (65536, 16, 3), (65536, 16, 96), (2**20 + 17, 21, 96), (MAINNET_PAGES, 25, 3), (MAINNET_PAGES, 25, 96),
+])
+def test_plan_covers_every_chunk_once(pages, d, keys):
+    plan = launch.plan_scan(pages, d, keys)
+    c = plan.chunk_levels
+    assert c == min(launch.DEFAULT_CHUNK_LEVELS, d)
+    assert plan.num_chunks == -(-pages // 2**c)
+    runs = plan.grid // plan.num_groups
+    assert plan.grid == runs * plan.num_groups
+    assert runs * plan.chunks_per_block >= plan.num_chunks > (runs - 1) * plan.chunks_per_block
+    assert plan.shared_bytes <= launch.MAX_SHARED_BYTES
+    if plan.stages:
+        last = plan.stages[-1]
+        assert last.depth_in + last.levels == d - c
+        assert plan.root_stride == last.live_out == plan.num_chunks
+        for prev, nxt in zip(plan.stages, plan.stages[1:]):
+            assert nxt.live_in == prev.live_out
+    else:
+        assert d == c and plan.num_chunks == 1
+
+
+def test_plan_keeps_key_groups_of_a_run_adjacent_at_mainnet():
+    plan = launch.plan_scan(MAINNET_PAGES, 25, 96)
+    assert (plan.group_keys, plan.num_groups) == (16, 6)
+    # enough blocks for several waves of 264 resident blocks, few enough for cheap atomics
+    assert 264 * 4 <= plan.grid <= 264 * 16
+
+
+def test_scan_shared_bytes_matches_the_kernel_layout():
+    # L=128, G=16: 192 node slots of 16 B + 7 cw + 1 final per key, then 192 + 7 t bytes per key
+    assert launch.scan_shared_bytes(16, 7) == 16 * (192 * 16 + 7 * 16 + 16) + 192 * 16 + 7 * 16
+    with pytest.raises(ValueError, match="shared memory"):
+        launch.plan_scan(2**20, 20, 96, max_group_keys=32, chunk_levels=9)
+
+
+def test_split_micro_batches():
+    assert launch.split_micro_batches(96, 0) == [(0, 96)]
+    assert launch.split_micro_batches(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert launch.split_micro_batches(3, 8) == [(0, 3)]
+    with pytest.raises(ValueError):
+        launch.split_micro_batches(3, -1)
+
+
+def test_key_records_hold_every_field_where_the_kernel_reads_it():
+    keys = _keys(3, 100, 7, seed=1)
+    rec = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
+    d = 7
+    assert rec.dtype == np.uint32 and rec.shape == (3, launch.krec_words(d))
+    assert rec.shape[1] % 4 == 0 and rec.shape[1] >= 12 + 5 * d
+    for k in range(3):
+        assert np.array_equal(rec[k, 0:4], keys.root_seed[k])
+        assert np.array_equal(rec[k, 4:8], keys.final_cw[k])
+        assert rec[k, 8] == keys.root_t[k]
+        for level in range(d):
+            assert np.array_equal(rec[k, 12 + 4 * level : 16 + 4 * level], keys.cw_seed[k, level])
+            assert rec[k, 12 + 4 * d + level] == keys.cw_t[k, level, 0] | (keys.cw_t[k, level, 1] << 1)
+
+
+def test_key_batch_checks_reject_before_launch():
+    keys = _keys(2, 50, 6, seed=2)
+    launch.check_key_batch(keys, 6)
+    with pytest.raises(ValueError, match="domain_bits"):
+        launch.check_key_batch(keys, 7)
+    bad = [
+        ("root_seed", keys.root_seed.astype(np.int64), "root_seed must be uint32"),
+        ("cw_seed", keys.cw_seed[:, :5], r"cw_seed must have shape \(2, 6, 4\)"),
+        ("final_cw", keys.final_cw.T.copy().T, "final_cw must be C-contiguous"),
+        ("cw_t", keys.cw_t + 1, "cw_t must hold only 0 and 1"),
+        ("root_t", np.array([0, 2], dtype=np.uint8), "root_t must hold only 0 and 1"),
+    ]
+    for field, value, message in bad:
+        broken = KeyBatch(**{**keys.__dict__, field: value})
+        with pytest.raises(ValueError, match=message):
+            launch.check_key_batch(broken, 6)
+
+
+def test_check_array_and_rows():
+    launch.check_array("pages", np.zeros((3, 1024), np.uint32), np.uint32, (3, 1024))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        launch.check_array("pages", np.zeros((1024, 3), np.uint32).T, np.uint32, (3, 1024))
+    idx, data = launch.check_rows({5: bytes(range(256)), 0: b"\x01" * 256}, 16)
+    assert idx.tolist() == [5, 0] and data.shape == (2, 64) and data[0, 0] == 0x03020100
+    with pytest.raises(ValueError, match="outside"):
+        launch.check_rows({16: bytes(256)}, 16)
+    with pytest.raises(ValueError, match="255 bytes"):
+        launch.check_rows({1: bytes(255)}, 16)
+
+
+def test_fill_reference_is_splitmix64():
+    from gpu_engine.backends.cuda_module import fill_reference
+
+    words = fill_reference(0, 2, seed=0)
+    # SplitMix64 of 0 is the published first output of a zero-seeded SplitMix64 generator
+    assert int(words[0]) | (int(words[1]) << 32) == 0xE220A8397B1DCDAF
+    assert fill_reference(5, 3, 9).tolist() == fill_reference(0, 8, 9)[10:16].tolist()
+
+
+# --- the GPU: answers byte-identical to the NumPy backend -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    from gpu_engine.backends.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def _reference(matrix, keys):
+    from gpu_engine.backends.cpu import NumpyBackend
+
+    return NumpyBackend(workers=8).load(matrix).answer(keys)
+
+
+@pytest.mark.gpu
+def test_protocol_vectors_on_gpu(cuda):
+    keys = KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(h)) for h in (KEY0_HEX, KEY1_HEX)])
+    answers = cuda.load(vector_matrix()).answer(keys)
+    assert hashlib.sha256(answers[0].tobytes()).hexdigest() == ANSWER0_SHA256
+    assert hashlib.sha256(answers[1].tobytes()).hexdigest() == ANSWER1_SHA256
+    assert (answers[0] ^ answers[1]).tobytes() == vector_pages()[42].tobytes()
+
+
+# every domain size 1..25 appears, each with page counts from the issue that fit it
+_SHAPES = [(1, d) for d in (1, 2, 5, 13, 25)] + [(2, 1), (2, 3), (3, 2), (3, 9), (255, 8), (255, 11),
+           (4097, 13), (4097, 14), (4097, 25)] + [(min(2**d, 3 * 2**(d - 2) + 1), d) for d in range(4, 17)] + \
+          [(65536, 16), (65536, 17), (3000, 18), (3000, 19), (3000, 20), (3000, 21), (3000, 22), (3000, 23), (3000, 24)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages, d", _SHAPES)
+def test_matches_numpy(cuda, pages, d):
+    matrix = random_matrix(pages, seed=pages + d, domain_bits=d)
+    keys = _keys(7, pages, d, seed=d)
+    assert np.array_equal(cuda.load(matrix).answer(keys), _reference(matrix, keys))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("queries", [1, 2, 3, 5, 8, 11, 16, 24, 32])
+def test_batch_sizes_match_numpy(cuda, queries):
+    matrix = random_matrix(4097, seed=queries)
+    keys = _keys(3 * queries, 4097, matrix.domain_bits, seed=100 + queries)
+    assert np.array_equal(cuda.load(matrix).answer(keys), _reference(matrix, keys))
+
+
+@pytest.fixture(scope="module")
+def shared_65536(cuda):
+    """One resident 65,536-page matrix and two 96-key batches with their NumPy answers."""
+    matrix = random_matrix(65536, seed=3)
+    batches = [_keys(96, 65536, 16, seed=s) for s in (31, 32)]
+    return cuda.load(matrix), [(keys, _reference(matrix, keys)) for keys in batches]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatch", [
+    DispatchShape(), DispatchShape(micro_batch=3), DispatchShape(micro_batch=12, streams=4),
+    DispatchShape(graph=True), DispatchShape(micro_batch=24, streams=2, graph=True),
+])
+@pytest.mark.parametrize("max_group_keys", [8, 16, 32])
+def test_dispatch_shapes_and_groups_match_numpy(shared_65536, dispatch, max_group_keys):
+    resident, batches = shared_65536
+    resident.max_group_keys = max_group_keys
+    try:
+        for keys, expect in batches:  # a replayed graph must answer the new keys, not the captured ones
+            assert np.array_equal(resident.answer(keys, dispatch), expect)
+    finally:
+        resident.max_group_keys = launch.DEFAULT_MAX_GROUP_KEYS
+
+
+@pytest.mark.gpu
+def test_large_shape_matches_numpy(cuda):
+    pages = 2**20 + 17
+    resident = cuda.generate(pages, seed=4)
+    import cupy
+
+    host = PageMatrix(cupy.asnumpy(resident._pages))
+    keys = _keys(9, pages, host.domain_bits, seed=4)
+    assert np.array_equal(resident.answer(keys), _reference(host, keys))
+    assert resident.read_page(pages - 1) == host.page(pages - 1)
+
+
+@pytest.mark.gpu
+def test_generated_pages_follow_the_host_formula(cuda):
+    from gpu_engine.backends.cuda_module import fill_reference
+
+    resident = cuda.generate(300, seed=77)
+    for page in (0, 1, 299):
+        expect = fill_reference(page * 512, 512, 77).astype("<u4").tobytes()
+        assert resident.read_page(page) == expect
+
+
+@pytest.mark.gpu
+def test_write_rows_reach_the_answers(cuda):
+    matrix = random_matrix(600, seed=8)
+    resident = cuda.load(matrix)
+    rng = np.random.default_rng(8)
+    rows = {int(r): rng.bytes(256) for r in rng.choice(600 * 16, size=40, replace=False)}
+    resident.write_rows(rows)
+    for r, data in rows.items():
+        matrix.write_row(r, data)
+    keys = _keys(12, 600, matrix.domain_bits, seed=9)
+    assert np.array_equal(resident.answer(keys), _reference(matrix, keys))
+    with pytest.raises(ValueError, match="outside"):
+        resident.write_rows({600 * 16: bytes(256)})
+
+
+@pytest.mark.gpu
+def test_upload_reports_progress_and_memory(cuda):
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()  # pooled blocks of earlier tests would hide the growth
+    before = cuda.memory_info()["used_bytes"]
+    seen = []
+    matrix = random_matrix(40000, seed=2)
+    resident = cuda.load(matrix, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (matrix.nbytes, matrix.nbytes) and len(seen) >= 3
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    assert resident.nbytes == matrix.nbytes
+    assert cuda.memory_info()["used_bytes"] >= before + matrix.nbytes - (64 << 20)
+    resident.release()
+
+
+@pytest.mark.gpu
+def test_too_large_matrix_is_refused_naming_both_sizes(cuda):
+    total = cuda.memory_info()["total_bytes"]
+    pages = total // PAGE_BYTES + 1
+    with pytest.raises(BackendUnavailable, match=rf"needs {pages * PAGE_BYTES} bytes.*free of {total} bytes"):
+        cuda.generate(pages, seed=0)
+
+
+@pytest.mark.gpu
+def test_bad_keys_raise_before_launch(cuda):
+    resident = cuda.load(random_matrix(10, seed=1))
+    keys = _keys(2, 10, 4, seed=1)
+    with pytest.raises(ValueError, match="domain_bits"):
+        resident.answer(keys)
