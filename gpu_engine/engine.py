@@ -212,8 +212,15 @@ class Engine:
             self._epoch.matrix.check_row(index, data)
         return self._run_between_launches(lambda: self._resident.write_rows(dict(rows)))
 
-    def switch_epoch(self, epoch: Epoch) -> "Future[None]":
-        """Make `epoch` resident beside the current one, then swap between launches."""
+    def switch_epoch(self, epoch: Epoch, stop_the_world: bool = False) -> "Future[None]":
+        """Make `epoch` resident beside the current one, then swap between launches.
+
+        stop_the_world: for a device that cannot hold both matrices, free the current one and
+        load `epoch` on the scheduler thread; queries wait meanwhile. If that load fails, the
+        current epoch is loaded again (without rows written since its load) and the future fails.
+        """
+        if stop_the_world:
+            return self._run_between_launches(lambda: self._reload(epoch))
         resident = self.backend.load(epoch.matrix)
 
         def swap() -> None:
@@ -223,6 +230,17 @@ class Engine:
             log.info("epoch switched to %s", epoch.epoch_id)
 
         return self._run_between_launches(swap)
+
+    def _reload(self, epoch: Epoch) -> None:
+        current = self._epoch
+        self._resident.release()
+        try:
+            self._resident = self.backend.load(epoch.matrix)
+        except Exception:
+            self._resident = self.backend.load(current.matrix)
+            raise
+        self._epoch = epoch
+        log.info("epoch switched to %s (stop the world)", epoch.epoch_id)
 
     def _run_between_launches(self, action: Callable[[], None]) -> "Future[None]":
         future: Future = Future()
