@@ -1,0 +1,154 @@
+"""Serializers of bulk jobs: the queries in (JSON list or NDJSON), the job and its progress out."""
+from __future__ import annotations
+
+import json
+from typing import Iterable, Iterator, List, Tuple
+
+from django.conf import settings
+from rest_framework import serializers
+
+from queries.api.serializers import PageQuerySerializer, json_type
+from queries.models import BulkJob, JobStatus
+
+# Invalid queries listed in a 400 at most; the rest are counted, so a broken file of 100,000
+# lines does not answer with 100,000 messages.
+MAX_LISTED_ERRORS = 1000
+
+
+class NDJSONSource:
+    """The lines of an NDJSON body or uploaded file, parsed one at a time (blank lines skipped)."""
+
+    def __init__(self, fileobj, name: str = "body") -> None:
+        self.fileobj = fileobj
+        self.name = name
+
+    def __iter__(self) -> Iterator[Tuple[int, object]]:
+        """(line number from 1, parsed value or a ValueError saying why the line is not JSON)."""
+        for number, raw in enumerate(iter(self.fileobj.readline, b""), start=1):
+            if isinstance(raw, str):
+                raw = raw.encode()
+            if not raw.strip():
+                continue
+            try:
+                yield number, json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                yield number, ValueError(f"line {number}: expected a JSON object, got invalid JSON ({exc})")
+
+
+def _items(data) -> Iterable[Tuple[object, object]]:
+    if isinstance(data, NDJSONSource):
+        return iter(data)
+    return ((None, item) for item in data)
+
+
+class BulkQueriesField(serializers.Field):
+    """1 to MORPHO_BULK_MAX_QUERIES queries, each validated exactly as one query of a batch.
+
+    Gives the raw bytes of each query's three keys; an invalid query fails the whole job with
+    every bad query's index and reason."""
+
+    default_error_messages = {
+        "required": "expected an array of queries (JSON) or an NDJSON file of them, got nothing",
+        "null": "expected an array of queries, got null",
+    }
+
+    def to_internal_value(self, data) -> List[bytes]:
+        limit = settings.MORPHO_BULK_MAX_QUERIES
+        if not isinstance(data, (list, NDJSONSource)):
+            raise serializers.ValidationError(f"expected an array of queries, got {json_type(data)}",
+                                              code="not_a_list")
+        if isinstance(data, list) and not 1 <= len(data) <= limit:
+            raise serializers.ValidationError(
+                f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got {len(data)}", code="count")
+        context = {"domain_bits": self.context["domain_bits"]}
+        queries: List[bytes] = []
+        errors: dict = {}
+        bad = 0
+        index = -1
+        for index, (_line, item) in enumerate(_items(data)):
+            if index >= limit:
+                raise serializers.ValidationError(
+                    f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got more than {limit}",
+                    code="count")
+            if isinstance(item, ValueError):
+                detail = {"non_field_errors": [serializers.ErrorDetail(str(item), code="parse_error")]}
+            else:
+                query = PageQuerySerializer(data=item, context=context)
+                if query.is_valid():
+                    if not bad:  # once a query is bad nothing is stored; keep checking the rest
+                        queries.append(b"".join(key.to_bytes() for key in query.validated_data["keys"]))
+                    continue
+                detail = query.errors
+            bad += 1
+            if len(errors) < MAX_LISTED_ERRORS:
+                errors[index] = detail
+        if index < 0:
+            raise serializers.ValidationError(
+                f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got 0", code="count")
+        if bad:
+            if bad > len(errors):
+                errors["more"] = [serializers.ErrorDetail(
+                    f"{bad} queries are invalid; the first {len(errors)} are listed", code="more_errors")]
+            raise serializers.ValidationError(errors)
+        return queries
+
+
+class BulkJobCreateSerializer(serializers.Serializer):
+    """`POST /bulk/jobs`: `{"queries": [{"keys": [k0, k1, k2]}, ...]}`, or the same as NDJSON lines."""
+
+    queries = BulkQueriesField()
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            raise serializers.ValidationError(
+                {"non_field_errors": [f"expected a JSON object with \"queries\", got {json_type(data)}"]},
+                code="invalid")
+        return super().to_internal_value(data)
+
+    def create(self, validated_data) -> BulkJob:
+        from queries import bulk
+
+        queries = validated_data["queries"]
+        return bulk.create_job(self.context["owner"], queries, len(queries),
+                               self.context["domain_bits"], self.context["chunk_size"])
+
+
+class BulkJobSerializer(serializers.ModelSerializer):
+    """A job as its owner sees it: status, progress, timestamps, epochs, errors, where the results are."""
+
+    progress = serializers.SerializerMethodField()
+    epoch_ids = serializers.SerializerMethodField()
+    chunks = serializers.SerializerMethodField()
+    errors = serializers.SerializerMethodField()
+    results_url = serializers.SerializerMethodField()
+
+    class Meta:
+        model = BulkJob
+        fields = ["id", "status", "total", "answered", "progress", "chunk_size", "chunks", "domain_bits",
+                  "created", "started", "finished", "epoch_ids", "errors", "results_url"]
+        read_only_fields = fields
+
+    def get_progress(self, job: BulkJob) -> dict:
+        return {"answered": job.answered, "total": job.total, "fraction": round(job.progress, 6)}
+
+    def get_epoch_ids(self, job: BulkJob) -> list[int]:
+        return job.epoch_ids()
+
+    def get_chunks(self, job: BulkJob) -> dict:
+        counts = {status: 0 for status in JobStatus.values}
+        for status in job.chunks.values_list("status", flat=True):
+            counts[status] += 1
+        return counts
+
+    def get_errors(self, job: BulkJob) -> list[dict]:
+        errors = [{"chunk": None, "queries": None, "attempts": None, "message": job.error}] if job.error else []
+        for chunk in job.chunks.exclude(error="").only("index", "first", "count", "attempts", "error"):
+            errors.append({"chunk": chunk.index, "queries": [chunk.first, chunk.first + chunk.count - 1],
+                           "attempts": chunk.attempts, "message": chunk.error})
+        return errors
+
+    def get_results_url(self, job: BulkJob) -> str:
+        request = self.context.get("request")
+        path = f"/bulk/jobs/{job.pk}/results"
+        return request.build_absolute_uri(path) if request is not None else path
+

@@ -1,0 +1,120 @@
+"""Celery tasks of the GPU workers: answer one bulk chunk; the worker's sweeper and engine warm-up."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from celery import Task, shared_task
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections
+from django.utils import timezone
+
+from gpu_engine.engine import EngineBusy
+from morphoweb.engine_runtime import EngineStartFailed, get_engine
+from queries import bulk
+from queries.bulk_runner import ChunkRejected, answer_queries, parse_chunk
+from queries.models import BulkChunk, JobStatus
+
+log = logging.getLogger(__name__)
+
+# Failures that pass: the engine is busy or (re)starting, the database is briefly unreachable.
+TRANSIENT = (EngineBusy, EngineStartFailed, DatabaseError)
+
+
+class ChunkTask(Task):
+    """Late ack, requeued if the worker process dies, retried with backoff on transient failures."""
+
+    acks_late = True
+    reject_on_worker_lost = True
+    autoretry_for = TRANSIENT
+    max_retries = 10
+    retry_backoff = 2
+    retry_backoff_max = 60
+    retry_jitter = True
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        # Retries spent, or a bug: fail the job with the reason rather than leave it running forever.
+        bulk.fail_chunk(args[0], f"{type(exc).__name__}: {exc}")
+
+
+@shared_task(base=ChunkTask, bind=True, name="queries.answer_chunk")
+def answer_chunk(self, chunk_id: int) -> str:
+    """Claim the chunk, answer it on this worker's engine (bulk lane), store its answers once."""
+    worker = self.request.hostname or "worker"
+    chunk = bulk.claim_chunk(chunk_id, worker)
+    if chunk is None:
+        return "skipped"  # done already, held by a live worker, or its job ended
+    try:
+        epoch_id, answers = answer_queries(
+            get_engine(), parse_chunk(chunk), heartbeat=lambda: bulk.renew_lease(chunk, worker),
+            heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3)
+    except ChunkRejected as exc:
+        bulk.fail_chunk(chunk_id, str(exc))
+        return "failed"
+    except TRANSIENT as exc:
+        bulk.release_chunk(chunk, worker, f"{type(exc).__name__}: {exc}")
+        raise
+    stored = bulk.store_answers(chunk, worker, epoch_id, answers)
+    return "stored" if stored else "duplicate"
+
+
+# --- worker process wiring --------------------------------------------------------------------------
+
+_sweeper_started = threading.Event()
+_stop = threading.Event()
+
+
+def forget_own_leases(worker: str) -> int:
+    """A worker that starts holds no chunk: chunks its previous life held are free at once."""
+    return BulkChunk.objects.filter(status=JobStatus.RUNNING, worker=worker).update(
+        lease_expires=timezone.now())
+
+
+def _sweep_forever(worker: str) -> None:
+    try:
+        freed = forget_own_leases(worker)
+        if freed:
+            log.warning("%s: %d chunk(s) held by this worker's previous run are free again", worker, freed)
+    except DatabaseError:
+        log.exception("could not release this worker's old leases")
+    while not _stop.is_set():
+        try:
+            bulk.sweep()
+        except Exception:  # noqa: BLE001 - a broken database or broker must not kill the thread
+            log.exception("bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS)
+        finally:
+            close_old_connections()
+        _stop.wait(settings.MORPHO_BULK_SWEEP_SECONDS)
+
+
+@worker_ready.connect
+def _start_sweeper(sender=None, **kwargs) -> None:
+    # The main worker process sweeps (it outlives pool children); once, even if the consumer
+    # reconnects to the broker and signals ready again.
+    if _sweeper_started.is_set():
+        return
+    _sweeper_started.set()
+    worker = getattr(sender, "hostname", None) or "worker"
+    threading.Thread(target=_sweep_forever, args=(worker,), name="bulk-sweeper", daemon=True).start()
+
+
+@worker_shutdown.connect
+def _stop_sweeper(**kwargs) -> None:
+    _stop.set()
+
+
+@worker_process_init.connect
+def _warm_engine(**kwargs) -> None:
+    # Load the matrix onto this process's device before the first chunk arrives; in a thread,
+    # because Celery gives a pool process only a few seconds to start.
+    def warm() -> None:
+        started = time.monotonic()
+        try:
+            get_engine()
+            log.info("engine ready in %.1f s", time.monotonic() - started)
+        except EngineStartFailed as exc:
+            log.error("engine did not start: %s (chunks retry until it does)", exc.reason)
+
+    threading.Thread(target=warm, name="engine-warmup", daemon=True).start()
