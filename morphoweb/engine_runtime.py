@@ -101,6 +101,10 @@ def _build_engine():
     )
     engine = Engine(backend, epoch)
     engine.start()
+    # Before any query: switch to the database's active epoch and apply its pending row updates.
+    from epochs.runtime import adopt
+
+    adopt(engine)
     return engine
 
 

@@ -82,6 +82,9 @@ INSTALLED_APPS = [
     "django_prometheus",
     "policies",
     "queries",
+    "epochs",
+    # The OpenAPI schema at /api/schema (the fuzz tests run schemathesis against it).
+    "drf_spectacular",
 ]
 
 MIDDLEWARE = [
@@ -160,7 +163,23 @@ REST_FRAMEWORK = {
     # Parse errors, validation errors and engine refusals all become JSON with the field named.
     "EXCEPTION_HANDLER": "queries.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Requests per client address to the public PIR endpoints ("N/second|minute|hour"), kept in
+    # the process's cache; "off" lifts the limit (load generators on one address need that).
+    "DEFAULT_THROTTLE_RATES": {
+        "query": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
+        else _env("MORPHO_QUERY_THROTTLE", "200/second"),
+    },
 }
+SPECTACULAR_SETTINGS = {
+    "TITLE": "morphoweb",
+    "DESCRIPTION": "Two-server private page queries (PROTOCOL.md) and their operations API.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+# Deployment kind: "production" makes the process refuse to start with DEBUG on, a default
+# SECRET_KEY or no ALLOWED_HOSTS (morphoweb/checks.py); anything else is a local run.
+MORPHO_ENV = _env("MORPHO_ENV", "local").strip().lower()
 
 # --- The PIR engine ----------------------------------------------------------------------------
 
@@ -248,6 +267,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
-        for name in ("morphoweb", "queries", "policies", "gpu_engine")
+        for name in ("morphoweb", "queries", "policies", "epochs", "gpu_engine")
     },
 }

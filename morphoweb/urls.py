@@ -1,10 +1,13 @@
 """Root URL configuration: the PIR API at the root, the admin, and Prometheus metrics."""
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView
 
 urlpatterns = [
     path("", include("queries.api.urls")),
     path("admin/", admin.site.urls),
+    path("api/", include("epochs.api.urls")),
+    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("", include("django_prometheus.urls")),
 ]
 

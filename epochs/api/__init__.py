@@ -1,0 +1,1 @@
+"""REST API of epoch records and row updates (operators only)."""

@@ -1,0 +1,72 @@
+"""Views of epoch records and row updates: querysets plus serializers, behind model permissions."""
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import APIException
+from rest_framework.permissions import DjangoModelPermissions
+from rest_framework.response import Response
+
+from epochs import runtime
+from epochs.api.serializers import ActivateSerializer, EpochSerializer, RowUpdateSerializer
+from epochs.models import Epoch, EpochState, RowUpdate
+
+
+class OperatorPermissions(DjangoModelPermissions):
+    """Signed-in users with the model's permissions; reading needs the view permission too."""
+
+    perms_map = {
+        **DjangoModelPermissions.perms_map,
+        "GET": ["%(app_label)s.view_%(model_name)s"],
+        "HEAD": ["%(app_label)s.view_%(model_name)s"],
+    }
+
+
+class SwitchConflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "switch_failed"
+
+
+class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                   viewsets.GenericViewSet):
+    """Epoch records: create one for a matrix file on this server, then activate it."""
+
+    queryset = Epoch.objects.all()
+    serializer_class = EpochSerializer
+    permission_classes = [OperatorPermissions]
+
+    def perform_create(self, serializer):
+        serializer.save(created_by=self.request.user)
+
+    @extend_schema(request=ActivateSerializer, responses={200: EpochSerializer, 409: None})
+    @action(detail=True, methods=["post"])
+    def activate(self, request, pk=None):
+        """Switch every engine of this party to this epoch; 409 says why when it cannot."""
+        record = self.get_object()
+        if not request.user.has_perm("epochs.change_epoch"):
+            self.permission_denied(request, message="activating an epoch needs epochs.change_epoch")
+        body = ActivateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        if record.state == EpochState.ACTIVE:
+            raise SwitchConflict(f"epoch {record.epoch_id} is already active")
+        mode = body.validated_data.get("switch_mode")
+        try:
+            runtime.activate(record, stop_the_world=None if mode is None else mode == "stop_the_world")
+        except runtime.EpochSwitchError as exc:
+            raise SwitchConflict(str(exc)) from None
+        return Response(self.get_serializer(record).data)
+
+
+class RowUpdateViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                       viewsets.GenericViewSet):
+    """Row updates: a 201 means every answer this party starts from now on includes the row."""
+
+    queryset = RowUpdate.objects.all()
+    serializer_class = RowUpdateSerializer
+    permission_classes = [OperatorPermissions]
+
+    def perform_create(self, serializer):
+        update = RowUpdate(**serializer.validated_data, created_by=self.request.user)
+        runtime.save_updates([update])
+        serializer.instance = update

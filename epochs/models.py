@@ -1,0 +1,224 @@
+"""Epoch records (a matrix file plus its metadata) and row updates pushed between epochs."""
+from __future__ import annotations
+
+import os
+import re
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import models
+
+from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, domain_bits_for
+
+U64_MAX = (1 << 64) - 1
+_HEX = re.compile(r"[0-9a-fA-F]*")
+
+
+def parse_hex(value, expected_bytes: int) -> bytes:
+    """Hex with or without 0x -> exactly expected_bytes bytes; ValueError names what was wrong."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected a hex string, got {type(value).__name__}")
+    text = value[2:] if value[:2] in ("0x", "0X") else value
+    digits = _HEX.match(text).end()
+    if digits != len(text):
+        raise ValueError(f"expected hex digits 0-9a-f, got {text[digits]!r} at position {digits}")
+    if len(text) != 2 * expected_bytes:
+        raise ValueError(
+            f"expected {expected_bytes} bytes ({2 * expected_bytes} hex digits), got {len(text)} "
+            f"hex digits"
+        )
+    return bytes.fromhex(text)
+
+
+def default_seeds() -> list:
+    return [0, 0, 0]
+
+
+class EpochState(models.TextChoices):
+    LOADED = "loaded", "loaded (not serving)"
+    ACTIVE = "active", "active (serving)"
+    RETIRED = "retired", "retired"
+
+
+class PendingUpdates(models.TextChoices):
+    ABSORB = "absorb", "absorb: pending row updates stay in force on the new epoch"
+    DISCARD = "discard", "discard: the new epoch starts from its matrix file alone"
+
+
+class SwitchMode(models.TextChoices):
+    BESIDE = "beside", "prepare beside the current epoch, then switch (needs room for both)"
+    STOP_THE_WORLD = "stop_the_world", (
+        "stop the world: pause queries, free the current epoch, load the new one"
+    )
+
+
+class EpochQuerySet(models.QuerySet):
+    def active(self) -> "Epoch | None":
+        return self.filter(state=EpochState.ACTIVE).order_by("-activated", "-pk").first()
+
+
+class Epoch(models.Model):
+    """One immutable matrix file and the metadata a client needs (PROTOCOL.md section 6)."""
+
+    epoch_id = models.PositiveBigIntegerField(
+        unique=True, help_text="The epoch_id clients see in /epoch and in every answer."
+    )
+    matrix_path = models.CharField(
+        max_length=1024,
+        help_text="Path of the matrix file, readable by every web and worker process of this party.",
+    )
+    block_number = models.PositiveBigIntegerField(default=0)
+    state_root = models.CharField(
+        max_length=66, default="0x" + "00" * 32, help_text="32 bytes as hex (0x optional)."
+    )
+    seeds = models.JSONField(
+        default=default_seeds, blank=True, help_text="The three cuckoo seeds, u64 each, e.g. [1, 2, 3]."
+    )
+    domain_bits = models.PositiveSmallIntegerField(
+        null=True, blank=True,
+        help_text="DPF tree depth; empty = the smallest that covers the matrix's pages.",
+    )
+    pending_updates = models.CharField(
+        max_length=16, choices=PendingUpdates.choices, default=PendingUpdates.ABSORB,
+        help_text="What happens to the row updates pending on the current epoch at the switch.",
+    )
+    switch_mode = models.CharField(
+        max_length=16, choices=SwitchMode.choices, default=SwitchMode.BESIDE,
+        help_text="Stop-the-world is for a GPU that cannot hold both matrices at once.",
+    )
+    state = models.CharField(
+        max_length=16, choices=EpochState.choices, default=EpochState.LOADED, editable=False
+    )
+    num_pages = models.PositiveBigIntegerField(null=True, editable=False)
+    message = models.TextField(
+        blank=True, editable=False, help_text="Why the last switch to this epoch failed, if it did."
+    )
+    created = models.DateTimeField(auto_now_add=True)
+    activated = models.DateTimeField(null=True, blank=True, editable=False)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, editable=False, on_delete=models.SET_NULL,
+        related_name="+",
+    )
+
+    objects = EpochQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-epoch_id"]
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch_id} (block {self.block_number})"
+
+    @property
+    def num_rows(self) -> int | None:
+        return None if self.num_pages is None else self.num_pages * ROWS_PER_PAGE
+
+    def clean(self) -> None:
+        errors = {}
+        if self.epoch_id is not None:
+            clash = Epoch.objects.filter(epoch_id=self.epoch_id).exclude(pk=self.pk).first()
+            if clash is not None:
+                errors["epoch_id"] = (f"epoch_id {self.epoch_id} is already recorded "
+                                      f"({clash.state}, {clash.matrix_path})")
+        path = str(self.matrix_path or "").strip()
+        self.matrix_path = path
+        if not path:
+            errors["matrix_path"] = "expected the path of a matrix file, got nothing"
+        elif not os.path.isfile(path):
+            errors["matrix_path"] = f"no matrix file at {path!r} (it must exist on this server)"
+        else:
+            size = os.path.getsize(path)
+            if size == 0:
+                errors["matrix_path"] = f"matrix file {path!r} is empty"
+            else:
+                self.num_pages = -(-size // PAGE_BYTES)
+        try:
+            self.state_root = "0x" + parse_hex(self.state_root, 32).hex()
+        except ValueError as exc:
+            errors["state_root"] = f"state_root {self.state_root!r}: {exc}"
+        seeds = self.seeds if self.seeds not in (None, "", []) else default_seeds()
+        if (not isinstance(seeds, list) or len(seeds) != 3
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+                or not all(0 <= s <= U64_MAX for s in seeds)):
+            errors["seeds"] = f"expected three integers in 0..{U64_MAX}, got {seeds!r}"
+        else:
+            self.seeds = seeds
+        if self.domain_bits is not None and self.num_pages and "matrix_path" not in errors:
+            try:
+                domain_bits_for(self.num_pages, self.domain_bits)
+            except ValueError as exc:
+                errors["domain_bits"] = str(exc)
+        if errors:
+            raise ValidationError(errors)
+
+    def load(self):
+        """The gpu_engine Epoch of this record: the matrix memory-mapped, metadata from here."""
+        from gpu_engine.matrix import Epoch as EngineEpoch
+        from gpu_engine.matrix import load_matrix
+
+        return EngineEpoch(
+            epoch_id=self.epoch_id,
+            matrix=load_matrix(self.matrix_path, self.domain_bits),
+            block_number=self.block_number,
+            state_root=parse_hex(self.state_root, 32),
+            seeds=tuple(self.seeds or (0, 0, 0)),
+        )
+
+
+class UpdateState(models.TextChoices):
+    PENDING = "pending", "pending (in force)"
+    DISCARDED = "discarded", "discarded at an epoch switch"
+
+
+class RowUpdate(models.Model):
+    """Row `row` of epoch `epoch_id` reads as `data` (256 bytes) from the moment it is acknowledged."""
+
+    epoch_id = models.PositiveBigIntegerField(
+        db_index=True, editable=False,
+        help_text="The epoch this update is in force on (the one served when it was pushed, or "
+                  "a later one that absorbed it).",
+    )
+    first_epoch_id = models.PositiveBigIntegerField(editable=False, null=True)
+    row = models.PositiveBigIntegerField(help_text="Row index: page row // 16, slot row % 16.")
+    data = models.CharField(max_length=514, help_text="The row's new 256 bytes as hex (0x optional).")
+    state = models.CharField(
+        max_length=16, choices=UpdateState.choices, default=UpdateState.PENDING, editable=False
+    )
+    created = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, editable=False, on_delete=models.SET_NULL,
+        related_name="+",
+    )
+
+    class Meta:
+        ordering = ["-pk"]
+        indexes = [models.Index(fields=["epoch_id", "state"])]
+
+    def __str__(self) -> str:
+        return f"row {self.row} of epoch {self.epoch_id}"
+
+    @property
+    def data_bytes(self) -> bytes:
+        return parse_hex(self.data, ROW_BYTES)
+
+    def clean(self) -> None:
+        from epochs.runtime import current_epoch_shape
+
+        errors = {}
+        try:
+            self.data = "0x" + parse_hex(self.data or "", ROW_BYTES).hex()
+        except ValueError as exc:
+            errors["data"] = f"row data: {exc}"
+        try:
+            # An update applies to the epoch served now, unless it was created for another.
+            self.epoch_id, num_rows = current_epoch_shape(self.epoch_id)
+        except LookupError as exc:
+            raise ValidationError({"row": str(exc)}) from None
+        if self.first_epoch_id is None:
+            self.first_epoch_id = self.epoch_id
+        if self.row is not None and not 0 <= self.row < num_rows:
+            errors["row"] = (
+                f"row {self.row} is outside epoch {self.epoch_id}'s rows 0..{num_rows - 1} "
+                f"({num_rows // ROWS_PER_PAGE} pages of {ROWS_PER_PAGE} rows)"
+            )
+        if errors:
+            raise ValidationError(errors)

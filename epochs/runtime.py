@@ -1,0 +1,298 @@
+"""Keeps this process's engine on the active epoch, with every pending row update applied.
+
+The database is the truth: the active Epoch record (or, when there is none, the matrix file the
+process was started with) plus the pending RowUpdates of that epoch. `sync(engine)` brings an
+engine there; it runs when this process changes the state (before the change is acknowledged),
+right after an engine starts, and from the policies watcher when another process changed it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from django.conf import settings
+from django.db import DatabaseError, transaction
+from django.utils import timezone
+
+from epochs.models import Epoch, EpochState, PendingUpdates, RowUpdate, SwitchMode, UpdateState
+from gpu_engine.backends import BackendUnavailable
+from gpu_engine.matrix import ROWS_PER_PAGE
+
+log = logging.getLogger(__name__)
+
+# A transaction that drew a RowUpdate id may commit after one that drew a larger id (PostgreSQL
+# sequences); ids are re-checked for this long before they count as seen for good.
+COMMIT_SLACK_SECONDS = 10.0
+# A switch that failed in a watcher is not retried for this long (a retry reloads the matrix).
+FAILED_SWITCH_BACKOFF = 30.0
+
+_lock = threading.RLock()  # one sync at a time: request threads and the watcher thread
+
+
+class EpochSwitchError(RuntimeError):
+    """The engine could not switch to an epoch; the message says why and what to do."""
+
+
+@dataclass
+class _Applied:
+    """What one engine has applied of its current epoch's row updates."""
+
+    epoch_id: int
+    floor: int = 0  # every pending update with id <= floor is applied
+    ids: set = field(default_factory=set)  # applied ids above the floor
+    checkpoints: List[Tuple[float, int]] = field(default_factory=list)  # (when, highest id seen)
+
+    def advance(self, now: float) -> None:
+        high = max(self.ids, default=self.floor)
+        self.checkpoints.append((now, high))
+        settled = [c for c in self.checkpoints if now - c[0] >= COMMIT_SLACK_SECONDS]
+        if settled:
+            self.floor = max(self.floor, max(h for _, h in settled))
+            self.ids = {i for i in self.ids if i > self.floor}
+            self.checkpoints = [c for c in self.checkpoints if now - c[0] < COMMIT_SLACK_SECONDS]
+
+
+_applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_failed: Dict[tuple, float] = {}
+
+
+def _local_engine():
+    from morphoweb.engine_runtime import peek_engine
+
+    return peek_engine()
+
+
+def current_epoch_shape(epoch_id: Optional[int] = None) -> Tuple[int, int]:
+    """(epoch_id, num_rows) of the epoch served now, or of `epoch_id`; LookupError if unknown."""
+    record = Epoch.objects.active() if epoch_id is None else Epoch.objects.filter(epoch_id=epoch_id).first()
+    if record is not None and record.num_pages:
+        return record.epoch_id, record.num_rows
+    engine = _local_engine()
+    if engine is not None and (epoch_id is None or engine.epoch.epoch_id == epoch_id):
+        return engine.epoch.epoch_id, engine.epoch.matrix.num_rows
+    from gpu_engine.matrix import load_epoch
+
+    try:
+        served = load_epoch(settings.MORPHO_MATRIX_PATH, settings.MORPHO_DOMAIN_BITS)
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"no epoch is being served: {exc}") from None
+    if epoch_id is not None and served.epoch_id != epoch_id:
+        raise LookupError(f"epoch {epoch_id} is not known to this server")
+    return served.epoch_id, served.matrix.num_rows
+
+
+def state_version() -> tuple:
+    """Changes whenever the active epoch or the set of pending updates changes (two small queries)."""
+    active = Epoch.objects.filter(state=EpochState.ACTIVE).values_list(
+        "pk", "epoch_id", "switch_mode", "activated").order_by("-activated", "-pk").first()
+    pending = RowUpdate.objects.filter(state=UpdateState.PENDING)
+    from django.db.models import Count, Max
+
+    figures = pending.aggregate(n=Count("pk"), high=Max("pk"))
+    return (active, figures["n"], figures["high"])
+
+
+def _final_rows(epoch_id: int, rows: Optional[Sequence[int]] = None) -> Tuple[Dict[int, bytes], List[int]]:
+    """The latest pending data of each row (highest id wins) and the ids that were read."""
+    updates = RowUpdate.objects.filter(epoch_id=epoch_id, state=UpdateState.PENDING)
+    if rows is not None:
+        updates = updates.filter(row__in=list(rows))
+    data: Dict[int, bytes] = {}
+    ids = []
+    for pk, row, hexdata in updates.order_by("pk").values_list("pk", "row", "data"):
+        data[row] = bytes.fromhex(hexdata[2:])
+        ids.append(pk)
+    return data, ids
+
+
+def _switch(engine, record: Epoch, stop_the_world: bool) -> None:
+    """Load `record` with its pending updates written in, and switch the engine to it."""
+    epoch = record.load()
+    rows, ids = _final_rows(record.epoch_id)
+    for row, data in rows.items():
+        epoch.matrix.write_row(row, data)  # copy-on-write: the file is never touched
+    try:
+        if stop_the_world:
+            engine.switch_epoch(epoch, stop_the_world=True).result()
+        else:
+            engine.switch_epoch(epoch).result()
+    except Exception as exc:
+        if stop_the_world:
+            # The engine reloaded its current epoch from the matrix file: write its updates again.
+            _applied.pop(engine, None)
+            _apply_new_updates(engine)
+        if not isinstance(exc, BackendUnavailable):
+            raise
+        current = engine.epoch.matrix.nbytes
+        hint = "" if stop_the_world else (
+            f" Epoch {record.epoch_id} ({epoch.matrix.nbytes} bytes) does not fit beside epoch "
+            f"{engine.epoch.epoch_id} ({current} bytes): activate it with switch mode "
+            f"'stop the world' to free the current epoch first (queries wait during the load).")
+        raise EpochSwitchError(f"{exc}.{hint}") from exc
+    state = _Applied(record.epoch_id, ids=set(ids))
+    state.advance(time.monotonic())
+    _applied[engine] = state
+    log.info("engine now serves epoch %s (%d pending row updates applied)", record.epoch_id, len(ids))
+
+
+def _apply_new_updates(engine) -> int:
+    """Write the pending updates this engine has not applied yet; returns how many there were."""
+    epoch_id = engine.epoch.epoch_id
+    state = _applied.get(engine)
+    if state is None or state.epoch_id != epoch_id:
+        state = _Applied(epoch_id)
+        _applied[engine] = state
+    fresh = [
+        (pk, row) for pk, row in RowUpdate.objects.filter(
+            epoch_id=epoch_id, state=UpdateState.PENDING, pk__gt=state.floor,
+        ).values_list("pk", "row") if pk not in state.ids
+    ]
+    if fresh:
+        # Rewrite each touched row with its latest value, so an update that committed late
+        # never overrides a newer one of the same row.
+        rows, _ = _final_rows(epoch_id, {row for _, row in fresh})
+        engine.write_rows(rows).result()
+        state.ids.update(pk for pk, _ in fresh)
+    state.advance(time.monotonic())
+    return len(fresh)
+
+
+def sync(engine, explicit: bool = False) -> None:
+    """Bring `engine` to the database state. `explicit`: an operator asked; errors are raised."""
+    if engine is None:
+        return
+    with _lock:
+        record = Epoch.objects.active()
+        if record is not None and record.epoch_id != engine.epoch.epoch_id:
+            key = (id(engine), record.pk, record.switch_mode, record.activated)
+            if not explicit and time.monotonic() - _failed.get(key, -1e9) < FAILED_SWITCH_BACKOFF:
+                return
+            try:
+                _switch(engine, record, record.switch_mode == SwitchMode.STOP_THE_WORLD)
+            except Exception as exc:  # noqa: BLE001 - recorded for the operator, raised if asked
+                _failed[key] = time.monotonic()
+                reason = str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
+                log.error("switch to epoch %s failed: %s", record.epoch_id, reason)
+                Epoch.objects.filter(pk=record.pk).update(message=reason)
+                if explicit:
+                    raise EpochSwitchError(reason) from exc
+                return
+        _apply_new_updates(engine)
+
+
+def adopt(engine) -> None:
+    """Called once an engine has started: serve the database's epoch and updates before any query."""
+    try:
+        sync(engine)
+    except (DatabaseError, RuntimeError) as exc:
+        # A server may start before `migrate` ran (or, in tests, without database access); it
+        # then serves its matrix file as it is until the watcher finds the database.
+        log.warning("epochs: database not ready (%s); serving the matrix file without updates", exc)
+
+
+def activate(record: Epoch, stop_the_world: Optional[bool] = None) -> Epoch:
+    """Make `record` the active epoch: switch this process's engine (if any) first, then commit.
+
+    When this process serves, a switch that cannot happen (the matrix does not fit beside the
+    current one) is raised before anything changes; other processes follow within a second.
+    """
+    if stop_the_world is not None:
+        record.switch_mode = SwitchMode.STOP_THE_WORLD if stop_the_world else SwitchMode.BESIDE
+    engine = _local_engine()
+    with _lock:
+        if engine is not None:
+            sync(engine)
+        active = Epoch.objects.active()
+        old_epoch_id = active.epoch_id if active else (
+            engine.epoch.epoch_id if engine is not None else current_epoch_shape()[0])
+        if record.epoch_id == old_epoch_id:
+            raise EpochSwitchError(f"epoch {record.epoch_id} is already being served")
+        with transaction.atomic():
+            pending = RowUpdate.objects.filter(epoch_id=old_epoch_id, state=UpdateState.PENDING)
+            if record.pending_updates == PendingUpdates.ABSORB:
+                # Absorbed updates are validated against the new shape: a row past its end is lost.
+                bad = pending.filter(row__gte=(record.num_pages or 0) * ROWS_PER_PAGE)
+                bad.update(state=UpdateState.DISCARDED)
+                pending.update(epoch_id=record.epoch_id)
+            else:
+                pending.update(state=UpdateState.DISCARDED)
+            Epoch.objects.filter(state=EpochState.ACTIVE).exclude(pk=record.pk).update(
+                state=EpochState.RETIRED)
+            record.state = EpochState.ACTIVE
+            record.activated = timezone.now()
+            record.message = ""
+            record.save()
+            if engine is not None:
+                # Inside the transaction: if this process cannot switch, nothing changes.
+                try:
+                    _switch(engine, record, record.switch_mode == SwitchMode.STOP_THE_WORLD)
+                except Exception as exc:
+                    transaction.set_rollback(True)
+                    reason = str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
+                    failure = exc
+                else:
+                    failure = None
+            else:
+                failure = None
+        if failure is not None:
+            Epoch.objects.filter(pk=record.pk).update(message=reason)
+            record.refresh_from_db()
+            raise EpochSwitchError(reason) from failure
+        if engine is not None:
+            sync(engine)  # updates committed by other processes while this one switched
+    return record
+
+
+def save_updates(records: Sequence[RowUpdate]) -> None:
+    """Store validated row updates in one transaction, then apply them to this process's engine.
+
+    Returning means acknowledged: every answer this process starts from now on includes them.
+    """
+    engine = _local_engine()
+    with _lock:
+        with transaction.atomic():
+            served = current_epoch_shape()[0]
+            for update in records:
+                if update.epoch_id != served:
+                    # The epoch switched since the update was validated: it applies to the new one.
+                    update.epoch_id = update.first_epoch_id = None
+                    update.clean()
+                if update.first_epoch_id is None:
+                    update.first_epoch_id = update.epoch_id
+                update.save()
+        if engine is not None:
+            sync(engine)
+
+
+def push_rows(rows: Sequence[Tuple[int, object]], user=None) -> List[RowUpdate]:
+    """Validate (row, data) pairs against the served epoch, store and apply them; all or none."""
+    from django.core.exceptions import ValidationError
+
+    engine = _local_engine()
+    with _lock:
+        if engine is not None:
+            sync(engine)  # validate against the epoch this process will apply them to
+        records, errors = [], {}
+        for index, (row, data) in enumerate(rows):
+            update = RowUpdate(row=row, data=data.hex() if isinstance(data, bytes) else data,
+                               created_by=user)
+            try:
+                update.full_clean(exclude=["epoch_id", "first_epoch_id"])
+            except ValidationError as exc:
+                errors[index] = exc.message_dict
+            records.append(update)
+        if errors:
+            raise ValidationError(errors)
+        save_updates(records)
+    return records
+
+
+def apply_from_watcher() -> None:
+    """The watcher's apply function: follow a change another process made."""
+    engine = _local_engine()
+    if engine is not None:
+        sync(engine)
