@@ -100,6 +100,10 @@ def _build_engine():
         epoch.epoch_id, epoch.block_number, path, matrix.num_pages, matrix.domain_bits,
     )
     engine = Engine(backend, epoch)
+    # Batching follows the active policy records live, in every process (policies.bridge).
+    from policies.bridge import attach
+
+    attach(engine)
     engine.start()
     # Before any query: switch to the database's active epoch and apply its pending row updates.
     from epochs.runtime import adopt

@@ -1,1 +1,97 @@
-"""Batching policy records; none yet (they arrive with the live-policy work)."""
+"""Batching policy records: one active per lane, validated with the engine's own bounds and words."""
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.db import models, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, BatchingPolicy as EnginePolicy
+
+
+def _help(field: str, text: str) -> str:
+    lo, hi, unit = POLICY_BOUNDS[field]
+    return f"{text} Allowed: {lo:g}..{hi:g} {unit}."
+
+
+_DEFAULT = EnginePolicy()
+
+
+class BatchingPolicy(models.Model):
+    """How one lane of every engine batches; the active record of a lane is in force everywhere."""
+
+    name = models.CharField(max_length=100, unique=True)
+    lane = models.CharField(max_length=20, choices=[(lane, lane) for lane in LANES])
+    mode = models.CharField(max_length=20, choices=[(mode, mode) for mode in MODES], default=_DEFAULT.mode)
+    max_batch = models.IntegerField(default=_DEFAULT.max_batch, help_text=_help("max_batch", "Queries per launch."))
+    window_us = models.IntegerField(
+        "admission window (µs)", default=_DEFAULT.window_us,
+        help_text=_help("window_us", "Longest a partial batch is held, counted from the oldest "
+                                     "queued query (throughput, adaptive); the upper bound of "
+                                     "the window slo picks."))
+    adaptive_threshold = models.IntegerField(
+        default=_DEFAULT.adaptive_threshold,
+        help_text=_help("adaptive_threshold", "adaptive: queue depth from which batches are filled."))
+    micro_batch = models.IntegerField(
+        "micro-batch cap (keys)", default=_DEFAULT.micro_batch,
+        help_text=_help("micro_batch", "Keys per kernel launch inside a batch; 0 = whole batch."))
+    streams = models.IntegerField(default=_DEFAULT.streams, help_text=_help("streams", "CUDA streams."))
+    cuda_graph = models.BooleanField("CUDA graph replay", default=_DEFAULT.cuda_graph)
+    p95_target_ms = models.FloatField(
+        "p95 target (ms)", default=_DEFAULT.p95_target_ms,
+        help_text=_help("p95_target_ms", "slo: p95 latency from arrival to answer to stay under."))
+    safety_margin = models.FloatField(
+        default=_DEFAULT.safety_margin,
+        help_text=_help("safety_margin", "slo: share of the target kept in reserve."))
+    max_queue = models.IntegerField(
+        default=_DEFAULT.max_queue,
+        help_text=_help("max_queue", "Queries the lane may hold; beyond it requests get 503."))
+    queue_timeout_ms = models.IntegerField(
+        default=_DEFAULT.queue_timeout_ms,
+        help_text=_help("queue_timeout_ms", "A query not started this long after arrival gets 503."))
+    max_starvation_ms = models.IntegerField(
+        default=_DEFAULT.max_starvation_ms,
+        help_text=_help("max_starvation_ms", "Longest this lane waits while a higher-priority lane "
+                                             "keeps the device busy."))
+    notes = models.TextField(blank=True)
+    active = models.BooleanField(default=False, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True, db_index=True)
+
+    class Meta:
+        ordering = ["lane", "-active", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["lane"], condition=Q(active=True),
+                                    name="one_active_policy_per_lane"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.lane}, {self.mode}{', active' if self.active else ''})"
+
+    def clean(self) -> None:
+        # The engine's own check, so the admin, any API and the engine say the same words.
+        from policies.bridge import record_errors
+
+        errors = record_errors(self)
+        if errors:
+            raise ValidationError(errors)
+
+    def save(self, *args, **kwargs) -> None:
+        with transaction.atomic():
+            if self.active:
+                # Saving an active record takes the lane over, in the same transaction, so the
+                # lane is never without an active policy and never has two.
+                BatchingPolicy.objects.filter(lane=self.lane, active=True).exclude(pk=self.pk).update(
+                    active=False, updated_at=timezone.now())
+            super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        if self.active:
+            raise ValidationError(f"{self.name} is the active {self.lane} policy: activate another "
+                                  f"one for the lane before deleting it")
+        return super().delete(*args, **kwargs)
+
+    def activate(self) -> None:
+        """Make this the lane's policy in force (every process follows within a second)."""
+        self.active = True
+        self.save()

@@ -9,6 +9,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
+from policies.metrics import observe_query
 from queries.api.errors import Unavailable, unavailable
 from queries.api.serializers import (
     BatchQuerySerializer,
@@ -87,6 +88,7 @@ class PageQueryView(PublicAPIView):
     serializer_class = PageQuerySerializer
     single_query = True  # errors name query 0
 
+    @observe_query("/query/page/gpu")
     def post(self, request):
         engine = get_engine()
         epoch = engine.epoch
@@ -105,6 +107,7 @@ class BatchPageQueryView(PublicAPIView):
 
     serializer_class = BatchQuerySerializer
 
+    @observe_query("/query/page/gpu/batch", queries=lambda response: len(response.data["results"]))
     def post(self, request):
         engine = get_engine()
         epoch = engine.epoch

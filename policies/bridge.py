@@ -1,0 +1,123 @@
+"""The one place a policy record becomes the engine's BatchingPolicy, and the live PolicySource."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import fields
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from django.db.models import Count, Max
+
+from gpu_engine.scheduler import LANES, BatchingPolicy as EnginePolicy, PolicyError, policy_errors
+from policies import live
+
+log = logging.getLogger(__name__)
+
+ENGINE_FIELDS = tuple(f.name for f in fields(EnginePolicy))
+WATCH_NAME = "policies"
+
+
+def record_values(record: Any) -> Dict[str, Any]:
+    """The engine's fields of a policy record, by name."""
+    return {name: getattr(record, name) for name in ENGINE_FIELDS}
+
+
+def record_errors(record: Any) -> Dict[str, str]:
+    """Field -> message in the engine's words; fields still empty are left to Django's own check."""
+    values = record_values(record)
+    return {name: message for name, message in policy_errors(values).items()
+            if values.get(name) is not None}
+
+
+def engine_policy(record: Any) -> EnginePolicy:
+    """The immutable engine policy of a record; raises PolicyError when it is out of range."""
+    return EnginePolicy(**record_values(record))
+
+
+def policies_version() -> Tuple[Any, int]:
+    """What changes whenever a policy is saved, activated or deleted: one indexed aggregate."""
+    from policies.models import BatchingPolicy
+
+    row = BatchingPolicy.objects.aggregate(latest=Max("updated_at"), count=Count("id"))
+    return row["latest"], row["count"]
+
+
+def load_active() -> Dict[str, EnginePolicy]:
+    """The active policy of each lane that has one, read from the database."""
+    from policies.models import BatchingPolicy
+
+    active: Dict[str, EnginePolicy] = {}
+    for record in BatchingPolicy.objects.filter(active=True):
+        try:
+            active[record.lane] = engine_policy(record)
+        except PolicyError as exc:  # written around the model's checks (raw SQL): keep the old one
+            log.error("active %s policy %s is invalid, not applied: %s", record.lane, record.name, exc)
+    return active
+
+
+class LivePolicies:
+    """The engine's PolicySource: a snapshot of the active policies, swapped whole by the watcher.
+
+    A call costs one dict lookup: no database read per query."""
+
+    def __init__(self, initial: Optional[Mapping[str, EnginePolicy]] = None) -> None:
+        self._snapshot: Dict[str, EnginePolicy] = {lane: EnginePolicy(name=f"{lane}-builtin") for lane in LANES}
+        self._snapshot.update(initial or {})
+        self._listeners: list = []
+        self._lock = threading.Lock()
+        self.applied_version: Any = None
+
+    def __call__(self, lane: str) -> EnginePolicy:
+        return self._snapshot[lane]
+
+    def current(self) -> Dict[str, EnginePolicy]:
+        return dict(self._snapshot)
+
+    def on_change(self, listener) -> None:
+        """Call listener() after each swap (the engine's poke, so waiting queries see it now)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def apply(self, version: Any = None) -> None:
+        snapshot = dict(self._snapshot)
+        snapshot.update(load_active())
+        changed = snapshot != self._snapshot
+        self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
+        self.applied_version = version
+        if changed:
+            log.info("batching policies now: %s", ", ".join(
+                f"{lane}={p.name} ({p.mode})" for lane, p in sorted(snapshot.items())))
+            with self._lock:
+                listeners = list(self._listeners)
+            for listener in listeners:
+                listener()
+
+
+_source: Optional[LivePolicies] = None
+_source_lock = threading.Lock()
+
+
+def live_policies() -> LivePolicies:
+    """This process's LivePolicies, watched by the live watcher from the first call on."""
+    global _source
+    with _source_lock:
+        if _source is None:
+            _source = LivePolicies()
+            live.register(WATCH_NAME, policies_version, _source.apply)
+        else:
+            live.default_watcher().start()  # a forked child needs its own watcher thread
+        return _source
+
+
+def attach(engine) -> LivePolicies:
+    """Make `engine` follow the active policies live (called where the engine is built)."""
+    source = live_policies()
+    engine.set_policy_source(source)
+    source.on_change(engine.poke)
+    return source
+
+
+def current_policies() -> Dict[str, EnginePolicy]:
+    """The policies this process applies now ({} before anything was loaded); never reads the DB."""
+    source = _source
+    return source.current() if source is not None else {}
