@@ -24,9 +24,9 @@ class JobFinished(Exception):
 
 
 def chunk_size_for(max_batch: int) -> int:
-    """Queries per chunk: MORPHO_BULK_CHUNK, a whole number of the bulk policy's launches."""
-    batches = max(1, settings.MORPHO_BULK_CHUNK // max_batch)
-    return batches * max_batch
+    """Queries per chunk: MORPHO_BULK_CHUNK, rounded down to whole launches of the bulk policy."""
+    wanted = settings.MORPHO_BULK_CHUNK
+    return wanted if wanted < max_batch else wanted // max_batch * max_batch
 
 
 # --- creating a job (web process) -----------------------------------------------------------------
