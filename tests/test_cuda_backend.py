@@ -22,8 +22,9 @@ def _keys(num_keys, num_pages, d, seed):
 
 
 @pytest.mark.parametrize("num_keys, max_group, expect", [
-    (96, 16, (16, 6)), (3, 16, (3, 1)), (9, 16, (12, 1)), (24, 16, (12, 2)), (5, 16, (6, 1)),
-    (1, 16, (1, 1)), (17, 16, (12, 2)), (96, 32, (32, 3)), (48, 8, (8, 6)), (33, 32, (24, 2)),
+    (96, 16, (16, 6)), (3, 16, (3, 1)), (9, 16, (9, 1)), (24, 16, (12, 2)), (5, 16, (5, 1)),
+    (1, 16, (1, 1)), (17, 16, (9, 2)), (96, 32, (32, 3)), (48, 8, (8, 6)), (33, 32, (24, 2)),
+    (40, 12, (10, 4)), (70, 24, (24, 3)),
 ])
 def test_pick_group_keys(num_keys, max_group, expect):
     group_keys, groups = launch.pick_group_keys(num_keys, max_group)
@@ -34,7 +35,7 @@ def test_pick_group_keys(num_keys, max_group, expect):
 
 def test_pick_group_keys_rejects_uncompiled_sizes():
     with pytest.raises(ValueError, match="max_group_keys"):
-        launch.pick_group_keys(10, 10)
+        launch.pick_group_keys(10, 20)
     with pytest.raises(ValueError, match="num_keys"):
         launch.pick_group_keys(0, 16)
 
@@ -283,7 +284,7 @@ def test_too_large_matrix_is_refused_naming_both_sizes(cuda):
 
 @pytest.mark.gpu
 def test_bad_keys_raise_before_launch(cuda):
-    resident = cuda.load(random_matrix(10, seed=1))
-    keys = _keys(2, 10, 4, seed=1)
+    resident = cuda.load(random_matrix(10, seed=1))  # 10 pages: domain_bits 4
+    keys = _keys(2, 10, 5, seed=1)
     with pytest.raises(ValueError, match="domain_bits"):
         resident.answer(keys)

@@ -42,28 +42,39 @@ def _i64(x: int) -> np.int64:
 
 
 class _Launch:
-    """One micro-batch: its plan, device buffers, stream and, once captured, its CUDA graph."""
+    """One micro-batch: its plan, buffers, stream and, once captured, its CUDA graph.
+
+    The kernels run plan.padded_keys keys (whole key groups); the padding repeats the
+    micro-batch's last key and its answers are never copied back.
+    """
 
     def __init__(self, plan: launch.ScanPlan, start: int, stop: int, stream) -> None:
         self.plan, self.start, self.stop, self.stream = plan, start, stop, stream
-        k, d = plan.num_keys, plan.domain_bits
+        kp, d = plan.padded_keys, plan.domain_bits
         self.krec = launch.krec_words(d)
-        self.keyrec = cupy.empty((k, self.krec), dtype=np.uint32)
-        self.out = cupy.empty((k, WORDS_PER_PAGE), dtype=np.uint32)
+        self._keys_mem = cupy.cuda.alloc_pinned_memory(kp * self.krec * 4)
+        self.keys_host = np.frombuffer(self._keys_mem, np.uint32, kp * self.krec).reshape(kp, self.krec)
+        self.keyrec = cupy.empty((kp, self.krec), dtype=np.uint32)
+        self.out = cupy.empty((kp, WORDS_PER_PAGE), dtype=np.uint32)
         self.nodes: List[Tuple[cupy.ndarray, cupy.ndarray]] = [
-            (cupy.empty((k, st.live_out, 4), dtype=np.uint32), cupy.empty((k, st.live_out), dtype=np.uint8))
+            (cupy.empty((kp, st.live_out, 4), dtype=np.uint32), cupy.empty((kp, st.live_out), dtype=np.uint8))
             for st in plan.stages
         ]
         self.top = get_kernel("dpf_scan.cu", "dpf_expand_top") if plan.stages else None
         self.scan = scan_kernel(plan.group_keys, plan.shared_bytes)
         self.graph = None
 
-    def enqueue(self, pages, keys_host: np.ndarray, out_host: np.ndarray) -> None:
+    def stage_keys(self, records: np.ndarray) -> None:
+        """Copy this micro-batch's key records (and the padding) into its pinned buffer."""
+        k = self.stop - self.start
+        self.keys_host[:k] = records[self.start : self.stop]
+        self.keys_host[k:] = records[self.stop - 1]
+
+    def enqueue(self, pages, out_host: np.ndarray) -> None:
         """Queue key upload, tree top, scan and answer download on this launch's stream."""
-        plan, k = self.plan, self.plan.num_keys
+        plan, kp = self.plan, self.plan.padded_keys
         s = self.stream.ptr
-        rec_bytes = k * self.krec * 4
-        runtime.memcpyAsync(self.keyrec.data.ptr, keys_host[self.start :].ctypes.data, rec_bytes, _H2D, s)
+        runtime.memcpyAsync(self.keyrec.data.ptr, self.keys_host.ctypes.data, self.keys_host.nbytes, _H2D, s)
         runtime.memsetAsync(self.out.data.ptr, 0, self.out.nbytes, s)
         d, n = plan.domain_bits, plan.num_pages
         with self.stream:
@@ -72,41 +83,40 @@ class _Launch:
                 in_stride = plan.stages[i - 1].live_out if i else 0
                 out_seed, out_t = self.nodes[i]
                 self.top(
-                    (st.live_in, k), (launch.TOP_THREADS,),
+                    (st.live_in, kp), (launch.TOP_THREADS,),
                     (self.keyrec, _i32(self.krec), _i32(d), _i64(n), in_seed, in_t, _i64(in_stride),
                      _i32(st.depth_in), _i32(st.levels), out_seed, out_t, _i64(st.live_out)),
                 )
             roots_seed, roots_t = self.nodes[-1] if self.nodes else (self.keyrec, self.keyrec)
             self.scan(
                 (plan.grid,), (launch.SCAN_THREADS,),
-                (pages, _i64(n), _i32(d), _i32(plan.chunk_levels), self.keyrec, _i32(self.krec), _i32(k),
+                (pages, _i64(n), _i32(d), _i32(plan.chunk_levels), self.keyrec, _i32(self.krec), _i32(kp),
                  roots_seed, roots_t, _i64(plan.root_stride), _i32(plan.num_groups),
                  _i32(plan.chunks_per_block), self.out),
                 shared_mem=plan.shared_bytes,
             )
-        runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr, k * PAGE_BYTES, _D2H, s)
+        runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr,
+                            (self.stop - self.start) * PAGE_BYTES, _D2H, s)
 
-    def run(self, pages, keys_host: np.ndarray, out_host: np.ndarray, use_graph: bool) -> None:
+    def run(self, pages, out_host: np.ndarray, use_graph: bool) -> None:
         if not use_graph:
-            self.enqueue(pages, keys_host, out_host)
+            self.enqueue(pages, out_host)
             return
         if self.graph is None:  # the pinned buffers and device buffers are fixed, so replay is exact
             self.stream.begin_capture()
             try:
-                self.enqueue(pages, keys_host, out_host)
+                self.enqueue(pages, out_host)
             finally:
                 self.graph = self.stream.end_capture()
         self.graph.launch(stream=self.stream)
 
 
 class _DispatchState:
-    """Pinned host buffers and launches for one (batch size, dispatch shape), reused across calls."""
+    """The pinned answer buffer and launches of one (batch size, dispatch shape), kept for reuse."""
 
-    def __init__(self, plans: List[launch.ScanPlan], ranges, streams, krec: int) -> None:
+    def __init__(self, plans: List[launch.ScanPlan], ranges, streams) -> None:
         total = ranges[-1][1]
-        self._keys_mem = cupy.cuda.alloc_pinned_memory(total * krec * 4)
         self._out_mem = cupy.cuda.alloc_pinned_memory(total * PAGE_BYTES)
-        self.keys_host = np.frombuffer(self._keys_mem, np.uint32, total * krec).reshape(total, krec)
         self.out_host = np.frombuffer(self._out_mem, np.uint32, total * WORDS_PER_PAGE).reshape(total, WORDS_PER_PAGE)
         self.launches = [
             _Launch(plan, start, stop, streams[i % len(streams)])
@@ -148,8 +158,7 @@ class CudaResident(ResidentMatrix):
         if state is None:
             ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
             plans = [self.plan(stop - start) for start, stop in ranges]
-            state = _DispatchState(plans, ranges, self._streams[: dispatch.streams],
-                                   launch.krec_words(self.domain_bits))
+            state = _DispatchState(plans, ranges, self._streams[: dispatch.streams])
             self._states[key] = state
             while len(self._states) > MAX_CACHED_SHAPES:
                 self._states.popitem(last=False)
@@ -163,10 +172,10 @@ class CudaResident(ResidentMatrix):
         with self._lock:
             pages = self._live()
             state = self._state(len(keys), dispatch)
-            state.keys_host[...] = records
             state.out_host.view(np.uint8)[...] = _poison  # a launch that never lands shows as poison
             for item in state.launches:
-                item.run(pages, state.keys_host, state.out_host, dispatch.graph)
+                item.stage_keys(records)
+                item.run(pages, state.out_host, dispatch.graph)
             for stream in {id(item.stream): item.stream for item in state.launches}.values():
                 stream.synchronize()
             answers = empty_answers(len(keys))

@@ -9,7 +9,7 @@ import numpy as np
 SCAN_THREADS = 256  # one thread per 16-byte column of a page (dpf_scan.cu)
 TOP_THREADS = 256
 MAX_TOP_LEVELS = 9  # levels one dpf_expand_top block expands (its shared buffers hold 2**9 nodes)
-SCAN_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # dpf_scan<G> instantiations in the .cu
+SCAN_GROUP_SIZES = tuple(range(1, 17)) + (24, 32)  # dpf_scan<G> instantiations in the .cu
 DEFAULT_MAX_GROUP_KEYS = 16  # 64 accumulator registers a thread: two blocks fit an SM
 DEFAULT_CHUNK_LEVELS = 7  # 128 pages per expanded chunk: 54 KiB of shared memory at G = 16
 WAVES_PER_LAUNCH = 8  # blocks per launch over blocks resident at once: bounds the tail wave
@@ -77,7 +77,8 @@ def check_key_batch(batch, domain_bits: int) -> None:
 
 def pick_group_keys(num_keys: int, max_group_keys: int) -> Tuple[int, int]:
     """(keys per block G, key groups): as few groups as max_group_keys allows, each as even as
-    the compiled group sizes let it be, so padding lanes stay few."""
+    the compiled group sizes let it be. The kernel has no per-key guards, so the last group is
+    padded with repeats of a real key: fewer than `groups` padding keys up to G = 16."""
     if max_group_keys not in SCAN_GROUP_SIZES:
         raise ValueError(f"max_group_keys must be one of {SCAN_GROUP_SIZES}, got {max_group_keys}")
     if num_keys < 1:
@@ -134,6 +135,11 @@ class ScanPlan:
     stages: Tuple[TopStage, ...]
 
     @property
+    def padded_keys(self) -> int:
+        """Keys the kernels run: whole groups of group_keys."""
+        return self.group_keys * self.num_groups
+
+    @property
     def depth_top(self) -> int:
         return self.domain_bits - self.chunk_levels
 
@@ -187,8 +193,8 @@ def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]
 
 def workspace_bytes(plan: ScanPlan) -> int:
     """Device bytes one launch needs besides the matrix: key records, tree nodes, answers."""
-    nodes = sum(st.live_out for st in plan.stages) * plan.num_keys * 17
-    return plan.num_keys * (4 * krec_words(plan.domain_bits) + 4096) + nodes
+    nodes = sum(st.live_out for st in plan.stages) * plan.padded_keys * 17
+    return plan.padded_keys * (4 * krec_words(plan.domain_bits) + 4096) + nodes
 
 
 def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -32,7 +32,7 @@ s.record()
 for _ in range(5): b[...] = a
 e.record(); e.synchronize()
 ms = cp.cuda.get_elapsed_time(s, e) / 5
-print(f"device copy: {2 * 4 * n / ms / 1e9:.0f} GB/s counting read+write ({ms:.2f} ms per 8 GiB)")
+print(f"device copy: {2 * 4 * n / ms / 1e6:.0f} GB/s counting read+write ({ms:.2f} ms per 8 GiB)")
 EOF
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
@@ -52,11 +52,20 @@ smoke)
         --out "$OUT/cuda_mainnet.csv"
     ;;
 full)
-    step tests-all 420 python3 -m pytest tests/test_cuda_backend.py -q -p no:cacheprovider
-    ;;
-variants)
-    step variants-mainnet 400 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
+    step tests-all 420 python3 -m pytest tests/test_cuda_backend.py tests/test_kernels_compile.py -q \
+        -p no:cacheprovider
+    step variants-mainnet 300 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
         --q 1,8,32 --repeat 3 --variants "${VARIANTS:-g16-c7-mb0-s1-g0}" --out "$OUT/variants_mainnet.csv"
+    step variants-65536 120 python3 -m gpu_engine.bench.cuda_variants --pages 65536 --domain-bits 16 \
+        --q 1,8,32 --repeat 9 --variants "${VARIANTS_SMALL:-g16-c7-mb0-s1-g1}" --out "$OUT/variants_65536.csv"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for keys in 96 3; do
+        step "ncu-k$keys" 150 "$NCU" --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+            --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active \
+            python3 -m gpu_engine.bench.profile_scan --pages 1048593 --domain-bits 25 --keys $keys
+    done
     ;;
 final)
     bench bench-65536 200 --pages 65536 --domain-bits 16 --q 1,2,4,8,16,32 --repeat 9 \
@@ -65,7 +74,7 @@ final)
         --dispatch "${DISPATCH_MAINNET:-micro_batch=0,streams=1,graph=0}" --out "$OUT/cuda_mainnet.csv"
     ;;
 *)
-    echo "unknown stage $stage (smoke|full|variants|final)"; exit 2 ;;
+    echo "unknown stage $stage (smoke|full|final)"; exit 2 ;;
 esac
 
 echo

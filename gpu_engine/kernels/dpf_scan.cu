@@ -94,18 +94,18 @@ __device__ __forceinline__ uint4 and_mask(uint4 a, u32 on) {
     return make_uint4(a.x & on, a.y & on, a.z & on, a.w & on);
 }
 
-// One tree level for up to G keys held in shared memory, nodes stored key-minor
-// ([node * G + key]). Parents [0, n_par) of keys [0, nk) become children [0, 2 n_par).
+// One tree level for G keys held in shared memory, nodes stored key-minor
+// ([node * G + key]). Parents [0, n_par) become children [0, 2 n_par).
 // cw_seed/cw_t hold this level's corrections per key. With `final_cw` non-null the children
 // are leaves: they are written as masks (seed ^ final_cw where t) and their t is not kept.
 template <int G>
 __device__ __forceinline__ void expand_level(
-    const uint4* in_seed, const u8* in_t, uint4* out_seed, u8* out_t, int n_par, int nk,
+    const uint4* in_seed, const u8* in_t, uint4* out_seed, u8* out_t, int n_par,
     const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
-    const int total = n_par * nk;
+    const int total = n_par * G;
     for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
-        const int i = idx / nk;
-        const int j = idx - i * nk;
+        const int i = idx / G;
+        const int j = idx - i * G;
         const uint4 seed = in_seed[i * G + j];
         const u32 on = 0u - (u32)in_t[i * G + j];
         uint4 left, right;
@@ -180,7 +180,7 @@ dpf_expand_top(const u32* __restrict__ keyrec, int krec, int domain_bits, long l
         const long long live = live_nodes(num_leaves, domain_bits - depth_in - l) - first;
         const int n_par = (int)(live < (1LL << l) ? live : (1LL << l));
         const int src = (levels - l) & 1;
-        expand_level<1>(buf_seed[src], buf_t[src], buf_seed[src ^ 1], buf_t[src ^ 1], n_par, 1,
+        expand_level<1>(buf_seed[src], buf_t[src], buf_seed[src ^ 1], buf_t[src ^ 1], n_par,
                         &cw_seed[l], &cw_t[l], (const uint4*)0);
         __syncthreads();
     }
@@ -221,20 +221,19 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
-    const int key0 = group * G;
-    const int nk = min(G, num_keys - key0);
+    const int key0 = group * G;  // num_keys == num_groups * G: the host pads the last group
     const int depth_top = domain_bits - c;
     const long long num_chunks = live_nodes(num_pages, c);
     const long long chunk_begin = run * chunks_per_block;
     const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
     const int col = threadIdx.x;
 
-    for (int i = threadIdx.x; i < c * nk; i += blockDim.x) {
-        const int l = i / nk, j = i - l * nk;
+    for (int i = threadIdx.x; i < c * G; i += blockDim.x) {
+        const int l = i / G, j = i - l * G;
         load_level_cw(keyrec + (long long)(key0 + j) * krec, domain_bits, depth_top + l,
                       &cw_seed[l * G + j], &cw_t[l * G + j]);
     }
-    if (threadIdx.x < nk) {
+    if (threadIdx.x < G) {
         const u32* rec = keyrec + (long long)(key0 + threadIdx.x) * krec + KREC_FINAL;
         final_cw[threadIdx.x] = make_uint4(rec[0], rec[1], rec[2], rec[3]);
     }
@@ -252,7 +251,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
         {
             uint4* root_buf = (c & 1) ? half : big;
             u8* root_buf_t = (c & 1) ? half_t : big_t;
-            if (threadIdx.x < nk) {
+            if (threadIdx.x < G) {
                 const int key = key0 + threadIdx.x;
                 if (depth_top == 0) {
                     const u32* rec = keyrec + (long long)key * krec;
@@ -269,7 +268,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
             const int to_big = ((c - 1 - l) & 1) == 0;
             const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
             expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
-                            to_big ? big : half, to_big ? big_t : half_t, n_par, nk,
+                            to_big ? big : half, to_big ? big_t : half_t, n_par,
                             &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0);
             __syncthreads();
         }
@@ -285,13 +284,11 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
                 const uint4* m = big + (p + u) * G;
 #pragma unroll
                 for (int j = 0; j < G; ++j) {
-                    if (j < nk) {
-                        const uint4 mk = m[j];
-                        acc[j].x ^= v[u].x & mk.x;
-                        acc[j].y ^= v[u].y & mk.y;
-                        acc[j].z ^= v[u].z & mk.z;
-                        acc[j].w ^= v[u].w & mk.w;
-                    }
+                    const uint4 mk = m[j];
+                    acc[j].x ^= v[u].x & mk.x;
+                    acc[j].y ^= v[u].y & mk.y;
+                    acc[j].z ^= v[u].z & mk.z;
+                    acc[j].w ^= v[u].w & mk.w;
                 }
             }
         }
@@ -300,13 +297,11 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
             const uint4* m = big + p * G;
 #pragma unroll
             for (int j = 0; j < G; ++j) {
-                if (j < nk) {
-                    const uint4 mk = m[j];
-                    acc[j].x ^= v.x & mk.x;
-                    acc[j].y ^= v.y & mk.y;
-                    acc[j].z ^= v.z & mk.z;
-                    acc[j].w ^= v.w & mk.w;
-                }
+                const uint4 mk = m[j];
+                acc[j].x ^= v.x & mk.x;
+                acc[j].y ^= v.y & mk.y;
+                acc[j].z ^= v.z & mk.z;
+                acc[j].w ^= v.w & mk.w;
             }
         }
         __syncthreads();  // the next chunk's roots and levels overwrite these masks
@@ -314,11 +309,9 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 
 #pragma unroll
     for (int j = 0; j < G; ++j) {
-        if (j < nk) {
-            u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
-            atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
-            atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
-        }
+        u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
+        atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
+        atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
     }
 }
 
@@ -332,9 +325,17 @@ INSTANTIATE_SCAN(1)
 INSTANTIATE_SCAN(2)
 INSTANTIATE_SCAN(3)
 INSTANTIATE_SCAN(4)
+INSTANTIATE_SCAN(5)
 INSTANTIATE_SCAN(6)
+INSTANTIATE_SCAN(7)
 INSTANTIATE_SCAN(8)
+INSTANTIATE_SCAN(9)
+INSTANTIATE_SCAN(10)
+INSTANTIATE_SCAN(11)
 INSTANTIATE_SCAN(12)
+INSTANTIATE_SCAN(13)
+INSTANTIATE_SCAN(14)
+INSTANTIATE_SCAN(15)
 INSTANTIATE_SCAN(16)
 INSTANTIATE_SCAN(24)
 INSTANTIATE_SCAN(32)

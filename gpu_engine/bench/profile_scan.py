@@ -1,0 +1,51 @@
+"""Runs a few batches of one shape on the CUDA backend, for a profiler (ncu) to watch.
+
+    ncu --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
+        python3 -m gpu_engine.bench.profile_scan --pages 1048593 --keys 96
+
+The first batch warms up (compiles, allocates); the profiler is meant to skip it.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from gpu_engine.backends import DispatchShape
+from gpu_engine.dpf import KeyBatch, gen_keys
+from gpu_engine.matrix import domain_bits_for
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, required=True)
+    ap.add_argument("--domain-bits", type=int, default=None)
+    ap.add_argument("--keys", type=int, default=96)
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--max-group-keys", type=int, default=None)
+    ap.add_argument("--chunk-levels", type=int, default=None)
+    args = ap.parse_args()
+
+    from gpu_engine.backends.cuda import CudaBackend
+
+    d = domain_bits_for(args.pages, args.domain_bits)
+    resident = CudaBackend().generate(args.pages, seed=5, domain_bits=d)
+    if args.max_group_keys:
+        resident.max_group_keys = args.max_group_keys
+    if args.chunk_levels:
+        resident.chunk_levels = args.chunk_levels
+    rng = np.random.default_rng(5)
+    keys = KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng)[0] for _ in range(args.keys)])
+    plan = resident.plan(args.keys)
+    from gpu_engine.backends.cuda_launch import describe_plan
+
+    print(describe_plan(plan), flush=True)
+    for i in range(args.batches):
+        t0 = time.perf_counter()
+        resident.answer(keys, DispatchShape())
+        print(f"batch {i}: {(time.perf_counter() - t0) * 1e3:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
