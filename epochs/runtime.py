@@ -21,6 +21,7 @@ from django.utils import timezone
 from epochs.models import Epoch, EpochState, PendingUpdates, RowUpdate, SwitchMode, UpdateState
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.matrix import ROWS_PER_PAGE
+from policies import live
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 COMMIT_SLACK_SECONDS = 10.0
 # A switch that failed in a watcher is not retried for this long (a retry reloads the matrix).
 FAILED_SWITCH_BACKOFF = 30.0
+
+WATCH_NAME = "epochs"
 
 _lock = threading.RLock()  # one sync at a time: request threads and the watcher thread
 
@@ -192,6 +195,9 @@ def adopt(engine) -> None:
         # A server may start before `migrate` ran (or, in tests, without database access); it
         # then serves its matrix file as it is until the watcher finds the database.
         log.warning("epochs: database not ready (%s); serving the matrix file without updates", exc)
+    # Changes made by other processes (another web worker, an admin, load_epoch) arrive through
+    # the same per-process watcher that carries policy changes.
+    live.register(WATCH_NAME, state_version, lambda version: apply_from_watcher(), check_now=False)
 
 
 def activate(record: Epoch, stop_the_world: Optional[bool] = None) -> Epoch:

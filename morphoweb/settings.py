@@ -164,10 +164,13 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "queries.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    # Requests per client address to the public PIR endpoints ("N/second|minute|hour"), kept in
-    # the process's cache; "off" lifts the limit (load generators on one address need that).
+    # Anonymous requests (the public PIR endpoints) are limited per client address; signed-in
+    # operators are not.
+    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.AnonRateThrottle"],
+    # Requests per client address ("N/second|minute|hour"), counted in the process's cache;
+    # "off" lifts the limit (load generators on one address need that).
     "DEFAULT_THROTTLE_RATES": {
-        "query": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
+        "anon": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
         else _env("MORPHO_QUERY_THROTTLE", "200/second"),
     },
 }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 
 from epochs.models import Epoch, RowUpdate, SwitchMode
@@ -27,6 +28,7 @@ class ValidatedModelSerializer(serializers.ModelSerializer):
         return attrs
 
 
+@extend_schema_serializer(component_name="EpochRecord")  # "Epoch" is the protocol's /epoch body
 class EpochSerializer(ValidatedModelSerializer):
     """An epoch record: a matrix file on this server plus the metadata clients see in /epoch."""
 

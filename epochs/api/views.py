@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import APIException
 from rest_framework.permissions import DjangoModelPermissions
@@ -28,13 +29,19 @@ class SwitchConflict(APIException):
     default_code = "switch_failed"
 
 
+class OperatorViewSet(viewsets.GenericViewSet):
+    """Operators sign in with a DRF token (`manage.py drf_create_token USER`) or an admin session."""
+
+    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    permission_classes = [OperatorPermissions]
+
+
 class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
-                   viewsets.GenericViewSet):
+                   OperatorViewSet):
     """Epoch records: create one for a matrix file on this server, then activate it."""
 
     queryset = Epoch.objects.all()
     serializer_class = EpochSerializer
-    permission_classes = [OperatorPermissions]
 
     def perform_create(self, serializer):
         serializer.save(created_by=self.request.user)
@@ -59,12 +66,11 @@ class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrie
 
 
 class RowUpdateViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
-                       viewsets.GenericViewSet):
+                       OperatorViewSet):
     """Row updates: a 201 means every answer this party starts from now on includes the row."""
 
     queryset = RowUpdate.objects.all()
     serializer_class = RowUpdateSerializer
-    permission_classes = [OperatorPermissions]
 
     def perform_create(self, serializer):
         update = RowUpdate(**serializer.validated_data, created_by=self.request.user)
