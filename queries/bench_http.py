@@ -26,6 +26,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load(values) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
 def _time(fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -47,6 +51,7 @@ def _row(endpoint: str, queries: int, samples: list[float]) -> str:
 
 def run(server_a: str, server_b: str, reps: int, warmup: int, matrix: Optional[str]) -> list[str]:
     """Time each shape; returns CSV header lines and rows."""
+    load_before = os.getloadavg()
     client = PirClient(server_a, server_b)
     info = client.epoch()
     health = client._call(client.servers[0], "/health")
@@ -83,6 +88,8 @@ def run(server_a: str, server_b: str, reps: int, warmup: int, matrix: Optional[s
         f"# server: backend={health.get('backend')}, device={health.get('device')}; "
         f"parties {server_a} and {server_b} on this machine",
         f"# command: python -m queries.bench_http {' '.join(sys.argv[1:])}",
+        f"# load average (1, 5, 15 min) before: {_load(load_before)}, after: {_load(os.getloadavg())}"
+        f" (both parties share this machine's {os.cpu_count()} CPUs with anything else running)",
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"# reps={reps} after {warmup} warm-up; times are wall-clock per request round; "
         f"3 keys per query; correctness: {checked}",

@@ -32,11 +32,14 @@ def parties(start_server, matrix_file, tmp_path_factory):
     shutil.copyfile(matrix_file, other)
     write_epoch_metadata(other, epoch_id=EPOCH + 1, block_number=78)
     db_dir = tmp_path_factory.mktemp("dbs")
-    servers = []
-    for name, path in (("a", matrix_file), ("b", matrix_file), ("c", other)):
-        env = server_env(MORPHO_MATRIX_PATH=path, MORPHO_ENGINE_BACKEND="cpu",
-                         DATABASE_URL=f"sqlite:///{db_dir / name}.sqlite3")
-        servers.append(start_server("runserver", env, wait=False))
+    envs = [server_env(MORPHO_MATRIX_PATH=path, MORPHO_ENGINE_BACKEND="cpu",
+                       DATABASE_URL=f"sqlite:///{db_dir / name}.sqlite3")
+            for name, path in (("a", matrix_file), ("b", matrix_file), ("c", other))]
+    # Each party is an operator with its own migrated database, as `make run` sets them up.
+    migrations = [subprocess.Popen([sys.executable, "manage.py", "migrate", "--no-input", "-v0"],
+                                   cwd=REPO, env=env) for env in envs]
+    assert [m.wait(300) for m in migrations] == [0, 0, 0]
+    servers = [start_server("runserver", env, wait=False) for env in envs]
     return [server.wait_healthy().url for server in servers]
 
 
