@@ -13,3 +13,6 @@ class EpochsConfig(AppConfig):
         from morphoweb import checks
 
         checks.enforce_production_settings()
+        from epochs.metrics import register_collector
+
+        register_collector()

@@ -3,11 +3,15 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
+from morphoweb import dashboard
+
 urlpatterns = [
     path("", include("queries.api.urls")),
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("dashboard/", dashboard.dashboard, name="dashboard"),
+    path("dashboard/data", dashboard.dashboard_data, name="dashboard-data"),
     path("", include("django_prometheus.urls")),
 ]
 
