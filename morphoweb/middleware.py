@@ -18,11 +18,10 @@ class BodySizeLimitMiddleware:
             if length < 0:
                 raise ValueError(raw)
         except ValueError:
+            message = f"expected a non-negative integer, got {raw!r}"
             return JsonResponse(
-                {
-                    "detail": f"Content-Length: expected a non-negative integer, got {raw!r}",
-                    "errors": [{"field": "Content-Length", "message": f"expected a non-negative integer, got {raw!r}"}],
-                },
+                {"detail": f"Content-Length: {message}",
+                 "errors": [{"field": "Content-Length", "message": message}]},
                 status=400,
             )
         limit = settings.MORPHO_MAX_BODY_BYTES

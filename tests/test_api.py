@@ -281,3 +281,10 @@ def test_answer_not_ready_in_time_is_a_503(api, settings):
     settings.MORPHO_QUERY_TIMEOUT = 60
     response = post(api, SINGLE, {"keys": [GOOD] * 3})
     assert response.status_code == 200 and sha(response.json()["pages"][0]) == ANSWER0_SHA256
+
+
+def test_malformed_content_length_is_a_400(api):
+    response = post(api, SINGLE, {"keys": [GOOD] * 3}, CONTENT_LENGTH="12x")
+    assert response.status_code == 400
+    assert response.json()["errors"] == [
+        {"field": "Content-Length", "message": "expected a non-negative integer, got '12x'"}]
