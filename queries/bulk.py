@@ -7,7 +7,7 @@ from typing import Iterable, List, Optional
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
+from django.db.models import F, Max, Q
 from django.utils import timezone
 
 from queries.models import ACTIVE, KEYS_PER_QUERY, BulkChunk, BulkJob, BulkResult, JobStatus
@@ -127,7 +127,7 @@ def claim_chunk(chunk_id: int, worker: str) -> Optional[BulkChunk]:
     now = timezone.now()
     free = Q(status=JobStatus.QUEUED) | Q(status=JobStatus.RUNNING, lease_expires__lt=now)
     taken = BulkChunk.objects.filter(free, pk=chunk_id, job__status__in=ACTIVE).update(
-        status=JobStatus.RUNNING, worker=worker, lease_expires=lease_until(),
+        status=JobStatus.RUNNING, worker=worker, lease_expires=lease_until(), claimed=now,
         attempts=F("attempts") + 1, error="")
     if not taken:
         return None
@@ -196,14 +196,19 @@ def fail_chunk(chunk_id: int, reason: str) -> None:
 
 
 def sweep(now=None) -> int:
-    """Resend chunks whose worker died (lease ran out) or whose message the broker may have lost.
+    """Resend chunks whose worker died (lease ran out) or whose message the broker lost.
 
-    Every worker sweeps; a conditional update picks one sender per chunk. Returns chunks resent."""
+    A queued chunk counts as lost once it was sent MORPHO_BULK_REQUEUE_SECONDS ago and no worker
+    has taken any chunk since: while workers keep taking chunks the queue is moving and nothing
+    is resent. Every worker sweeps; a conditional update picks one sender per chunk. Returns the
+    number of chunks resent."""
     now = now or timezone.now()
     requeue_before = now - timedelta(seconds=settings.MORPHO_BULK_REQUEUE_SECONDS)
     lost = (Q(status=JobStatus.RUNNING, lease_expires__lt=now)
-            | Q(status=JobStatus.QUEUED, dispatched__isnull=True)
-            | Q(status=JobStatus.QUEUED, dispatched__lt=requeue_before))
+            | Q(status=JobStatus.QUEUED, dispatched__isnull=True))
+    last_claim = BulkChunk.objects.aggregate(last=Max("claimed"))["last"]
+    if last_claim is None or last_claim < requeue_before:
+        lost |= Q(status=JobStatus.QUEUED, dispatched__lt=requeue_before)
     candidates = list(BulkChunk.objects.filter(lost, job__status__in=ACTIVE).order_by("job_id", "index")
                       .values_list("pk", "status", "dispatched", "lease_expires")[:10_000])
     resent = 0

@@ -89,9 +89,11 @@ class BulkChunk(models.Model):
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
     attempts = models.PositiveIntegerField(default=0, help_text="times a worker claimed it")
     worker = models.CharField(max_length=200, blank=True, help_text="node that claimed it last")
+    claimed = models.DateTimeField(null=True, blank=True, help_text="when a worker last took it")
     # A running chunk whose lease ran out belongs to a dead worker; the sweeper queues it again.
     lease_expires = models.DateTimeField(null=True, blank=True)
-    # When its task was last sent; a queued chunk not taken for long is sent again (broker lost it).
+    # When its task was last sent; queued chunks are sent again when no worker has taken any chunk
+    # for a while (the broker lost the messages).
     dispatched = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True, help_text="last error while answering it")
 
@@ -101,7 +103,8 @@ class BulkChunk(models.Model):
             models.UniqueConstraint(fields=["job", "index"], name="bulk_chunk_unique_index"),
         ]
         indexes = [models.Index(fields=["status", "lease_expires"]),
-                   models.Index(fields=["status", "dispatched"])]
+                   models.Index(fields=["status", "dispatched"]),
+                   models.Index(fields=["claimed"])]
 
     def __str__(self) -> str:
         return f"chunk {self.index} of {self.job_id} (queries {self.first}..{self.first + self.count - 1})"

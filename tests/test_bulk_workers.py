@@ -1,0 +1,252 @@
+"""Bulk jobs through real processes: gunicorn, `bin/gpu-workers`, and the filesystem or Redis broker.
+
+Each scenario submits 1,000 queries over HTTP and checks every answer against the NumPy reference;
+the fault scenarios SIGKILL the workers or restart Redis in the middle of the job."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpu_engine.backends.cpu import reference_answers
+from gpu_engine.dpf import KeyBatch, gen_keys
+from gpu_engine.matrix import load_matrix, write_matrix_file
+from tests.conftest import REPO, free_port, server_env
+
+PAGES = 512  # d = 9: about 200 queries/s on 2 cores, so a 1,000-query job runs for seconds
+QUERIES = 1000
+POOL = 24  # distinct keys; queries pick three each, so 3,000 keys cost 24 key generations
+
+
+def redis_reachable(port: int = 6379) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class Stack:
+    """A party's database, matrix, web server and GPU workers, wired to one broker."""
+
+    def __init__(self, tmp: Path, start_server, broker: str, chunk: int = 32) -> None:
+        self.tmp = tmp
+        self.db = tmp / "db.sqlite3"
+        self.matrix = tmp / "matrix.bin"
+        write_matrix_file(self.matrix, PAGES, seed=11)
+        self.env = server_env(
+            MORPHO_MATRIX_PATH=self.matrix, MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=tmp,
+            DATABASE_URL=f"sqlite:///{self.db}", CELERY_BROKER_URL=broker,
+            CELERY_FILESYSTEM_BROKER_DIR=tmp / "broker", MORPHO_MAX_BODY_BYTES=32 << 20,
+            MORPHO_BULK_CHUNK=chunk, MORPHO_BULK_QUEUE=f"bulk-test-{uuid.uuid4().hex[:8]}",
+            MORPHO_BULK_LEASE_SECONDS=3, MORPHO_BULK_REQUEUE_SECONDS=4, MORPHO_BULK_SWEEP_SECONDS=0.5,
+            # no GPU for these workers even where one exists: one cpu0 worker
+            CUDA_VISIBLE_DEVICES="")
+        self.manage("migrate", "--no-input", "-v0")
+        out = self.manage("shell", "-v0", "-c",
+                          "from django.contrib.auth.models import User\n"
+                          "from rest_framework.authtoken.models import Token\n"
+                          "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bulk')).key)")
+        self.token = next(line for line in out.splitlines() if line.startswith("TOKEN="))[6:]
+        self.web = start_server("gunicorn", self.env)
+        self.workers: list[subprocess.Popen] = []
+
+    def manage(self, *args: str) -> str:
+        done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env=self.env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def start_workers(self) -> subprocess.Popen:
+        log = open(self.tmp / f"workers-{len(self.workers)}.log", "wb")
+        # Its own session, so a SIGKILL of the group takes the supervisor, the worker and its pool child.
+        proc = subprocess.Popen([sys.executable, "bin/gpu-workers"], cwd=REPO, env=self.env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.workers.append(proc)
+        return proc
+
+    def kill_workers(self, proc: subprocess.Popen) -> None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        self.web.stop()
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.terminate()  # the supervisor stops its worker with a warm shutdown
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp.glob("workers-*.log")))
+
+    def request(self, method: str, path: str, body: bytes | None = None, timeout: float = 120):
+        headers = {"Authorization": f"Token {self.token}", "Content-Type": "application/json"}
+        req = urllib.request.Request(self.web.url + path, data=body, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def job(self, job_id: str) -> dict:
+        status, body = self.request("GET", f"/bulk/jobs/{job_id}")
+        assert status == 200, body
+        return json.loads(body)
+
+    def wait(self, job_id: str, until, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            time.sleep(0.05)
+        raise AssertionError(f"job never reached the state; last {job}\nworkers:\n{self.logs()}")
+
+    def running_chunks(self) -> int:
+        with sqlite3.connect(self.db) as db:
+            return db.execute("select count(*) from queries_bulkchunk where status = 'running'").fetchone()[0]
+
+    def chunk_attempts(self) -> list[int]:
+        with sqlite3.connect(self.db) as db:
+            return [row[0] for row in db.execute("select attempts from queries_bulkchunk order by id")]
+
+
+@pytest.fixture
+def stack(tmp_path, start_server):
+    stacks = []
+
+    def make(broker: str, **kwargs) -> Stack:
+        stacks.append(Stack(tmp_path, start_server, broker, **kwargs))
+        return stacks[-1]
+
+    yield make
+    for made in stacks:
+        made.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    """1,000 queries of three keys from a pool, and the reference answer of each pooled key."""
+    rng = np.random.default_rng(2024)
+    d = (PAGES - 1).bit_length()
+    pool = [k for _ in range(POOL // 2) for k in gen_keys(int(rng.integers(PAGES)), d, rng=rng)]
+    picks = rng.integers(POOL, size=(QUERIES, 3))
+    path = tmp_path_factory.mktemp("ref") / "m.bin"
+    write_matrix_file(path, PAGES, seed=11)
+    answers = reference_answers(load_matrix(path), KeyBatch.from_keys(pool))
+    body = json.dumps({"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]})
+    return body.encode(), picks, answers
+
+
+def submit(stack: Stack, workload) -> str:
+    status, body = stack.request("POST", "/bulk/jobs", workload[0])
+    assert status == 201, body
+    return json.loads(body)["id"]
+
+
+def check_results(stack: Stack, job_id: str, workload) -> dict:
+    job = stack.wait(job_id, lambda j: j["status"] != "running" and j["status"] != "queued")
+    assert job["status"] == "done", (job, stack.logs())
+    assert job["answered"] == QUERIES and job["epoch_ids"] == [1]
+    status, body = stack.request("GET", f"/bulk/jobs/{job_id}/results")
+    assert status == 200
+    lines = [json.loads(line) for line in body.splitlines()]
+    assert [line["index"] for line in lines] == list(range(QUERIES))  # each exactly once, in order
+    _, picks, answers = workload
+    for line, row in zip(lines, picks):
+        assert line["epoch_id"] == 1
+        assert [bytes.fromhex(p[2:]) for p in line["pages"]] == [answers[i].tobytes() for i in row]
+    with sqlite3.connect(stack.db) as db:
+        assert db.execute("select count(*), sum(count) from queries_bulkresult").fetchone() == (
+            -(-QUERIES // job["chunk_size"]), QUERIES)
+    return job
+
+
+def test_filesystem_broker_worker_answers_a_1000_query_job(stack, workload):
+    s = stack("filesystem://")
+    s.start_workers()
+    job_id = submit(s, workload)
+    job = check_results(s, job_id, workload)
+    assert job["errors"] == [] and job["started"] and job["finished"]
+    assert s.chunk_attempts() == [1] * -(-QUERIES // job["chunk_size"])  # nothing was redone
+
+
+def test_sigkilled_worker_is_replaced_and_the_job_completes_exactly_once(stack, workload):
+    s = stack("filesystem://")
+    first = s.start_workers()
+    job_id = submit(s, workload)
+    # Killed in the middle of a chunk, not in the gap between two.
+    s.wait(job_id, lambda j: j["answered"] >= 160 and s.running_chunks() == 1)
+    s.kill_workers(first)
+    killed_at = s.job(job_id)
+    assert 0 < killed_at["answered"] < QUERIES and killed_at["status"] == "running"
+    s.start_workers()
+    check_results(s, job_id, workload)
+    # The chunk the dead worker held was claimed again by its successor.
+    assert max(s.chunk_attempts()) >= 2, s.logs()
+
+
+@pytest.mark.skipif(not redis_reachable(), reason="no Redis on 127.0.0.1:6379")
+def test_redis_broker_worker_answers_a_1000_query_job(stack, workload):
+    s = stack("redis://127.0.0.1:6379/14")
+    s.start_workers()
+    check_results(s, submit(s, workload), workload)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own, without persistence: a restart loses every message."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(tmp_path)]
+    procs = []
+
+    def start() -> None:
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 10
+        while not redis_reachable(port):
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def stop() -> None:
+        procs[-1].terminate()
+        procs[-1].wait(10)
+
+    start()
+    yield port, start, stop
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_redis_restarted_mid_job_the_job_completes(stack, workload, own_redis):
+    port, start_redis, stop_redis = own_redis
+    s = stack(f"redis://127.0.0.1:{port}/0")
+    s.start_workers()
+    job_id = submit(s, workload)
+    s.wait(job_id, lambda j: j["answered"] >= 160)
+    stop_redis()  # every queued message is gone with it
+    time.sleep(1.0)
+    start_redis()
+    check_results(s, job_id, workload)
