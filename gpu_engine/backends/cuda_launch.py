@@ -11,7 +11,7 @@ TOP_THREADS = 256
 MAX_TOP_LEVELS = 9  # levels one dpf_expand_top block expands (its shared buffers hold 2**9 nodes)
 SCAN_GROUP_SIZES = tuple(range(1, 17)) + (24, 32)  # dpf_scan<G> instantiations in the .cu
 DEFAULT_MAX_GROUP_KEYS = 16  # 64 accumulator registers a thread: two blocks fit an SM
-DEFAULT_CHUNK_LEVELS = 7  # 128 pages per expanded chunk: 54 KiB of shared memory at G = 16
+DEFAULT_CHUNK_LEVELS = 8  # 256 pages per expanded chunk: 106 KiB of shared memory at G = 16, 2 blocks an SM
 WAVES_PER_LAUNCH = 8  # blocks per launch over blocks resident at once: bounds the tail wave
 KREC_HEADER_WORDS = 12  # root seed 4, final_cw 4, root_t 1, padding 3 (dpf_scan.cu)
 MAX_SHARED_BYTES = 227 * 1024  # opt-in limit of one block on sm_90

@@ -61,8 +61,14 @@ def main(argv: Sequence[str] = None) -> int:
     ap.add_argument("--variants", required=True, help="comma-separated variant names")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--kernel-define", action="append", default=[],
+                    help="NAME=VALUE passed to NVRTC for this run only (kernel experiments)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.kernel_define:
+        from gpu_engine.backends import cuda_module
+
+        cuda_module.NVRTC_OPTIONS = cuda_module.NVRTC_OPTIONS + tuple(f"-D{d}" for d in args.kernel_define)
 
     from gpu_engine.backends.cuda import CudaBackend
 
@@ -82,6 +88,7 @@ def main(argv: Sequence[str] = None) -> int:
     with open(args.out, "w") as fh:
         fh.write(f"# gpu: {backend.device_name}\n# shape: pages={args.pages}, domain_bits={d}\n")
         fh.write("# command: " + " ".join(sys.argv) + "\n")
+        fh.write(f"# kernel defines: {' '.join(args.kernel_define) or 'none'}\n")
         fh.write("variant, q, batch_ms, batch_qps, spread_ms, ok\n")
         for r in rows:
             fh.write(f"{r['variant']}, {r['q']}, {r['batch_ms']}, {r['batch_qps']}, {r['spread_ms']}, {r['ok']}\n")

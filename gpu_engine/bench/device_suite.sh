@@ -6,17 +6,18 @@ set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-smoke}
 OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT"
+LOGS="$OUT/logs"  # packed into logs.tgz at the end: only 8 files come back from a call
+mkdir -p "$LOGS"
 MAINNET=16817159
 summary=()
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-    tail -n 25 "$OUT/$name.log"
+    tail -n 25 "$LOGS/$name.log"
 }
 
 {
@@ -34,8 +35,8 @@ e.record(); e.synchronize()
 ms = cp.cuda.get_elapsed_time(s, e) / 5
 print(f"device copy: {2 * 4 * n / ms / 1e6:.0f} GB/s counting read+write ({ms:.2f} ms per 8 GiB)")
 EOF
-} >"$OUT/env.log" 2>&1
-cat "$OUT/env.log"
+} >"$LOGS/env.log" 2>&1
+cat "$LOGS/env.log"
 
 bench() {  # bench NAME LIMIT ARGS...: the CSV benchmark
     step "$1" "$2" python3 -m gpu_engine.bench.pir_bench --backend cuda "${@:3}"
@@ -67,16 +68,33 @@ full)
             python3 -m gpu_engine.bench.profile_scan --pages 1048593 --domain-bits 25 --keys $keys
     done
     ;;
+experiment)
+    step tests-all 420 python3 -m pytest tests/test_cuda_backend.py tests/test_kernels_compile.py -q \
+        -p no:cacheprovider
+    step variants-mainnet 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
+        --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --out "$OUT/variants_mainnet.csv"
+    step variants-mainnet-shf 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
+        --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --kernel-define PRG_ROTATE_WITH_IMAD=0 \
+        --out "$OUT/variants_mainnet_shf.csv"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    step ncu-k96 150 "$NCU" --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section Occupancy \
+        --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active \
+        python3 -m gpu_engine.bench.profile_scan --pages 1048593 --domain-bits 25 --keys 96
+    ;&
 final)
     bench bench-65536 200 --pages 65536 --domain-bits 16 --q 1,2,4,8,16,32 --repeat 9 \
-        --dispatch "${DISPATCH_SMALL:-micro_batch=0,streams=1,graph=1}" --out "$OUT/cuda_65536.csv"
+        --dispatch micro_batch=0,streams=1,graph=0 --dispatch micro_batch=0,streams=1,graph=1 \
+        --out "$OUT/cuda_65536.csv"
     bench bench-mainnet 330 --pages $MAINNET --domain-bits 25 --gpu-matrix --q 1,2,4,8,16,32 --repeat 3 \
-        --dispatch "${DISPATCH_MAINNET:-micro_batch=0,streams=1,graph=0}" --out "$OUT/cuda_mainnet.csv"
+        --dispatch micro_batch=0,streams=1,graph=0 --dispatch micro_batch=0,streams=1,graph=1 \
+        --out "$OUT/cuda_mainnet.csv"
     ;;
 *)
-    echo "unknown stage $stage (smoke|full|final)"; exit 2 ;;
+    echo "unknown stage $stage (smoke|full|experiment|final)"; exit 2 ;;
 esac
 
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
 echo
 echo "== $stage summary =="
 printf '%s\n' "${summary[@]}"

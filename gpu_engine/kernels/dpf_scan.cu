@@ -30,7 +30,22 @@ typedef unsigned char u8;
 #define KREC_ROOT_T 8
 #define KREC_CW 12
 
-__device__ __forceinline__ u32 rotl32(u32 x, int n) { return __funnelshift_l(x, x, n); }
+// The scan's LOP3s load the ALU pipe; the FMA pipe idles. A rotation as one 32x32->64 multiply
+// by 2^n (low word x << n, high word x >> (32 - n), disjoint, so their sum is the rotation) runs
+// on the FMA pipe instead of the ALU's funnel shifter. PRG_ROTATE_WITH_IMAD=0 restores SHF.
+#ifndef PRG_ROTATE_WITH_IMAD
+#define PRG_ROTATE_WITH_IMAD 1
+#endif
+
+__device__ __forceinline__ u32 rotl32(u32 x, int n) {
+#if PRG_ROTATE_WITH_IMAD
+    u64 p;
+    asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
+    return (u32)p + (u32)(p >> 32);
+#else
+    return __funnelshift_l(x, x, n);
+#endif
+}
 
 #define QUARTER(a, b, c, d)                  \
     a += b; d ^= a; d = rotl32(d, 16);       \
