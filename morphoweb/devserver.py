@@ -80,6 +80,10 @@ def main(argv=None) -> int:
                  "--timeout", "120", "--name", f"morphoweb-party-{name}"],
                 cwd=BASE_DIR, env=env,
             )
+            # The party's bulk jobs run on its own Celery workers (one per visible GPU, else one
+            # on the CPU), over the party's database and file broker.
+            procs[f"{name}-workers"] = subprocess.Popen([sys.executable, "bin/gpu-workers"],
+                                                        cwd=BASE_DIR, env=env)
         urls = {name: f"http://{args.host}:{port}" for name, port in parties.items()}
         for name, url in urls.items():
             _wait_healthy(url, procs[name], timeout=300)
