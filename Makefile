@@ -8,7 +8,7 @@ SERVER_A ?= http://127.0.0.1:8001
 SERVER_B ?= http://127.0.0.1:8002
 BENCH_PAGES ?= 65536
 
-.PHONY: venv run test bench-http clean-var
+.PHONY: venv run test bench-http clean-var gpu-workers bench-bulk
 
 # The virtualenv is (re)built when pyproject.toml changes; `pip install -e` keeps the tree live.
 $(STAMP): pyproject.toml
@@ -34,6 +34,14 @@ test: $(STAMP)
 bench-http: $(STAMP)
 	$(PY) -m queries.bench_http --server-a $(SERVER_A) --server-b $(SERVER_B) \
 		--matrix var/demo-$(BENCH_PAGES)p.bin --out docs/benchmarks/http_cpu_$(BENCH_PAGES)p.csv
+
+# One Celery worker per visible GPU (one on the CPU when none), for bulk jobs.
+gpu-workers: $(STAMP)
+	$(PY) bin/gpu-workers
+
+# A 10,000-query bulk job against the engine's batch throughput on this machine.
+bench-bulk: $(STAMP)
+	$(PY) -m queries.bulk_bench --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
 
 clean-var:
 	rm -rf var/

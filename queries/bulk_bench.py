@@ -1,0 +1,228 @@
+"""Bulk job throughput (submit to last answer stored) against the engine's batch throughput (CSV).
+
+Three measurements over one matrix and one set of queries, on the same machine:
+`backend_batch` (the backend answering max-batch launches back to back: the ceiling),
+`engine_bulk_lane` (the Engine's bulk lane fed two requests ahead, as a worker feeds it), and
+`bulk_job` (a real job: POST to gunicorn, SQLite, the filesystem broker, `bin/gpu-workers`, until
+the job is done; then the NDJSON results are streamed and every answer is checked).
+`--engine-only` runs the first two with numpy (and cupy for `--backend cuda`) only, no Django.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, wait
+from pathlib import Path
+
+import numpy as np
+
+from gpu_engine.backends import create_backend
+from gpu_engine.dpf import KeyBatch, gen_keys
+from gpu_engine.engine import Engine, static_policy
+from gpu_engine.matrix import load_epoch, write_matrix_file
+from gpu_engine.scheduler import BatchingPolicy
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+COLUMNS = "measure,queries,seconds,queries_per_s,ratio_to_backend_batch"
+# The default bulk policy's shape (policies/migrations/0002_default_policies.py).
+BULK_POLICY = BatchingPolicy(name="bulk-bench", mode="throughput", max_batch=32, window_us=20000,
+                             max_queue=100_000, queue_timeout_ms=600_000)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def workload(pages: int, queries: int, pool_size: int, seed: int):
+    """(pool of keys, picks): each query is three keys of the pool (key generation is slow in Python)."""
+    rng = np.random.default_rng(seed)
+    d = max(1, (pages - 1).bit_length())
+    pool = [gen_keys(int(rng.integers(pages)), d, rng=rng)[int(rng.integers(2))] for _ in range(pool_size)]
+    return pool, rng.integers(pool_size, size=(queries, 3))
+
+
+def backend_batch(resident, pool, picks, max_batch: int) -> float:
+    """Seconds for the backend to answer every query in launches of max_batch, back to back."""
+    resident.answer(KeyBatch.from_keys([pool[i] for i in picks[0]]))  # warm-up
+    started = time.perf_counter()
+    for first in range(0, len(picks), max_batch):
+        resident.answer(KeyBatch.from_keys([pool[i] for row in picks[first:first + max_batch] for i in row]))
+    return time.perf_counter() - started
+
+
+def engine_bulk_lane(engine, pool, picks, max_batch: int) -> float:
+    """Seconds for the Engine's bulk lane to answer everything, fed two requests ahead."""
+    started = time.perf_counter()
+    pending = set()
+    for first in range(0, len(picks), max_batch):
+        while len(pending) >= 2:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        pending.add(engine.submit([[pool[i] for i in row] for row in picks[first:first + max_batch]], "bulk"))
+    wait(pending)
+    for future in pending:
+        future.result()
+    return time.perf_counter() - started
+
+
+class Party:
+    """One party's web server and GPU workers on a fresh SQLite database and file broker."""
+
+    def __init__(self, matrix: Path, tmp: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+        self.env.update(MORPHO_MATRIX_PATH=str(matrix), MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=str(tmp),
+                        DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}", CELERY_BROKER_URL="filesystem://",
+                        CELERY_FILESYSTEM_BROKER_DIR=str(tmp / "broker"), MORPHO_MAX_BODY_BYTES=str(1 << 30),
+                        MORPHO_LOG_LEVEL="WARNING", CUDA_VISIBLE_DEVICES="")
+        self.manage("migrate", "--no-input", "-v0")
+        out = self.manage("shell", "-v0", "-c",
+                          "from django.contrib.auth.models import User\n"
+                          "from rest_framework.authtoken.models import Token\n"
+                          "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bench')).key)")
+        self.token = next(line for line in out.splitlines() if line.startswith("TOKEN="))[6:]
+        self.log = open(tmp / "party.log", "wb")
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "gunicorn", "morphoweb.wsgi", "--bind", f"127.0.0.1:{port}",
+                              "--workers", "1", "--threads", "4", "--timeout", "600"],
+                             cwd=BASE_DIR, env=self.env, stdout=self.log, stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "bin/gpu-workers", "--loglevel", "WARNING"], cwd=BASE_DIR,
+                             env=self.env, stdout=self.log, stderr=subprocess.STDOUT),
+        ]
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.request("GET", "/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        time.sleep(3)  # the worker's engine warms up beside the web server's
+
+    def manage(self, *args: str) -> str:
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=self.env, check=True,
+                              capture_output=True, text=True).stdout
+
+    def request(self, method: str, path: str, body: bytes | None = None):
+        req = urllib.request.Request(self.url + path, data=body, method=method, headers={
+            "Authorization": f"Token {getattr(self, 'token', '')}", "Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=600)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def bulk_job(party: Party, pool, picks, reference) -> tuple[float, float, dict]:
+    """(seconds from POST to the job done, seconds to stream and check the results, the job)."""
+    body = json.dumps({"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}).encode()
+    started = time.perf_counter()
+    job = json.loads(party.request("POST", "/bulk/jobs", body).read())
+    while job["status"] in ("queued", "running"):
+        time.sleep(0.05)
+        job = json.loads(party.request("GET", f"/bulk/jobs/{job['id']}").read())
+    elapsed = time.perf_counter() - started
+    if job["status"] != "done":
+        raise SystemExit(f"bulk job ended {job['status']}: {job['errors']}")
+    started = time.perf_counter()
+    count = 0
+    with party.request("GET", f"/bulk/jobs/{job['id']}/results") as response:
+        for count, line in enumerate(response, start=1):
+            answer = json.loads(line)
+            row = picks[answer["index"]]
+            if [bytes.fromhex(p[2:]) for p in answer["pages"]] != [reference[i] for i in row]:
+                raise SystemExit(f"answer of query {answer['index']} differs from the reference")
+    if count != len(picks):
+        raise SystemExit(f"{count} result lines for {len(picks)} queries")
+    return elapsed, time.perf_counter() - started, job
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=1024)
+    parser.add_argument("--queries", type=int, default=10_000)
+    parser.add_argument("--pool", type=int, default=64, help="distinct keys the queries draw from")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--engine-only", action="store_true", help="no Django: backend and engine rows")
+    parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bulk-bench-"))
+    matrix = tmp / "matrix.bin"
+    write_matrix_file(matrix, args.pages, seed=5)
+    epoch = load_epoch(matrix)
+    pool, picks = workload(args.pages, args.queries, args.pool, seed=9)
+    backend = create_backend(args.backend)
+    resident = backend.load(epoch.matrix)
+    reference = [page.tobytes() for page in resident.answer(KeyBatch.from_keys(pool))]
+    max_batch = BULK_POLICY.max_batch
+    rows = []
+
+    def engine_rows(tag: str) -> None:
+        seconds = backend_batch(resident, pool, picks, max_batch)
+        rows.append((f"backend_batch{tag}", seconds))
+        engine = Engine(backend, epoch, policy=static_policy(BULK_POLICY)).start()
+        try:
+            rows.append((f"engine_bulk_lane{tag}", engine_bulk_lane(engine, pool, picks, max_batch)))
+        finally:
+            engine.stop()
+
+    engine_rows("")
+    if not args.engine_only:
+        # The engine rows run again after the job, so load from elsewhere shows as a spread.
+        party = Party(matrix, tmp, args.port)
+        try:
+            job_s, stream_s, job = bulk_job(party, pool, picks, reference)
+        finally:
+            party.stop()
+        rows.append(("bulk_job", job_s))
+        rows.append(("bulk_results_stream", stream_s))
+        engine_rows("_after")
+    ceiling = min(seconds for name, seconds in rows if name.startswith("backend_batch"))
+
+    command = "python -m queries.bulk_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        f"# machine: {platform.node()}; {cpu_model()}; {os.cpu_count()} CPUs; load average "
+        f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end",
+        f"# shape: pages={args.pages}, domain_bits={epoch.matrix.domain_bits}, queries={args.queries} "
+        f"(3 keys each, drawn from {args.pool} distinct keys), bulk policy max_batch={max_batch}, "
+        f"backend={backend.name}" + ("" if args.engine_only else f", chunk_size={job['chunk_size']}"),
+        f"# command: {command}",
+        f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+        "# bulk_job: POST to job done (validation, chunks, Celery filesystem broker, SQLite, one worker);"
+        " every streamed answer equals the backend's",
+        COLUMNS,
+    ]
+    for name, seconds in rows:
+        lines.append(f"{name},{args.queries},{seconds:.2f},{args.queries / seconds:.1f},"
+                     f"{ceiling / seconds:.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
