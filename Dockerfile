@@ -7,19 +7,24 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MORPHO_MATRIX_PATH=/data/matrix.bin
 
 WORKDIR /app
+# Optional extras of pyproject.toml to install, e.g. "cuda" (CuPy) for the GPU services.
+ARG MORPHO_EXTRAS=""
 # Dependencies first, so a code change does not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir -p gpu_engine morphoweb queries policies \
+RUN mkdir -p gpu_engine morphoweb queries policies epochs \
     && touch gpu_engine/__init__.py morphoweb/__init__.py queries/__init__.py policies/__init__.py \
-    && pip install --no-cache-dir . \
+       epochs/__init__.py \
+    && pip install --no-cache-dir ".${MORPHO_EXTRAS:+[$MORPHO_EXTRAS]}" \
     && pip uninstall --yes morphoweb \
-    && rm -rf gpu_engine morphoweb queries policies
+    && rm -rf gpu_engine morphoweb queries policies epochs
 COPY manage.py ./
 COPY gpu_engine gpu_engine
 COPY morphoweb morphoweb
 COPY queries queries
 COPY policies policies
+COPY epochs epochs
 COPY templates templates
+COPY bin bin
 
 RUN useradd --create-home --uid 1000 morpho \
     && mkdir -p /data /app/var \

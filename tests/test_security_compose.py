@@ -1,0 +1,144 @@
+"""docker-compose.yml: valid Compose (docker compose config where a client works, the Compose
+spec's own parser always), no secrets in the file, and the stack the README promises."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+COMPOSE = REPO / "docker-compose.yml"
+ENV_EXAMPLE = REPO / ".env.example"
+SECRET_NAMES = re.compile(r"SECRET|PASSWORD|TOKEN|PRIVATE", re.I)
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+def env_example() -> dict:
+    values = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.partition("=")
+            values[name.strip()] = value.strip()
+    return values
+
+
+def interpolate(node, env: dict):
+    """Compose's variable substitution: ${X}, ${X:-default}, ${X:?error}, $$ for a literal $."""
+    if isinstance(node, dict):
+        return {key: interpolate(value, env) for key, value in node.items()}
+    if isinstance(node, list):
+        return [interpolate(value, env) for value in node]
+    if not isinstance(node, str):
+        return node
+
+    def substitute(match):
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.groups()
+        value = env.get(name)
+        if op in (":?", "?") and not value:
+            raise KeyError(f"{name}: {arg}")
+        if op in (":-", "-") and not value:
+            return arg
+        return value or ""
+
+    return _VAR.sub(substitute, node)
+
+
+def compose(env=None) -> dict:
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), env_example() if env is None else env)
+
+
+def in_profile(config: dict, profile: str) -> dict:
+    return {name: svc for name, svc in config["services"].items()
+            if not svc.get("profiles") or profile in svc["profiles"]}
+
+
+def test_the_file_is_valid_compose_spec():
+    compose_spec = pytest.importorskip("compose_spec")
+    compose_spec.PyCompose.from_json(json.dumps(compose()))
+    broken = compose()
+    broken["services"]["party-a"]["healthcheck"]["intervall"] = "5s"
+    with pytest.raises(ValueError, match="intervall"):
+        compose_spec.PyCompose.from_json(json.dumps(broken))
+
+
+def _client():
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(argv[0]) is None:
+            continue
+        probe = subprocess.run(argv + ["version"], capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0:
+            return argv
+    return None
+
+
+def test_docker_compose_config_accepts_it_and_demands_the_secrets(tmp_path):
+    client = _client()
+    if client is None:
+        pytest.skip("no working docker compose client here (the spec check above still ran)")
+    ok = subprocess.run(client + ["--env-file", str(ENV_EXAMPLE), "config", "-q"], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    missing = subprocess.run(client + ["--env-file", str(empty), "config", "-q"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120,
+                             env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert missing.returncode != 0
+    assert "set POSTGRES_PASSWORD in .env" in missing.stderr or "set PARTY_A_SECRET_KEY in .env" in missing.stderr
+
+
+def test_no_secret_is_written_in_the_file():
+    raw = yaml.safe_load(COMPOSE.read_text())
+    for name, service in raw["services"].items():
+        for key, value in (service.get("environment") or {}).items():
+            if SECRET_NAMES.search(key):
+                assert re.fullmatch(r"\$\{\w+:\?[^}]+\}", str(value)), f"{name}.{key} = {value!r}"
+            if key == "DATABASE_URL":
+                assert "${POSTGRES_PASSWORD:?" in value, f"{name}: the password must come from .env"
+    with pytest.raises(KeyError, match="in .env"):
+        compose(env={})
+    for key, value in env_example().items():
+        if SECRET_NAMES.search(key):
+            assert value.startswith("change-me"), f".env.example {key} must be a placeholder"
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_both_parties_with_a_worker_each_health_checks_and_named_volumes(profile):
+    config = compose()
+    services = in_profile(config, profile)
+    webs = {name: svc for name, svc in services.items() if name.startswith("party-")}
+    workers = {name: svc for name, svc in services.items() if name.startswith("worker-")}
+    assert len(webs) == 2 and len(workers) == 2
+    for name, svc in {**webs, **workers}.items():
+        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if profile == "gpu":
+            assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+            assert svc["environment"]["MORPHO_ENGINE_BACKEND"] == "cuda"
+        else:
+            assert not devices and svc["environment"]["MORPHO_ENGINE_BACKEND"] == "cpu", name
+        assert svc["environment"]["MORPHO_ENV"] == "production"
+        assert "matrix:/data:ro" in svc["volumes"]
+        assert svc["healthcheck"]["test"], name
+    # Prometheus finds each party under the same name whichever profile runs.
+    hostnames = {name if profile == "gpu" else svc["networks"]["default"]["aliases"][0]
+                 for name, svc in webs.items()}
+    assert hostnames == {"party-a", "party-b"}
+    scrape = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    assert targets == {"party-a:8000", "party-b:8000"}
+    for infra in ("postgres", "redis", "prometheus"):
+        assert services[infra]["healthcheck"]["test"]
+    assert set(config["volumes"]) >= {"matrix", "pgdata", "redisdata"}
+    assert "pgdata:/var/lib/postgresql/data" in services["postgres"]["volumes"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+    # Parties never share a database or a broker.
+    urls = {svc["environment"]["DATABASE_URL"].rsplit("/", 1)[1] for svc in webs.values()}
+    brokers = {svc["environment"]["CELERY_BROKER_URL"] for svc in webs.values()}
+    assert urls == {"party_a", "party_b"} and len(brokers) == 2
