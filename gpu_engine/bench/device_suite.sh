@@ -73,9 +73,9 @@ experiment)
         -p no:cacheprovider
     step variants-mainnet 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
         --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --out "$OUT/variants_mainnet.csv"
-    step variants-mainnet-shf 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
-        --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --kernel-define PRG_ROTATE_WITH_IMAD=0 \
-        --out "$OUT/variants_mainnet_shf.csv"
+    step variants-mainnet-alt 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
+        --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --kernel-define "${ALT_DEFINE:-PRG_NODES_PER_STEP=1}" \
+        --out "$OUT/variants_mainnet_alt.csv"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     step ncu-k96 150 "$NCU" --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section Occupancy \

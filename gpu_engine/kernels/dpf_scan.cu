@@ -30,11 +30,11 @@ typedef unsigned char u8;
 #define KREC_ROOT_T 8
 #define KREC_CW 12
 
-// The scan's LOP3s load the ALU pipe; the FMA pipe idles. A rotation as one 32x32->64 multiply
-// by 2^n (low word x << n, high word x >> (32 - n), disjoint, so their sum is the rotation) runs
-// on the FMA pipe instead of the ALU's funnel shifter. PRG_ROTATE_WITH_IMAD=0 restores SHF.
+// A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
+// multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
+// FMA pipe; measured slower on the H100 (longer dependency chain, docs/benchmarks/NOTES-cuda.md).
 #ifndef PRG_ROTATE_WITH_IMAD
-#define PRG_ROTATE_WITH_IMAD 1
+#define PRG_ROTATE_WITH_IMAD 0
 #endif
 
 __device__ __forceinline__ u32 rotl32(u32 x, int n) {
@@ -109,38 +109,66 @@ __device__ __forceinline__ uint4 and_mask(uint4 a, u32 on) {
     return make_uint4(a.x & on, a.y & on, a.z & on, a.w & on);
 }
 
-// One tree level for G keys held in shared memory, nodes stored key-minor
-// ([node * G + key]). Parents [0, n_par) become children [0, 2 n_par).
-// cw_seed/cw_t hold this level's corrections per key. With `final_cw` non-null the children
-// are leaves: they are written as masks (seed ^ final_cw where t) and their t is not kept.
+// Writes the children of parent `idx` (its t bit `t`, its expansion left/right/tl/tr) after the
+// level's corrections. Nodes are stored key-minor ([node * G + key]). With `final_cw` non-null
+// the children are leaves: they are written as masks (seed ^ final_cw where t), t is not kept.
+template <int G>
+__device__ __forceinline__ void store_children(
+    int idx, u32 t, uint4 left, uint4 right, u32 tl, u32 tr, uint4* out_seed, u8* out_t,
+    const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
+    const int i = idx / G;
+    const int j = idx - i * G;
+    const u32 on = 0u - t;
+    const uint4 cw = and_mask(cw_seed[j], on);
+    const u32 tcw = cw_t[j] & on;
+    left = xor4(left, cw);
+    right = xor4(right, cw);
+    tl ^= tcw & 1u;
+    tr ^= (tcw >> 1) & 1u;
+    if (final_cw != 0) {
+        left = xor4(left, and_mask(final_cw[j], 0u - tl));
+        right = xor4(right, and_mask(final_cw[j], 0u - tr));
+    } else {
+        out_t[(2 * i) * G + j] = (u8)tl;
+        out_t[(2 * i + 1) * G + j] = (u8)tr;
+    }
+    out_seed[(2 * i) * G + j] = left;
+    out_seed[(2 * i + 1) * G + j] = right;
+}
+
+// Nodes each thread expands side by side. One ChaCha evaluation is a chain of dependent adds,
+// XORs and rotations; at the 4 warps a scheduler that the accumulators leave room for, a second
+// independent evaluation fills the first one's latency. PRG_NODES_PER_STEP=1 expands one at a time.
+#ifndef PRG_NODES_PER_STEP
+#define PRG_NODES_PER_STEP 2
+#endif
+
+// One tree level for G keys held in shared memory: parents [0, n_par) of every key become
+// children [0, 2 n_par), corrected with this level's cw_seed/cw_t (one per key).
 template <int G>
 __device__ __forceinline__ void expand_level(
     const uint4* in_seed, const u8* in_t, uint4* out_seed, u8* out_t, int n_par,
     const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
     const int total = n_par * G;
-    for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
-        const int i = idx / G;
-        const int j = idx - i * G;
-        const uint4 seed = in_seed[i * G + j];
-        const u32 on = 0u - (u32)in_t[i * G + j];
+    int idx = threadIdx.x;
+#if PRG_NODES_PER_STEP > 1
+    for (; idx + (int)blockDim.x < total; idx += 2 * blockDim.x) {
+        const int idx2 = idx + blockDim.x;
+        const uint4 s0 = in_seed[idx], s1 = in_seed[idx2];
+        const u32 t0 = in_t[idx], t1 = in_t[idx2];
+        uint4 l0, r0, l1, r1;
+        u32 tl0, tr0, tl1, tr1;
+        prg_expand(s0, l0, r0, tl0, tr0);
+        prg_expand(s1, l1, r1, tl1, tr1);
+        store_children<G>(idx, t0, l0, r0, tl0, tr0, out_seed, out_t, cw_seed, cw_t, final_cw);
+        store_children<G>(idx2, t1, l1, r1, tl1, tr1, out_seed, out_t, cw_seed, cw_t, final_cw);
+    }
+#endif
+    for (; idx < total; idx += blockDim.x) {
         uint4 left, right;
         u32 tl, tr;
-        prg_expand(seed, left, right, tl, tr);
-        const uint4 cw = and_mask(cw_seed[j], on);
-        const u32 tcw = cw_t[j] & on;
-        left = xor4(left, cw);
-        right = xor4(right, cw);
-        tl ^= tcw & 1u;
-        tr ^= (tcw >> 1) & 1u;
-        if (final_cw != 0) {
-            left = xor4(left, and_mask(final_cw[j], 0u - tl));
-            right = xor4(right, and_mask(final_cw[j], 0u - tr));
-        } else {
-            out_t[(2 * i) * G + j] = (u8)tl;
-            out_t[(2 * i + 1) * G + j] = (u8)tr;
-        }
-        out_seed[(2 * i) * G + j] = left;
-        out_seed[(2 * i + 1) * G + j] = right;
+        prg_expand(in_seed[idx], left, right, tl, tr);
+        store_children<G>(idx, in_t[idx], left, right, tl, tr, out_seed, out_t, cw_seed, cw_t, final_cw);
     }
 }
 
