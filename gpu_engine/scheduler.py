@@ -213,11 +213,15 @@ class SloPlan:
 
 
 def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloPlan:
-    """The smallest batch that keeps up with the arrivals (larger ones only add latency), and the
-    longest hold of the oldest query that still meets the budget.
+    """The smallest batch that keeps up with the arrivals, and how long the oldest query may be
+    held for it.
 
-    A query's latency is about hold + queue wait + t(b); a query arriving just behind a launch
-    waits that launch out, so the worst case is hold + 2 t(b)."""
+    While single-query launches keep up (b = 1), nothing is held: with one device, launching at
+    once and letting the next batch form while it runs gives the lowest latency. Beyond that,
+    holding for company pays only up to the fixed cost of a launch (the fit's intercept: what
+    one launch fewer saves), no longer than the batch takes to fill on average, and within the
+    budget: a query's latency is about hold + queue wait + t(b), and one arriving just behind a
+    launch waits that launch out, hence hold + 2 t(b) <= budget."""
     budget = policy.p95_target_ms / 1000 * (1 - policy.safety_margin)
     batch = policy.max_batch
     for b in range(1, policy.max_batch + 1):
@@ -225,9 +229,8 @@ def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloP
             batch = b
             break
     slack = budget - 2 * cost.predict(batch)
-    # Holding longer than it takes the batch to fill on average gains nothing.
     fill = (batch - 1) / arrival_rate if arrival_rate > 0 else 0.0
-    window = max(0.0, min(policy.window_s, slack, 2 * fill))
+    window = max(0.0, min(policy.window_s, slack, fill, cost.intercept_s))
     return SloPlan(batch, window, budget, cost.predict(1) <= budget)
 
 

@@ -1,0 +1,376 @@
+"""Poisson load against the Engine: sweep arrival rate x batching mode, report throughput and p50/p95/p99.
+
+    python3 -m gpu_engine.bench.loadgen --backend cpu --pages 256 --duration 15 \
+        --csv docs/benchmarks/policy_cpu.csv --png docs/benchmarks/policy_cpu.png
+    python3 -m gpu_engine.bench.loadgen --backend cuda --pages 65536 --duration 20 \
+        --csv docs/benchmarks/policy_h100.csv
+
+Open loop: arrivals follow a Poisson process whatever the engine does, and each query's latency is
+counted from its scheduled arrival (so a slow engine cannot hide its queue by slowing the load).
+Every request is one query of 3 keys, like `POST /query/page/gpu`. Needs numpy (and cupy for
+cuda); matplotlib only for --png."""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import platform
+import shlex
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from gpu_engine.backends import create_backend
+from gpu_engine.dpf import gen_keys
+from gpu_engine.engine import Engine, EngineBusy, static_policy
+from gpu_engine.engine_stats import percentile
+from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.scheduler import BatchingPolicy
+
+MODES = ("latency", "throughput", "adaptive", "slo")
+FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.85, 0.95)
+
+
+@dataclass
+class Point:
+    """One (mode, offered rate) run."""
+
+    mode: str
+    fraction: float  # offered rate / measured capacity
+    offered_qps: float
+    throughput_qps: float  # queries answered per second in the measured span
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    answered: int
+    refused: int
+    mean_batch: float
+    p95_target_ms: float
+
+
+def make_pool(domain_bits: int, count: int, seed: int) -> List[list]:
+    """Queries of 3 keys (party 0) for random pages, made once and reused round robin."""
+    rng = np.random.default_rng(seed)
+    return [[gen_keys(int(t), domain_bits, rng)[0] for t in rng.integers(1 << domain_bits, size=3)]
+            for _ in range(count)]
+
+
+def poisson_arrivals(rate: float, seconds: float, rng: np.random.Generator) -> np.ndarray:
+    """Arrival offsets (seconds from the start) of a Poisson process of `rate` per second."""
+    gaps = rng.exponential(1.0 / rate, size=int(rate * seconds * 1.3) + 16)
+    times = np.cumsum(gaps)
+    while times[-1] < seconds:  # rare: draw more
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.exponential(1.0 / rate, size=len(gaps)))])
+    return times[times < seconds]
+
+
+def drive(submit: Callable[[list], object], pool: Sequence[list], arrivals: np.ndarray,
+          timeout: float = 120.0) -> tuple:
+    """Submit pool queries at the given offsets; returns (start, per-arrival done time or nan, refused).
+
+    `submit(query)` returns a concurrent Future or raises EngineBusy (counted as refused)."""
+    done = np.full(len(arrivals), np.nan)
+    refused = np.zeros(len(arrivals), dtype=bool)
+    pending: List[object] = []
+    start = time.perf_counter()
+    for i, offset in enumerate(arrivals):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        try:
+            future = submit(pool[i % len(pool)])
+        except EngineBusy:
+            refused[i] = True
+            continue
+
+        def finished(f, i=i):
+            if f.exception() is None:
+                done[i] = time.perf_counter()
+            else:
+                refused[i] = True
+
+        future.add_done_callback(finished)
+        pending.append(future)
+    deadline = time.perf_counter() + timeout
+    for future in pending:
+        try:
+            future.exception(max(0.0, deadline - time.perf_counter()))
+        except Exception:  # noqa: BLE001 - a future still running at the deadline counts as lost
+            pass
+    return start, done, refused
+
+
+@dataclass
+class Run:
+    """What one stretch of load measured (a point pools several, spread over the sweep)."""
+
+    latencies_s: List[float]  # per answered query arriving after the warm-up
+    completed: int  # answers completed inside the measured span
+    span_s: float
+    refused: int
+    queries: int = 0  # answered by the engine, warm-up included (for the mean batch)
+    launches: int = 0
+
+
+def measure(arrivals: np.ndarray, start: float, done: np.ndarray, refused: np.ndarray,
+            warmup: float) -> Run:
+    measured = arrivals >= warmup
+    latency = (done - (start + arrivals))[measured & ~np.isnan(done)]
+    span_end = start + arrivals[-1] if len(arrivals) else start
+    in_span = (~np.isnan(done)) & (done >= start + warmup) & (done <= span_end)
+    return Run(latency.tolist(), int(in_span.sum()), max(1e-9, span_end - (start + warmup)),
+               int(refused[measured].sum()))
+
+
+def summarise(mode: str, fraction: float, rate: float, runs: Sequence[Run], target_ms: float) -> Point:
+    ms = [1000 * v for run in runs for v in run.latencies_s]
+    launches = sum(run.launches for run in runs)
+    return Point(mode, fraction, rate, sum(r.completed for r in runs) / sum(r.span_s for r in runs),
+                 percentile(ms, 0.50), percentile(ms, 0.95), percentile(ms, 0.99), len(ms),
+                 sum(r.refused for r in runs),
+                 sum(r.queries for r in runs) / launches if launches else float("nan"), target_ms)
+
+
+def bench_policies(window_us: int, target_ms: float, max_batch: int) -> Dict[str, BatchingPolicy]:
+    """The four modes, each with room enough (queue, timeout) that nothing is refused."""
+    common = dict(max_batch=max_batch, max_queue=100_000, queue_timeout_ms=600_000,
+                  p95_target_ms=target_ms)
+    return {
+        "latency": BatchingPolicy(name="bench-latency", mode="latency", **common),
+        "throughput": BatchingPolicy(name="bench-throughput", mode="throughput", window_us=window_us, **common),
+        "adaptive": BatchingPolicy(name="bench-adaptive", mode="adaptive", window_us=window_us,
+                                   adaptive_threshold=min(4, max_batch), **common),
+        # slo picks its own window up to the target; the cap only bounds it
+        "slo": BatchingPolicy(name="bench-slo", mode="slo", window_us=int(target_ms * 1000), **common),
+    }
+
+
+def measure_capacity(make_engine: Callable[[BatchingPolicy], Engine], pool: Sequence[list],
+                     max_batch: int, seconds: float) -> float:
+    """Queries per second with the queue never empty (several full batches always waiting)."""
+    engine = make_engine(BatchingPolicy(name="capacity", max_batch=max_batch, max_queue=100_000))
+    try:
+        for query in pool[:max_batch]:  # warm caches and the cost model
+            engine.submit([query]).result(120)
+        outstanding = threading.Semaphore(4 * max_batch)
+        answered = [0]
+        stop = time.perf_counter() + seconds
+        started = time.perf_counter()
+        i = 0
+        while time.perf_counter() < stop:
+            outstanding.acquire()
+            future = engine.submit([pool[i % len(pool)]])
+            i += 1
+
+            def finished(f):
+                answered[0] += 1
+                outstanding.release()
+
+            future.add_done_callback(finished)
+        elapsed = time.perf_counter() - started
+        return answered[0] / elapsed
+    finally:
+        engine.stop()
+
+
+def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequence[float],
+          duration: float, warmup: float, window_us: int, target_ms: Optional[float],
+          max_batch: int, seed: int, log=print, capacity_s: Optional[float] = None,
+          rounds: int = 1) -> tuple:
+    backend = create_backend(backend_name)
+    epoch = Epoch(epoch_id=1, matrix=random_matrix(pages, seed=seed))
+    pool = make_pool(epoch.matrix.domain_bits, 256, seed)
+
+    def make_engine(policy: BatchingPolicy) -> Engine:
+        return Engine(backend, epoch, static_policy(policy)).start()
+
+    capacity = measure_capacity(make_engine, pool, max_batch,
+                                capacity_s if capacity_s is not None else max(3.0, duration / 3))
+    probe = make_engine(BatchingPolicy(name="probe", max_batch=max_batch))
+    try:
+        for b in (1, max_batch, 1, max_batch, 1, max_batch):
+            probe.answer([list(q) for q in pool[:b]], timeout=120)
+        fit = probe.cost.fit()
+    finally:
+        probe.stop()
+    t1, tmax = fit.predict(1), fit.predict(max_batch)
+    if target_ms is None:
+        # A target that decides something: a lightly loaded engine meets it with room to spare
+        # (one launch takes t(1)), a saturated one cannot.
+        target_ms = round(5 * t1 * 1000, 1)
+    log(f"capacity {capacity:.1f} q/s; t(1) = {t1 * 1000:.2f} ms, t({max_batch}) = {tmax * 1000:.2f} ms; "
+        f"slo p95 target {target_ms} ms")
+    policies = bench_policies(window_us, target_ms, max_batch)
+    rng = np.random.default_rng(seed)
+    runs: Dict[tuple, List[Run]] = {}
+    # Each point is measured in `rounds` stretches, the modes interleaved, so that a slow spell
+    # of the machine (other processes) falls on every mode alike rather than on one.
+    for round_ in range(rounds):
+        for fraction in fractions:
+            for mode in modes:
+                arrivals = poisson_arrivals(fraction * capacity, warmup + duration / rounds, rng)
+                engine = make_engine(policies[mode])
+                try:
+                    start, done, refused = drive(lambda q: engine.submit([q]), pool, arrivals)
+                    lane = engine.snapshot()["lanes"]["interactive"]
+                finally:
+                    engine.stop()
+                run = measure(arrivals, start, done, refused, warmup)
+                run.queries, run.launches = lane["queries"], lane["launches"]
+                runs.setdefault((fraction, mode), []).append(run)
+    points: List[Point] = []
+    for fraction in fractions:
+        for mode in modes:
+            point = summarise(mode, fraction, fraction * capacity, runs[(fraction, mode)], target_ms)
+            points.append(point)
+            log(f"{mode:>10} {fraction:4.0%} offered {point.offered_qps:7.1f} q/s: "
+                f"{point.throughput_qps:7.1f} q/s, p50 {point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} "
+                f"p99 {point.p99_ms:7.1f} ms, batch {point.mean_batch:4.1f}, refused {point.refused}")
+    shape = {"pages": pages, "domain_bits": epoch.matrix.domain_bits, "keys_per_query": 3,
+             "max_batch": max_batch, "window_us": window_us, "p95_target_ms": target_ms, "rounds": rounds,
+             "capacity_qps": round(capacity, 1), "t1_ms": round(t1 * 1000, 3),
+             f"t{max_batch}_ms": round(tmax * 1000, 3), "backend": backend.describe().get("device", backend.name)}
+    return points, shape
+
+
+def header_lines(shape: dict, argv: Sequence[str]) -> List[str]:
+    return [
+        f"# machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
+        f"cpus={os.cpu_count()} python={platform.python_version()} numpy={np.__version__}",
+        "# shape: " + " ".join(f"{k}={v}" for k, v in shape.items()),
+        "# command: python3 -m gpu_engine.bench.loadgen " + " ".join(shlex.quote(a) for a in argv),
+        f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    ]
+
+
+def write_csv(path: str, points: Sequence[Point], header: Sequence[str]) -> None:
+    with open(path, "w", newline="") as fh:
+        for line in header:
+            fh.write(line + "\n")
+        writer = csv.DictWriter(fh, fieldnames=list(asdict(points[0]).keys()))
+        writer.writeheader()
+        for point in points:
+            writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(point).items()})
+
+
+def read_csv(path: str) -> Tuple[List[Point], List[str]]:
+    """Points and header lines of a CSV written by write_csv (to plot it again)."""
+    with open(path) as fh:
+        lines = fh.read().splitlines()
+    header = [line for line in lines if line.startswith("#")]
+    rows = csv.DictReader([line for line in lines if not line.startswith("#")])
+    types = {f.name: f.type for f in fields(Point)}
+    points = [Point(**{k: (v if types[k] in ("str", str) else
+                           (int(v) if types[k] in ("int", int) else float(v))) for k, v in row.items()})
+              for row in rows]
+    return points, header
+
+
+def plot(path: str, points: Sequence[Point], header: Sequence[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for mode in dict.fromkeys(p.mode for p in points):
+        mine = [p for p in points if p.mode == mode]
+        x = [p.offered_qps for p in mine]
+        ax_lat.plot(x, [p.p95_ms for p in mine], marker="o", label=f"{mode} p95")
+        ax_lat.plot(x, [p.p99_ms for p in mine], linestyle=":", alpha=0.6, label=f"{mode} p99")
+        ax_tp.plot(x, [p.throughput_qps for p in mine], marker="o", label=mode)
+    target = points[0].p95_target_ms
+    ax_lat.axhline(target, color="grey", linestyle="--", label=f"slo target {target:g} ms")
+    ax_lat.set_yscale("log")
+    ax_lat.set_xlabel("offered load (queries/s, Poisson)")
+    ax_lat.set_ylabel("latency (ms)")
+    ax_lat.legend(fontsize=7, ncol=2)
+    ax_tp.plot([0, max(p.offered_qps for p in points)], [0, max(p.offered_qps for p in points)],
+               color="grey", linestyle="--", label="offered")
+    ax_tp.set_xlabel("offered load (queries/s, Poisson)")
+    ax_tp.set_ylabel("answered (queries/s)")
+    ax_tp.legend(fontsize=8)
+    fig.suptitle(title + "\n" + textwrap.fill(header[1].lstrip("# "), 140), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python3 -m gpu_engine.bench.loadgen", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--pages", type=int, default=256, help="matrix pages (random, seeded)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                        help="offered rates as fractions of the measured capacity")
+    parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds per point not measured")
+    parser.add_argument("--window-us", type=int, default=5000, help="throughput/adaptive admission window")
+    parser.add_argument("--target-ms", type=float, default=None,
+                        help="slo p95 target (default: 5 x the measured t(1))")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="stretches each point is measured in, interleaved over the sweep")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--csv", help="write the points here (with machine/shape/command/date lines)")
+    parser.add_argument("--png", help="plot p95/p99 and throughput against offered load here")
+    parser.add_argument("--from-csv", help="run nothing: plot (--png) and judge a CSV written before")
+    args = parser.parse_args(argv)
+    if args.from_csv:
+        points, header = read_csv(args.from_csv)
+        if args.png:
+            plot(args.png, points, header, f"Batching modes under Poisson load ({args.backend})")
+        for line in verdict(points):
+            print(line)
+        return 0
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}, expected some of {', '.join(MODES)}")
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    points, shape = sweep(args.backend, args.pages, modes, fractions, args.duration, args.warmup,
+                          args.window_us, args.target_ms, args.max_batch, args.seed, rounds=args.rounds)
+    header = header_lines(shape, argv)
+    if args.csv:
+        write_csv(args.csv, points, header)
+        print(f"wrote {args.csv}")
+    if args.png:
+        plot(args.png, points, header, f"Batching modes under Poisson load ({args.backend})")
+        print(f"wrote {args.png}")
+    for line in verdict(points):
+        print(line)
+    return 0
+
+
+def verdict(points: Sequence[Point]) -> List[str]:
+    """Per offered rate: is slo within 10% of the best static mode on p95 and throughput, and
+    under its target wherever any mode is?"""
+    lines = []
+    for fraction in dict.fromkeys(p.fraction for p in points):
+        here = {p.mode: p for p in points if p.fraction == fraction}
+        slo, static = here.get("slo"), [p for m, p in here.items() if m != "slo"]
+        if slo is None or not static:
+            continue
+        best_p95 = min(p.p95_ms for p in static)
+        best_tp = max(p.throughput_qps for p in static)
+        anyone_meets = any(p.p95_ms <= p.p95_target_ms for p in here.values())
+        ok_p95 = slo.p95_ms <= 1.10 * best_p95
+        ok_tp = slo.throughput_qps >= 0.90 * best_tp
+        ok_target = slo.p95_ms <= slo.p95_target_ms or not anyone_meets
+        lines.append(f"{fraction:4.0%}: slo p95 {slo.p95_ms:.1f} ms vs best static {best_p95:.1f} "
+                     f"({'ok' if ok_p95 else 'MISS'}), throughput {slo.throughput_qps:.1f} vs "
+                     f"{best_tp:.1f} ({'ok' if ok_tp else 'MISS'}), target "
+                     f"{'met' if slo.p95_ms <= slo.p95_target_ms else 'missed'}"
+                     f"{'' if ok_target else ' although another mode met it'}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

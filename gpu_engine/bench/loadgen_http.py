@@ -1,0 +1,152 @@
+"""Poisson load against a running party over HTTP (`POST /query/page/gpu`): throughput and p50/p95/p99.
+
+    python3 -m gpu_engine.bench.loadgen_http --url http://127.0.0.1:8001 --duration 15 \
+        --csv docs/benchmarks/policy_http_cpu.csv
+
+The server batches with whatever interactive policy is active (change it in the admin between
+runs; each row names the policy the server reported in /metrics). Offered rates are fractions of a
+capacity measured first with closed-loop clients, or given with --rates. Standard library + numpy."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from gpu_engine.bench.loadgen import (
+    FRACTIONS,
+    Point,
+    drive,
+    header_lines,
+    make_pool,
+    measure,
+    plot,
+    poisson_arrivals,
+    summarise,
+    write_csv,
+)
+
+
+class Refused(Exception):
+    """The server answered something other than 200 (503 when it sheds load)."""
+
+
+def post_query(url: str, query: list, timeout: float) -> None:
+    body = json.dumps({"keys": ["0x" + key.to_bytes().hex() for key in query]}).encode()
+    request = urllib.request.Request(url + "/query/page/gpu", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        raise Refused(f"HTTP {exc.code}") from None
+
+
+def active_policy(url: str) -> Tuple[str, str, float]:
+    """(name, mode, p95 target ms) of the interactive policy the server applies, from /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith("pir_batching_policy_info{") and 'lane="interactive"' in line:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            return labels.get("name", "?"), labels.get("mode", "?"), float(labels.get("p95_target_ms", "nan"))
+    return "unknown", "unknown", float("nan")
+
+
+def http_capacity(url: str, pool: Sequence[list], clients: int, seconds: float) -> float:
+    """Answers per second with `clients` closed-loop clients (each sends its next query at once)."""
+    answered = [0]
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def client(offset: int) -> None:
+        i = offset
+        while time.perf_counter() < stop:
+            post_query(url, pool[i % len(pool)], 60)
+            i += clients
+            with lock:
+                answered[0] += 1
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answered[0] / (time.perf_counter() - started)
+
+
+def run(url: str, rates: Optional[List[float]], fractions: Sequence[float], duration: float,
+        warmup: float, clients: int, seed: int, log=print) -> Tuple[List[Point], dict]:
+    with urllib.request.urlopen(url + "/epoch", timeout=30) as response:
+        epoch = json.loads(response.read())
+    domain_bits = epoch["page_pir"]["domain_bits"]
+    pool = make_pool(domain_bits, 256, seed)
+    capacity = float("nan")
+    if rates is None:
+        capacity = http_capacity(url, pool, clients, max(3.0, duration / 3))
+        rates = [f * capacity for f in fractions]
+        log(f"capacity {capacity:.1f} q/s with {clients} closed-loop clients")
+    rng = np.random.default_rng(seed)
+    points = []
+    # Enough threads that a slow answer never delays the next arrival (open loop).
+    with ThreadPoolExecutor(max_workers=256, thread_name_prefix="http-load") as pool_threads:
+        for rate in rates:
+            name, mode, target = active_policy(url)
+            arrivals = poisson_arrivals(rate, warmup + duration, rng)
+
+            def submit(query) -> Future:
+                return pool_threads.submit(post_query, url, query, 120)
+
+            start, done, refused = drive(submit, pool, arrivals)
+            fraction = rate / capacity if capacity == capacity else float("nan")
+            point = summarise(f"{mode}:{name}", fraction, rate,
+                              [measure(arrivals, start, done, refused, warmup)], target)
+            points.append(point)
+            log(f"{name} ({mode}) offered {rate:7.1f} q/s: {point.throughput_qps:7.1f} q/s, p50 "
+                f"{point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} p99 {point.p99_ms:7.1f} ms, "
+                f"refused {point.refused}")
+    shape = {"url": url, "num_pages": epoch["page_pir"]["num_pages"], "domain_bits": domain_bits,
+             "keys_per_query": 3, "capacity_qps": round(capacity, 1), "clients": clients}
+    return points, shape
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python3 -m gpu_engine.bench.loadgen_http",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--url", required=True, help="the party's base URL")
+    parser.add_argument("--rates", help="offered rates (queries/s), comma-separated; default: fractions")
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    parser.add_argument("--clients", type=int, default=32, help="closed-loop clients for the capacity")
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--csv")
+    parser.add_argument("--png")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    points, shape = run(args.url.rstrip("/"), rates, fractions, args.duration, args.warmup,
+                        args.clients, args.seed)
+    header = [line.replace("gpu_engine.bench.loadgen ", "gpu_engine.bench.loadgen_http ")
+              for line in header_lines(shape, argv)]
+    if args.csv:
+        write_csv(args.csv, points, header)
+        print(f"wrote {args.csv}")
+    if args.png:
+        plot(args.png, points, header, "Poisson load over HTTP")
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
