@@ -1,6 +1,7 @@
 """The PIR client against two live party servers (runserver processes) over the same matrix."""
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -133,3 +134,65 @@ def test_every_query_hides_its_page_among_three():
     # A one- or two-page matrix still gets three keys.
     assert plan_query(0, num_pages=1, domain_bits=1).pages == (0, 0, 0)
     assert sorted(plan_query(1, num_pages=2, domain_bits=1).pages) == [0, 0, 1]
+
+
+class EpochRewritingProxy:
+    """Forwards to a real party but names another epoch in its first `lies` query answers."""
+
+    def __init__(self, target: str, lies: int) -> None:
+        import http.server
+        import threading
+        import urllib.request
+
+        proxy = self
+        self.lies, self.queries = lies, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, body=None):
+                request = urllib.request.Request(target + self.path, data=body,
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    payload = json.loads(response.read())
+                if self.path.startswith("/query/"):
+                    proxy.queries += 1
+                    if proxy.queries <= proxy.lies:
+                        payload["epoch_id"] += 1000
+                raw = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._forward()
+
+            def do_POST(self):
+                self._forward(self.rfile.read(int(self.headers["Content-Length"])))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("lies, retried_ok", [(1, True), (2, False)])
+def test_answers_from_different_epochs_are_retried_once(parties, expected, lies, retried_ok):
+    a, b, _ = parties
+    proxy = EpochRewritingProxy(b, lies)
+    try:
+        with PirClient(a, proxy.url) as client:
+            if retried_ok:
+                assert client.fetch_rows([3, 4000], batch=True) == [expected.row(3), expected.row(4000)]
+            else:
+                with pytest.raises(EpochMismatch, match="answered from different epochs: 11 and 1011"):
+                    client.fetch_rows([3], batch=True)
+    finally:
+        proxy.close()
+    assert proxy.queries == 2
