@@ -179,6 +179,11 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Two-server private page queries (PROTOCOL.md) and their operations API.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Every operation's error responses (400, 401/403 or 429/503, ...) with their JSON body.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "morphoweb.openapi.document_errors",
+    ],
 }
 # Deployment kind: "production" makes the process refuse to start with DEBUG on, a default
 # SECRET_KEY or no ALLOWED_HOSTS (morphoweb/checks.py); anything else is a local run.

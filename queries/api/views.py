@@ -8,7 +8,10 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from drf_spectacular.utils import extend_schema
+
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
+from morphoweb.openapi import BATCH_RESPONSE, EPOCH_RESPONSE, HEALTH_RESPONSE, PAGE_RESPONSE
 from policies.metrics import observe_query
 from queries.api.errors import Unavailable, unavailable
 from queries.api.serializers import (
@@ -47,6 +50,7 @@ def answer(engine, epoch, queries):
 class HealthView(PublicAPIView):
     """`GET /health`: 200 with the epoch, backend and queue depth; 503 when the engine is down."""
 
+    @extend_schema(responses=HEALTH_RESPONSE)
     def get(self, request):
         try:
             engine = get_engine()
@@ -78,6 +82,7 @@ class EpochView(PublicAPIView):
 
     serializer_class = EpochSerializer
 
+    @extend_schema(responses=EPOCH_RESPONSE)
     def get(self, request):
         return Response(self.serializer_class(get_engine().epoch).data)
 
@@ -88,6 +93,7 @@ class PageQueryView(PublicAPIView):
     serializer_class = PageQuerySerializer
     single_query = True  # errors name query 0
 
+    @extend_schema(responses=PAGE_RESPONSE)
     @observe_query("/query/page/gpu")
     def post(self, request):
         engine = get_engine()
@@ -107,6 +113,7 @@ class BatchPageQueryView(PublicAPIView):
 
     serializer_class = BatchQuerySerializer
 
+    @extend_schema(responses=BATCH_RESPONSE)
     @observe_query("/query/page/gpu/batch", queries=lambda response: len(response.data["results"]))
     def post(self, request):
         engine = get_engine()

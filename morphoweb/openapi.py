@@ -1,0 +1,86 @@
+"""OpenAPI (drf-spectacular) additions: the protocol endpoints' response bodies, which their views
+build by hand, and the error responses every operation can give, so clients and the fuzz tests
+see the whole contract."""
+from __future__ import annotations
+
+from drf_spectacular.utils import inline_serializer
+from rest_framework import serializers
+
+_HEX_PAGE = serializers.CharField(help_text="One 4096-byte answer as 0x-prefixed lower-case hex.")
+_PAGES = serializers.ListField(child=_HEX_PAGE, min_length=1,
+                               help_text="One answer per key of the query, in key order.")
+
+HEALTH_RESPONSE = inline_serializer("Health", {
+    "status": serializers.CharField(help_text='"ok", or "unavailable" with a 503'),
+    "epoch_id": serializers.IntegerField(),
+    "block_number": serializers.IntegerField(),
+    "num_pages": serializers.IntegerField(),
+    "domain_bits": serializers.IntegerField(),
+})
+
+EPOCH_RESPONSE = inline_serializer("EpochInfo", {
+    "epoch_id": serializers.IntegerField(),
+    "num_rows": serializers.IntegerField(),
+    "seeds": serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=3, max_length=3),
+    "block_number": serializers.IntegerField(),
+    "state_root": serializers.CharField(help_text="32 bytes as 0x hex"),
+    "page_pir": inline_serializer("PagePir", {
+        "domain_bits": serializers.IntegerField(),
+        "rows_per_page": serializers.IntegerField(),
+        "num_pages": serializers.IntegerField(),
+        "page_size_bytes": serializers.IntegerField(),
+    }),
+})
+
+PAGE_RESPONSE = inline_serializer("PageAnswer", {
+    "epoch_id": serializers.IntegerField(help_text="The epoch every answer was computed against."),
+    "pages": _PAGES,
+})
+
+BATCH_RESPONSE = inline_serializer("BatchAnswer", {
+    "epoch_id": serializers.IntegerField(help_text="The one epoch all queries were answered against."),
+    "results": serializers.ListField(child=inline_serializer("QueryAnswer", {"pages": _PAGES})),
+})
+
+ERROR_SCHEMA = {
+    "type": "object",
+    "description": "What was wrong: `detail` in words; for invalid input, `errors` names each field.",
+    "properties": {
+        "detail": {"type": "string"},
+        "errors": {"type": "array", "items": {"type": "object"}},
+    },
+    "required": ["detail"],
+}
+ERRORS = {
+    "400": "Malformed request: the body says which field, query or key, expected vs got.",
+    "401": "Not signed in (a DRF token or an admin session is needed).",
+    "403": "Signed in without the permission this operation needs.",
+    "404": "No such object, or no endpoint at this path.",
+    "413": "Body over MORPHO_MAX_BODY_BYTES.",
+    "415": "Body not application/json.",
+    "429": "Too many requests from this client address (MORPHO_QUERY_THROTTLE); see Retry-After.",
+    "503": "Cannot answer now (epoch switching, engine down, overloaded); see Retry-After.",
+}
+
+
+def document_errors(result, generator, request, public):
+    """Postprocessing hook: add the error responses each operation can give, with their body."""
+    result.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    error = {"schema": {"$ref": "#/components/schemas/Error"}}
+    for path_item in result.get("paths", {}).values():
+        # An error is rendered in whichever media type the client asked for (JSON, NDJSON), and
+        # an operation without a body (a 204) still renders its errors like its siblings.
+        types = {media for operation in path_item.values()
+                 for response in operation.get("responses", {}).values()
+                 for media in response.get("content", {})} | {"application/json"}
+        body = {media: error for media in sorted(types)}
+        for method, operation in path_item.items():
+            signed_in = any(requirement for requirement in operation.get("security", [{}]))
+            codes = ["400", "404"]
+            codes += ["401", "403"] if signed_in else ["429", "503"]
+            if method in ("post", "put", "patch"):
+                codes += ["413", "415"]
+            responses = operation.setdefault("responses", {})
+            for code in codes:
+                responses.setdefault(code, {"description": ERRORS[code], "content": body})
+    return result
