@@ -90,3 +90,64 @@ def test_stop_the_world_that_cannot_load_goes_back_to_the_current_epoch():
         assert [bytes(a) for a in answer.pages[0]] == [e.tobytes() for e in expected]
     finally:
         engine.stop()
+
+
+# --- The same through the operations API and the admin ----------------------------------------
+
+
+@pytest.fixture
+def small_device_party(db, serve_matrix, tmp_path, monkeypatch):
+    """Epoch 1 served from a device with room for one 16-page matrix; epoch 2 recorded, not active."""
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    from epochs.models import Epoch as EpochRecord
+    from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
+    from morphoweb.engine_runtime import get_engine
+
+    paths = {}
+    for epoch_id in (1, 2):
+        paths[epoch_id] = write_matrix_file(tmp_path / f"e{epoch_id}.bin", 16, seed=epoch_id)
+        write_epoch_metadata(paths[epoch_id], epoch_id=epoch_id)
+    device = SmallDevice(capacity=16 * 4096 + 1024)
+    monkeypatch.setattr("gpu_engine.backends.create_backend", lambda name="auto": device)
+    serve_matrix(paths[1])
+    get_engine()
+    record = EpochRecord(epoch_id=2, matrix_path=str(paths[2]))
+    record.full_clean()
+    record.save()
+    client = APIClient()
+    client.force_authenticate(User.objects.create_superuser("root", password="pw-root"))
+    return client, record, device
+
+
+def test_api_refuses_a_switch_that_does_not_fit_and_offers_stop_the_world(small_device_party):
+    from morphoweb.engine_runtime import get_engine
+
+    client, record, device = small_device_party
+    refused = client.post(f"/api/epochs/{record.pk}/activate/", {}, format="json")
+    assert refused.status_code == 409
+    detail = refused.json()["detail"]
+    assert "does not fit" in detail and "65536 bytes" in detail
+    assert "activate it with switch mode 'stop the world'" in detail
+    record.refresh_from_db()
+    assert record.state == "loaded" and "does not fit" in record.message
+    assert get_engine().epoch.epoch_id == 1
+
+    switched = client.post(f"/api/epochs/{record.pk}/activate/", {"switch_mode": "stop_the_world"},
+                           format="json")
+    assert switched.status_code == 200, switched.content
+    assert switched.json()["state"] == "active" and switched.json()["switch_mode"] == "stop_the_world"
+    assert get_engine().epoch.epoch_id == 2 and len(device.resident) == 1
+
+
+def test_admin_action_reports_the_refusal_in_words(small_device_party, client):
+    client.login(username="root", password="pw-root")
+    _, record, _ = small_device_party
+    response = client.post("/admin/epochs/epoch/", {"action": "activate_beside", "_selected_action": [record.pk]},
+                           follow=True)
+    text = response.content.decode()
+    assert "Epoch 2 was not activated" in text and "does not fit" in text
+    response = client.post("/admin/epochs/epoch/", {"action": "activate_stop_the_world",
+                                                    "_selected_action": [record.pk]}, follow=True)
+    assert "Epoch 2 is active" in response.content.decode()
