@@ -158,7 +158,16 @@ class CudaResident(ResidentMatrix):
         if state is None:
             ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
             plans = [self.plan(stop - start) for start, stop in ranges]
-            state = _DispatchState(plans, ranges, self._streams[: dispatch.streams])
+            streams = self._streams[: dispatch.streams]
+            try:
+                state = _DispatchState(plans, ranges, streams)
+            except cupy.cuda.memory.OutOfMemoryError:
+                # buffers kept for other batch shapes may be what fills the GPU: drop them, retry once
+                for stream in self._streams:
+                    stream.synchronize()
+                self._states.clear()
+                cupy.get_default_memory_pool().free_all_blocks()
+                state = _DispatchState(plans, ranges, streams)
             self._states[key] = state
             while len(self._states) > MAX_CACHED_SHAPES:
                 self._states.popitem(last=False)
