@@ -125,9 +125,9 @@ def _switch(engine, record: Epoch, stop_the_world: bool) -> None:
             engine.switch_epoch(epoch).result()
     except Exception as exc:
         if stop_the_world:
-            # The engine reloaded its current epoch from the matrix file: write its updates again.
+            # The engine reloaded its current epoch from the matrix file, without its updates: the
+            # caller writes them again (outside any transaction that is being rolled back).
             _applied.pop(engine, None)
-            _apply_new_updates(engine)
         if not isinstance(exc, BackendUnavailable):
             raise
         current = engine.epoch.matrix.nbytes
@@ -181,6 +181,7 @@ def sync(engine, explicit: bool = False) -> None:
                 reason = str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
                 log.error("switch to epoch %s failed: %s", record.epoch_id, reason)
                 Epoch.objects.filter(pk=record.pk).update(message=reason)
+                _apply_new_updates(engine)
                 if explicit:
                     raise EpochSwitchError(reason) from exc
                 return
@@ -247,6 +248,7 @@ def activate(record: Epoch, stop_the_world: Optional[bool] = None) -> Epoch:
         if failure is not None:
             Epoch.objects.filter(pk=record.pk).update(message=reason)
             record.refresh_from_db()
+            _apply_new_updates(engine)
             raise EpochSwitchError(reason) from failure
         if engine is not None:
             sync(engine)  # updates committed by other processes while this one switched

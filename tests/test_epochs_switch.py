@@ -151,3 +151,27 @@ def test_admin_action_reports_the_refusal_in_words(small_device_party, client):
     response = client.post("/admin/epochs/epoch/", {"action": "activate_stop_the_world",
                                                     "_selected_action": [record.pk]}, follow=True)
     assert "Epoch 2 is active" in response.content.decode()
+
+
+def test_failed_stop_the_world_keeps_serving_the_current_epoch_with_its_updates(small_device_party, tmp_path):
+    from epochs import runtime
+    from epochs.models import Epoch as EpochRecord
+    from gpu_engine.matrix import load_matrix, write_matrix_file
+    from morphoweb.engine_runtime import get_engine
+
+    client, record, _ = small_device_party
+    data = bytes([7]) * 256
+    runtime.push_rows([(5, data)])
+    huge = EpochRecord(epoch_id=3, matrix_path=str(write_matrix_file(tmp_path / "e3.bin", 64, seed=3)))
+    huge.full_clean()
+    huge.save()
+    refused = client.post(f"/api/epochs/{huge.pk}/activate/", {"switch_mode": "stop_the_world"}, format="json")
+    assert refused.status_code == 409 and "does not fit" in refused.json()["detail"]
+    engine = get_engine()
+    assert engine.epoch.epoch_id == 1
+    rng = np.random.default_rng(5)
+    keys, answer = _query(engine, 0, rng)
+    expected = load_matrix(record.matrix_path.replace("e2", "e1"))
+    expected.write_row(5, data)
+    assert [bytes(a) for a in answer.pages[0]] == [
+        e.tobytes() for e in reference_answers(expected, KeyBatch.from_keys(keys))]
