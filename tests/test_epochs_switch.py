@@ -8,7 +8,7 @@ from gpu_engine.backends import BackendUnavailable
 from gpu_engine.backends.cpu import NumpyBackend, reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.engine import Engine
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import Epoch, PageMatrix, random_matrix
 
 
 class SmallDevice(NumpyBackend):
@@ -25,7 +25,9 @@ class SmallDevice(NumpyBackend):
             raise BackendUnavailable(
                 f"matrix of {matrix.nbytes} bytes does not fit: {self.capacity - used} of "
                 f"{self.capacity} bytes free")
-        resident = super().load(matrix, progress)
+        # Like a GPU, the device holds its own copy: rows written to it never reach the host.
+        copy = PageMatrix(matrix.block(0, matrix.num_pages).copy(), domain_bits=matrix.domain_bits)
+        resident = super().load(copy, progress)
         release = resident.release
 
         def release_and_forget():
