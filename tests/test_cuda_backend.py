@@ -79,6 +79,8 @@ def test_plan_keeps_key_groups_of_a_run_adjacent_at_mainnet():
     assert (plan.group_keys, plan.num_groups) == (16, 6)
     # enough blocks for several waves of 264 resident blocks, few enough for cheap atomics
     assert 264 * 4 <= plan.grid <= 264 * 16
+    # tree nodes of depth d - 8 for 96 keys (17 B each) dominate the batch's working memory
+    assert 96 * 65699 * 17 <= launch.workspace_bytes(plan) <= 96 * (65699 + 257) * 17 + 96 * 5000
 
 
 def test_scan_shared_bytes_matches_the_kernel_layout():
@@ -288,3 +290,56 @@ def test_bad_keys_raise_before_launch(cuda):
     keys = _keys(2, 10, 5, seed=1)
     with pytest.raises(ValueError, match="domain_bits"):
         resident.answer(keys)
+
+
+@pytest.mark.gpu
+def test_batch_buffers_are_rebuilt_after_out_of_memory(cuda, monkeypatch):
+    import cupy
+
+    from gpu_engine.backends import cuda as cuda_mod
+
+    matrix = random_matrix(300, seed=6)
+    resident = cuda.load(matrix)
+    resident.answer(_keys(6, 300, matrix.domain_bits, seed=6))  # one cached batch shape
+    real, calls = cuda_mod._DispatchState, []
+
+    def first_call_fails(*args):
+        calls.append(len(resident._states))
+        if len(calls) == 1:
+            raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
+        return real(*args)
+
+    monkeypatch.setattr(cuda_mod, "_DispatchState", first_call_fails)
+    keys = _keys(9, 300, matrix.domain_bits, seed=7)
+    assert np.array_equal(resident.answer(keys), _reference(matrix, keys))
+    assert calls == [1, 0]  # the retry came after the cached shape was dropped
+
+
+@pytest.mark.gpu
+def test_engine_answers_and_writes_rows_on_the_gpu(cuda):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpu_engine.engine import Engine
+    from gpu_engine.matrix import Epoch
+
+    matrix = random_matrix(5000, seed=12)
+    engine = Engine(cuda, Epoch(epoch_id=3, matrix=matrix)).start()
+    try:
+        rng = np.random.default_rng(12)
+        targets = [[int(t) for t in rng.integers(0, 5000, size=3)] for _ in range(12)]
+        pairs = [[gen_keys(t, matrix.domain_bits, rng) for t in query] for query in targets]
+        with ThreadPoolExecutor(6) as pool:  # concurrent requests are coalesced into launches
+            side0 = list(pool.map(lambda q: engine.answer([[p[0] for p in q]], timeout=60), pairs))
+            side1 = list(pool.map(lambda q: engine.answer([[p[1] for p in q]], timeout=60), pairs))
+        for query, a, b in zip(targets, side0, side1):
+            assert a.epoch_id == 3
+            for k, target in enumerate(query):
+                assert bytes(x ^ y for x, y in zip(a.pages[0][k], b.pages[0][k])) == matrix.page(target)
+        row = targets[0][0] * 16 + 5
+        engine.write_rows({row: bytes(range(256))}).result(60)
+        a = engine.answer([[p[0] for p in pairs[0]]], timeout=60)
+        b = engine.answer([[p[1] for p in pairs[0]]], timeout=60)
+        page = bytes(x ^ y for x, y in zip(a.pages[0][0], b.pages[0][0]))
+        assert page[5 * 256 : 6 * 256] == bytes(range(256))
+    finally:
+        engine.stop()

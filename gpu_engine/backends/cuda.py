@@ -29,8 +29,9 @@ from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMat
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
 MAX_CACHED_SHAPES = 32  # (batch size, dispatch) entries whose buffers and graphs are kept
+MAX_BATCH_KEYS = 96  # 32 queries x 3 keys: PROTOCOL.md's largest batch
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
-_poison = 0xA5
+_POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 
 
 def _i32(x: int) -> np.int32:
@@ -181,7 +182,7 @@ class CudaResident(ResidentMatrix):
         with self._lock:
             pages = self._live()
             state = self._state(len(keys), dispatch)
-            state.out_host.view(np.uint8)[...] = _poison  # a launch that never lands shows as poison
+            state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
             for item in state.launches:
                 item.stage_keys(records)
                 item.run(pages, state.out_host, dispatch.graph)
@@ -244,12 +245,15 @@ class CudaBackend(Backend):
         return {"device": f"{self.device_name} (cuda:{self.device.id}, sm_{self.compute_capability[0]}{self.compute_capability[1]})",
                 "used_bytes": int(total - free), "total_bytes": int(total)}
 
-    def _allocate(self, num_pages: int):
+    def _allocate(self, num_pages: int, domain_bits: int):
         need = num_pages * PAGE_BYTES
+        # room for the largest batch (32 queries) to run beside the matrix
+        working = HEADROOM_BYTES + launch.workspace_bytes(
+            launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks))
         free, total = runtime.memGetInfo()
-        if need + HEADROOM_BYTES > free:
+        if need + working > free:
             raise BackendUnavailable(
-                f"the matrix needs {launch.sizes_text(need)} plus {launch.sizes_text(HEADROOM_BYTES)} of "
+                f"the matrix needs {launch.sizes_text(need)} plus {launch.sizes_text(working)} of "
                 f"working space, but {self.device_name} has {launch.sizes_text(free)} free "
                 f"of {launch.sizes_text(total)}"
             )
@@ -261,7 +265,7 @@ class CudaBackend(Backend):
     def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> CudaResident:
         """Upload in 64 MiB pieces through two pinned buffers, so reading the (memory-mapped)
         file overlaps the copy of the previous piece."""
-        pages = self._allocate(matrix.num_pages)
+        pages = self._allocate(matrix.num_pages, matrix.domain_bits)
         stream = cupy.cuda.Stream(non_blocking=True)
         staging = [cupy.cuda.alloc_pinned_memory(UPLOAD_CHUNK_PAGES * PAGE_BYTES) for _ in range(2)]
         done_events = [None, None]
@@ -284,7 +288,7 @@ class CudaBackend(Backend):
         """A pseudo-random matrix made in GPU memory (matrix_fill.cu), for benchmarks at sizes
         the host cannot feed; cuda_module.fill_reference recomputes any page on the host."""
         d = domain_bits_for(num_pages, domain_bits)
-        pages = self._allocate(num_pages)
+        pages = self._allocate(num_pages, d)
         fill = get_kernel("matrix_fill.cu", "fill_pages")
         pairs = pages.reshape(-1).view(np.uint64)
         step = 1 << 30  # 8 GiB per launch, so progress moves

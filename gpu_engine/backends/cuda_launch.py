@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import numpy as np
 
@@ -222,8 +222,8 @@ def sizes_text(nbytes: int) -> str:
     return f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"
 
 
-__all__: Sequence[str] = (
+__all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
     "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",
-)
+]
