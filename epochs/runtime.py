@@ -214,8 +214,15 @@ def activate(record: Epoch, stop_the_world: Optional[bool] = None) -> Epoch:
         if engine is not None:
             sync(engine)
         active = Epoch.objects.active()
-        old_epoch_id = active.epoch_id if active else (
-            engine.epoch.epoch_id if engine is not None else current_epoch_shape()[0])
+        if active is not None:
+            old_epoch_id = active.epoch_id
+        elif engine is not None:
+            old_epoch_id = engine.epoch.epoch_id
+        else:
+            try:
+                old_epoch_id = current_epoch_shape()[0]
+            except LookupError:
+                old_epoch_id = None  # nothing served yet: no pending updates to carry over
         if record.epoch_id == old_epoch_id:
             raise EpochSwitchError(f"epoch {record.epoch_id} is already being served")
         with transaction.atomic():

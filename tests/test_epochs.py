@@ -204,3 +204,15 @@ def test_answers_match_the_reference_for_the_named_epoch(served, operator, matri
     answer = APIClient().post("/query/page/gpu", body, format="json").json()
     expected = reference_answers(load_matrix(matrices[1]), KeyBatch.from_keys(keys))
     assert [bytes.fromhex(p[2:]) for p in answer["pages"]] == [e.tobytes() for e in expected]
+
+
+def test_load_epoch_from_a_process_without_an_engine_is_followed_at_engine_start(db, serve_matrix, matrices):
+    # `manage.py load_epoch --activate` runs beside the servers: it only records the switch.
+    from morphoweb.engine_runtime import peek_engine, shutdown_engine
+
+    shutdown_engine()
+    serve_matrix(matrices[1])
+    call_command("load_epoch", str(matrices[2]), "--activate")
+    assert peek_engine() is None
+    assert Epoch.objects.active().epoch_id == 2
+    assert get_engine().epoch.epoch_id == 2
