@@ -49,7 +49,8 @@ def _row(endpoint: str, queries: int, samples: list[float]) -> str:
             f"{p95:.1f},{ordered[0]:.1f},{ordered[-1]:.1f},{queries / (mean / 1000.0):.2f}")
 
 
-def run(server_a: str, server_b: str, reps: int, warmup: int, matrix: Optional[str]) -> list[str]:
+def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
+        matrix: Optional[str]) -> list[str]:
     """Time each shape; returns CSV header lines and rows."""
     load_before = os.getloadavg()
     client = PirClient(server_a, server_b)
@@ -65,11 +66,12 @@ def run(server_a: str, server_b: str, reps: int, warmup: int, matrix: Optional[s
         _row("POST /query/page/gpu (party A)", 1,
              _time(lambda: client._call(client.servers[0], "/query/page/gpu", single_body), reps, warmup)),
         _row("POST /query/page/gpu/batch (party A)", MAX_BATCH,
-             _time(lambda: client._call(client.servers[0], "/query/page/gpu/batch", batch_body), reps, warmup)),
+             _time(lambda: client._call(client.servers[0], "/query/page/gpu/batch", batch_body),
+                   batch_reps, warmup)),
         _row("client: 1 row from A+B (epoch check, keygen, XOR)", 1,
              _time(lambda: client.fetch_rows(rows[:1], batch=False), reps, warmup)),
         _row("client: 32 rows from A+B in one batch each", MAX_BATCH,
-             _time(lambda: client.fetch_rows(rows, batch=True), reps, warmup)),
+             _time(lambda: client.fetch_rows(rows, batch=True), batch_reps, warmup)),
     ]
     checked = "not checked (no --matrix)"
     if matrix:
@@ -91,7 +93,7 @@ def run(server_a: str, server_b: str, reps: int, warmup: int, matrix: Optional[s
         f"# load average (1, 5, 15 min) before: {_load(load_before)}, after: {_load(os.getloadavg())}"
         f" (both parties share this machine's {os.cpu_count()} CPUs with anything else running)",
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"# reps={reps} after {warmup} warm-up; times are wall-clock per request round; "
+        f"# reps={reps} (single) and {batch_reps} (batch) after {warmup} warm-up; times are wall-clock per request round; "
         f"3 keys per query; correctness: {checked}",
         COLUMNS,
     ]
@@ -103,13 +105,15 @@ def main(argv=None) -> int:
     parser.add_argument("--server-a", default="http://127.0.0.1:8001")
     parser.add_argument("--server-b", default="http://127.0.0.1:8002")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--batch-reps", type=int, default=5, help="reps of the 32-query shapes")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--matrix", help="matrix file the parties serve, to check the rows fetched")
     parser.add_argument("--out", help="CSV file to write (default: print only)")
     args = parser.parse_args(argv)
     if args.matrix and not Path(args.matrix).exists():
         parser.error(f"--matrix {args.matrix} does not exist")
-    lines = run(args.server_a, args.server_b, args.reps, args.warmup, args.matrix)
+    lines = run(args.server_a, args.server_b, args.reps, args.batch_reps, args.warmup,
+                args.matrix)
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
