@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily

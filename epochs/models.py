@@ -53,7 +53,7 @@ class SwitchMode(models.TextChoices):
 
 
 class EpochQuerySet(models.QuerySet):
-    def active(self) -> "Epoch | None":
+    def active(self) -> Epoch | None:
         return self.filter(state=EpochState.ACTIVE).order_by("-activated", "-pk").first()
 
 

@@ -11,8 +11,8 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
@@ -47,7 +47,7 @@ class _Applied:
     epoch_id: int
     floor: int = 0  # every pending update with id <= floor is applied
     ids: set = field(default_factory=set)  # applied ids above the floor
-    checkpoints: List[Tuple[float, int]] = field(default_factory=list)  # (when, highest id seen)
+    checkpoints: list[tuple[float, int]] = field(default_factory=list)  # (when, highest id seen)
 
     def advance(self, now: float) -> None:
         high = max(self.ids, default=self.floor)
@@ -59,8 +59,8 @@ class _Applied:
             self.checkpoints = [c for c in self.checkpoints if now - c[0] < COMMIT_SLACK_SECONDS]
 
 
-_applied: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_failed: Dict[tuple, float] = {}
+_applied: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_failed: dict[tuple, float] = {}
 
 
 def _local_engine():
@@ -69,7 +69,7 @@ def _local_engine():
     return peek_engine()
 
 
-def current_epoch_shape(epoch_id: Optional[int] = None) -> Tuple[int, int]:
+def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
     """(epoch_id, num_rows) of the epoch served now, or of `epoch_id`; LookupError if unknown."""
     record = Epoch.objects.active() if epoch_id is None else Epoch.objects.filter(epoch_id=epoch_id).first()
     if record is not None and record.num_pages:
@@ -99,12 +99,12 @@ def state_version() -> tuple:
     return (active, figures["n"], figures["high"])
 
 
-def _final_rows(epoch_id: int, rows: Optional[Sequence[int]] = None) -> Tuple[Dict[int, bytes], List[int]]:
+def _final_rows(epoch_id: int, rows: Sequence[int] | None = None) -> tuple[dict[int, bytes], list[int]]:
     """The latest pending data of each row (highest id wins) and the ids that were read."""
     updates = RowUpdate.objects.filter(epoch_id=epoch_id, state=UpdateState.PENDING)
     if rows is not None:
         updates = updates.filter(row__in=list(rows))
-    data: Dict[int, bytes] = {}
+    data: dict[int, bytes] = {}
     ids = []
     for pk, row, hexdata in updates.order_by("pk").values_list("pk", "row", "data"):
         data[row] = bytes.fromhex(hexdata[2:])
@@ -176,7 +176,7 @@ def sync(engine, explicit: bool = False) -> None:
                 return
             try:
                 _switch(engine, record, record.switch_mode == SwitchMode.STOP_THE_WORLD)
-            except Exception as exc:  # noqa: BLE001 - recorded for the operator, raised if asked
+            except Exception as exc:
                 _failed[key] = time.monotonic()
                 reason = str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
                 log.error("switch to epoch %s failed: %s", record.epoch_id, reason)
@@ -201,7 +201,7 @@ def adopt(engine) -> None:
     live.register(WATCH_NAME, state_version, lambda version: apply_from_watcher(), check_now=False)
 
 
-def activate(record: Epoch, stop_the_world: Optional[bool] = None) -> Epoch:
+def activate(record: Epoch, stop_the_world: bool | None = None) -> Epoch:
     """Make `record` the active epoch: switch this process's engine (if any) first, then commit.
 
     When this process serves, a switch that cannot happen (the matrix does not fit beside the
@@ -283,7 +283,7 @@ def save_updates(records: Sequence[RowUpdate]) -> None:
             sync(engine)
 
 
-def push_rows(rows: Sequence[Tuple[int, object]], user=None) -> List[RowUpdate]:
+def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
     """Validate (row, data) pairs against the served epoch, store and apply them; all or none."""
     from django.core.exceptions import ValidationError
 

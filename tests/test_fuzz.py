@@ -8,14 +8,14 @@ from django.core.wsgi import get_wsgi_application
 from hypothesis import HealthCheck, settings
 
 schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.checks import (  # noqa: E402 - after the importorskip above
+from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
 )
 
-from morphoweb.engine_runtime import get_engine  # noqa: E402
+from morphoweb.engine_runtime import get_engine
 
 EXAMPLES = 25  # per operation
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 COMPOSE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / ".env.example"
-SECRET_NAMES = re.compile(r"SECRET|PASSWORD|TOKEN|PRIVATE", re.I)
+SECRET_NAMES = re.compile(r"SECRET|PASSWORD|TOKEN|PRIVATE", re.IGNORECASE)
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from gpu_engine.backends.cpu import reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
-from gpu_engine.matrix import ROW_BYTES, load_matrix, write_epoch_metadata, write_matrix_file
+from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
 from tests.conftest import REPO, http_json, server_env
 
 PAGES = 64
