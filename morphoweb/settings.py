@@ -1,4 +1,4 @@
-"""Django settings for morphoweb: every value comes from the environment, with an embedded default."""
+"""Django settings for morphoweb: every value comes from the environment, with a default."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,9 @@ def _env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}: expected true/false (1/0, yes/no, on/off), got {raw!r}")
 
 
-def _env_int(name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+def _env_int(
+    name: str, default: int | None, lo: int | None = None, hi: int | None = None
+) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -173,6 +175,9 @@ REST_FRAMEWORK = {
         "anon": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
         else _env("MORPHO_QUERY_THROTTLE", "200/second"),
     },
+    # Reverse proxies in front of this server (count). 0: the client address is the socket's, and
+    # a client cannot escape its limit by sending its own X-Forwarded-For.
+    "NUM_PROXIES": _env_int("MORPHO_NUM_PROXIES", 0, lo=0),
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "morphoweb",

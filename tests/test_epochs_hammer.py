@@ -50,7 +50,8 @@ class Observed:
 
 
 def _query_loop(stop, results, errors, seed):
-    client = APIClient()
+    # One client address per thread: each stays under the per-client rate limit.
+    client = APIClient(REMOTE_ADDR=f"10.0.0.{seed + 1}")
     rng = np.random.default_rng(seed)
     while not stop.is_set():
         batch = int(rng.integers(1, 3))
