@@ -125,7 +125,10 @@ def lease_until():
 def claim_chunk(chunk_id: int, worker: str) -> Optional[BulkChunk]:
     """Take a chunk for `worker`, or None when it is done, taken by a live worker, or its job ended."""
     now = timezone.now()
-    free = Q(status=JobStatus.QUEUED) | Q(status=JobStatus.RUNNING, lease_expires__lt=now)
+    # A worker runs one task at a time: if the chunk is marked as running on this very worker,
+    # that attempt died (a pool process killed, the task redelivered) and the chunk is free.
+    free = (Q(status=JobStatus.QUEUED) | Q(status=JobStatus.RUNNING, lease_expires__lt=now)
+            | Q(status=JobStatus.RUNNING, worker=worker))
     taken = BulkChunk.objects.filter(free, pk=chunk_id, job__status__in=ACTIVE).update(
         status=JobStatus.RUNNING, worker=worker, lease_expires=lease_until(), claimed=now,
         attempts=F("attempts") + 1, error="")

@@ -204,6 +204,23 @@ def test_sigkilled_worker_is_replaced_and_the_job_completes_exactly_once(stack, 
     assert max(s.chunk_attempts()) >= 2, s.logs()
 
 
+def test_killed_pool_process_is_replaced_and_its_chunk_redelivered(stack, workload):
+    s = stack("filesystem://")
+    supervisor = s.start_workers()
+    job_id = submit(s, workload)
+    s.wait(job_id, lambda j: j["answered"] >= 160 and s.running_chunks() == 1)
+    # The process running the task, under the worker's main process (under bin/gpu-workers).
+    main = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True).stdout.split()
+    pool = subprocess.run(["pgrep", "-P", main[0]], capture_output=True, text=True).stdout.split()
+    os.kill(int(pool[0]), signal.SIGKILL)
+    check_results(s, job_id, workload)
+    assert max(s.chunk_attempts()) >= 2
+    # The worker itself lived on (Celery started a new pool process); reject_on_worker_lost put
+    # the task back, and the same worker could claim the chunk its dead process held.
+    assert supervisor.poll() is None and "gpu-workers: cpu0 exited" not in s.logs()
+    assert "exited with 'signal 9 (SIGKILL)'" in (s.tmp / "workers-0.log").read_text(errors="replace")
+
+
 @pytest.mark.skipif(not redis_reachable(), reason="no Redis on 127.0.0.1:6379")
 def test_redis_broker_worker_answers_a_1000_query_job(stack, workload):
     s = stack("redis://127.0.0.1:6379/14")

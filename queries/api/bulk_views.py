@@ -4,6 +4,8 @@ from __future__ import annotations
 from typing import Iterator
 
 from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import exceptions, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
@@ -90,6 +92,12 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
             return response
         return handler
 
+    @extend_schema(
+        request={"application/json": BulkJobCreateSerializer,
+                 NDJSON: {"type": "string", "description": "one query object per line"},
+                 "multipart/form-data": {"type": "object", "properties": {
+                     "file": {"type": "string", "format": "binary"}}}},
+        responses={201: BulkJobSerializer})
     def create(self, request):
         data = request.data
         if isinstance(data, list):  # a bare JSON array of queries
@@ -110,6 +118,8 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         return Response(body, status=status.HTTP_201_CREATED,
                         headers={"Location": request.build_absolute_uri(f"/bulk/jobs/{job.pk}")})
 
+    @extend_schema(responses={200: BulkJobSerializer,
+                              409: OpenApiResponse(description="the job is already done, failed or cancelled")})
     def destroy(self, request, pk=None):
         job = self.get_object()
         try:
@@ -118,6 +128,8 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
             return Response({"detail": str(exc), "status": exc.job.status}, status=status.HTTP_409_CONFLICT)
         return Response(self.get_serializer(job).data)
 
+    @extend_schema(responses={(200, NDJSON): OpenApiTypes.STR,
+                              409: OpenApiResponse(description="the job is not done yet")})
     @action(detail=True, methods=["get"])
     def results(self, request, pk=None):
         """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`."""
