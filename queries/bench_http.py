@@ -64,7 +64,8 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
 
     results = [
         _row("POST /query/page/gpu (party A)", 1,
-             _time(lambda: client._call(client.servers[0], "/query/page/gpu", single_body), reps, warmup)),
+             _time(lambda: client._call(client.servers[0], "/query/page/gpu", single_body),
+                   reps, warmup)),
         _row("POST /query/page/gpu/batch (party A)", MAX_BATCH,
              _time(lambda: client._call(client.servers[0], "/query/page/gpu/batch", batch_body),
                    batch_reps, warmup)),
@@ -90,10 +91,12 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
         f"# server: backend={health.get('backend')}, device={health.get('device')}; "
         f"parties {server_a} and {server_b} on this machine",
         f"# command: python -m queries.bench_http {' '.join(sys.argv[1:])}",
-        f"# load average (1, 5, 15 min) before: {_load(load_before)}, after: {_load(os.getloadavg())}"
+        f"# load average (1, 5, 15 min) before: {_load(load_before)}, "
+        f"after: {_load(os.getloadavg())}"
         f" (both parties share this machine's {os.cpu_count()} CPUs with anything else running)",
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"# reps={reps} (single) and {batch_reps} (batch) after {warmup} warm-up; times are wall-clock per request round; "
+        f"# reps={reps} (single) and {batch_reps} (batch) after {warmup} warm-up; "
+        f"times are wall-clock per request round; "
         f"3 keys per query; correctness: {checked}",
         COLUMNS,
     ]

@@ -239,7 +239,9 @@ class PirClient:
             answers = [[reply.get("pages")] for reply in replies]
         epochs = [reply.get("epoch_id") for reply in replies]
         if epochs[0] != epochs[1]:
-            raise EpochMismatch(f"the servers answered from different epochs: {epochs[0]} and {epochs[1]}")
+            raise EpochMismatch(
+                f"the servers answered from different epochs: {epochs[0]} and {epochs[1]}"
+            )
         pages = []
         for index, plan in enumerate(plans):
             halves = []

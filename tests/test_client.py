@@ -99,7 +99,7 @@ def test_mismatched_epochs_are_refused(parties):
 def test_row_out_of_range_and_unreachable_server(parties):
     a, b, _ = parties
     with PirClient(a, b) as client:
-        with pytest.raises(ValueError, match=rf"row 4800 is outside \[0, 4800\)"):
+        with pytest.raises(ValueError, match=r"row 4800 is outside \[0, 4800\)"):
             client.fetch_row(PAGES * 16)
     with PirClient(a, "http://127.0.0.1:9") as client:
         with pytest.raises(ServerError, match="http://127.0.0.1:9/epoch: cannot reach the server"):

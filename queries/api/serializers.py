@@ -1,4 +1,4 @@
-"""Serializers of the PIR API: hex DPF keys in, hex pages out, every error naming field and values."""
+"""Serializers of the PIR API: hex DPF keys in, hex pages out, errors naming field and values."""
 from __future__ import annotations
 
 import re

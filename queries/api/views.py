@@ -1,4 +1,4 @@
-"""Views of the PIR API: validate with a serializer, hand the queries to the engine, wait, answer."""
+"""Views of the PIR API: validate with a serializer, hand the queries to the engine, answer."""
 from __future__ import annotations
 
 from concurrent.futures import TimeoutError as FutureTimeout

@@ -22,7 +22,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--pages", type=int, required=True, help="number of 4096-byte pages")
-        parser.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same pages)")
+        parser.add_argument("--seed", type=int, default=0,
+                            help="generator seed (same seed, same pages)")
         parser.add_argument("--out", required=True, help="matrix file to write")
         parser.add_argument("--epoch-id", type=int, default=1, help="epoch_id to serve it under")
         parser.add_argument("--block-number", type=int, default=0, help="block_number of the epoch")
