@@ -6,12 +6,23 @@ from django.http import JsonResponse
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 (or 400 for a malformed Content-Length) from the declared length alone."""
+    """Answers 413 from the declared length alone; 400 for a malformed length, 411 for none."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
+        if not request.META.get("CONTENT_LENGTH") and "chunked" in request.META.get(
+            "HTTP_TRANSFER_ENCODING", ""
+        ).lower():
+            # WSGI gives Django no length for a chunked body, and Django then reads it as empty:
+            # say so instead of reporting the fields of an empty document as missing.
+            message = "expected a Content-Length header, got a chunked body"
+            return JsonResponse(
+                {"detail": f"Content-Length: {message}",
+                 "errors": [{"field": "Content-Length", "message": message}]},
+                status=411,
+            )
         raw = request.META.get("CONTENT_LENGTH") or "0"
         try:
             length = int(raw)

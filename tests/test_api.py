@@ -288,3 +288,10 @@ def test_malformed_content_length_is_a_400(api):
     assert response.status_code == 400
     assert response.json()["errors"] == [
         {"field": "Content-Length", "message": "expected a non-negative integer, got '12x'"}]
+
+
+def test_chunked_body_without_length_is_a_411(api):
+    response = post(api, SINGLE, {"keys": [GOOD] * 3}, CONTENT_LENGTH="",
+                    HTTP_TRANSFER_ENCODING="chunked")
+    assert response.status_code == 411
+    assert response.json()["detail"] == "Content-Length: expected a Content-Length header, got a chunked body"
