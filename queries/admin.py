@@ -1,4 +1,5 @@
 """Admin for bulk jobs: progress at a glance, chunks per job, and a cancel action."""
+
 from __future__ import annotations
 
 from django.contrib import admin, messages
@@ -9,10 +10,20 @@ from queries.models import BulkChunk, BulkJob
 
 
 class BulkChunkInline(admin.TabularInline):
-    """A job's chunks, without their keys: who holds each, how often it was tried, its last error."""
+    """A job's chunks without their keys: who holds each, how often it was tried, last error."""
 
     model = BulkChunk
-    fields = ["index", "first", "count", "status", "attempts", "worker", "lease_expires", "dispatched", "error"]
+    fields = [
+        "index",
+        "first",
+        "count",
+        "status",
+        "attempts",
+        "worker",
+        "lease_expires",
+        "dispatched",
+        "error",
+    ]
     readonly_fields = fields
     extra = 0
     max_num = 0
@@ -27,13 +38,35 @@ class BulkChunkInline(admin.TabularInline):
 class BulkJobAdmin(admin.ModelAdmin):
     """Jobs are made through the API; operators watch and cancel them here."""
 
-    list_display = ["id", "owner", "status", "progress_bar", "total", "chunk_size", "created", "finished"]
+    list_display = [
+        "id",
+        "owner",
+        "status",
+        "progress_bar",
+        "total",
+        "chunk_size",
+        "created",
+        "finished",
+    ]
     list_filter = ["status"]
     search_fields = ["id", "owner__username"]
     date_hierarchy = "created"
     ordering = ["-created"]
-    readonly_fields = ["id", "owner", "status", "progress_bar", "total", "answered", "domain_bits",
-                       "chunk_size", "epochs", "error", "created", "started", "finished"]
+    readonly_fields = [
+        "id",
+        "owner",
+        "status",
+        "progress_bar",
+        "total",
+        "answered",
+        "domain_bits",
+        "chunk_size",
+        "epochs",
+        "error",
+        "created",
+        "started",
+        "finished",
+    ]
     fields = readonly_fields
     inlines = [BulkChunkInline]
     actions = ["cancel_jobs"]
@@ -43,15 +76,23 @@ class BulkJobAdmin(admin.ModelAdmin):
 
     @admin.display(description="progress")
     def progress_bar(self, job: BulkJob) -> str:
-        return format_html('<progress value="{}" max="{}"></progress> {} / {} ({}%)', job.answered,
-                           job.total, job.answered, job.total, round(100 * job.progress, 1))
+        return format_html(
+            '<progress value="{}" max="{}"></progress> {} / {} ({}%)',
+            job.answered,
+            job.total,
+            job.answered,
+            job.total,
+            round(100 * job.progress, 1),
+        )
 
     @admin.display(description="epochs answered against")
     def epochs(self, job: BulkJob) -> str:
         return ", ".join(str(e) for e in job.epoch_ids()) or "-"
 
-    @admin.action(description="Cancel selected jobs (running chunks finish, no new ones start)",
-                  permissions=["change"])
+    @admin.action(
+        description="Cancel selected jobs (running chunks finish, no new ones start)",
+        permissions=["change"],
+    )
     def cancel_jobs(self, request, queryset) -> None:
         cancelled, finished = 0, []
         for job in queryset:
@@ -63,5 +104,8 @@ class BulkJobAdmin(admin.ModelAdmin):
         if cancelled:
             self.message_user(request, f"Cancelled {cancelled} job(s).", messages.SUCCESS)
         if finished:
-            self.message_user(request, f"Already finished, left as they are: {', '.join(finished)}",
-                              messages.WARNING)
+            self.message_user(
+                request,
+                f"Already finished, left as they are: {', '.join(finished)}",
+                messages.WARNING,
+            )

@@ -7,6 +7,7 @@ Three measurements over one matrix and one set of queries, on the same machine:
 the job is done; then the NDJSON results are streamed and every answer is checked).
 `--engine-only` runs the first two with numpy (and cupy for `--backend cuda`) only, no Django.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ from gpu_engine.scheduler import BatchingPolicy
 BASE_DIR = Path(__file__).resolve().parent.parent
 COLUMNS = "measure,queries,seconds,queries_per_s,ratio_to_engine"
 # The default bulk policy's shape (policies/migrations/0002_default_policies.py).
-BULK_POLICY = BatchingPolicy(name="bulk-bench", mode="throughput", max_batch=32, window_us=20000,
-                             max_queue=100_000, queue_timeout_ms=600_000)
+BULK_POLICY = BatchingPolicy(
+    name="bulk-bench",
+    mode="throughput",
+    max_batch=32,
+    window_us=20000,
+    max_queue=100_000,
+    queue_timeout_ms=600_000,
+)
 
 
 def cpu_model() -> str:
@@ -49,10 +56,13 @@ def cpu_model() -> str:
 
 
 def workload(pages: int, queries: int, pool_size: int, seed: int):
-    """(pool of keys, picks): each query is three keys of the pool (key generation is slow in Python)."""
+    """(pool of keys, picks): each query is three pool keys (key generation is slow in Python)."""
     rng = np.random.default_rng(seed)
     d = max(1, (pages - 1).bit_length())
-    pool = [gen_keys(int(rng.integers(pages)), d, rng=rng)[int(rng.integers(2))] for _ in range(pool_size)]
+    pool = [
+        gen_keys(int(rng.integers(pages)), d, rng=rng)[int(rng.integers(2))]
+        for _ in range(pool_size)
+    ]
     return pool, rng.integers(pool_size, size=(queries, 3))
 
 
@@ -61,7 +71,9 @@ def backend_batch(resident, pool, picks, max_batch: int) -> float:
     resident.answer(KeyBatch.from_keys([pool[i] for i in picks[0]]))  # warm-up
     started = time.perf_counter()
     for first in range(0, len(picks), max_batch):
-        resident.answer(KeyBatch.from_keys([pool[i] for row in picks[first:first + max_batch] for i in row]))
+        resident.answer(
+            KeyBatch.from_keys([pool[i] for row in picks[first : first + max_batch] for i in row])
+        )
     return time.perf_counter() - started
 
 
@@ -71,8 +83,12 @@ def engine_bulk_lane(engine, pool, picks, max_batch: int) -> float:
     pending = set()
     for first in range(0, len(picks), max_batch):
         while len(pending) >= 2:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-        pending.add(engine.submit([[pool[i] for i in row] for row in picks[first:first + max_batch]], "bulk"))
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+        pending.add(
+            engine.submit(
+                [[pool[i] for i in row] for row in picks[first : first + max_batch]], "bulk"
+            )
+        )
     wait(pending)
     for future in pending:
         future.result()
@@ -84,25 +100,61 @@ class Party:
 
     def __init__(self, matrix: Path, tmp: Path, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
-        self.env.update(MORPHO_MATRIX_PATH=str(matrix), MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=str(tmp),
-                        DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}", CELERY_BROKER_URL="filesystem://",
-                        CELERY_FILESYSTEM_BROKER_DIR=str(tmp / "broker"), MORPHO_MAX_BODY_BYTES=str(1 << 30),
-                        MORPHO_LOG_LEVEL="WARNING", CUDA_VISIBLE_DEVICES="")
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")
+        }
+        self.env.update(
+            MORPHO_MATRIX_PATH=str(matrix),
+            MORPHO_ENGINE_BACKEND="cpu",
+            MORPHO_VAR_DIR=str(tmp),
+            DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}",
+            CELERY_BROKER_URL="filesystem://",
+            CELERY_FILESYSTEM_BROKER_DIR=str(tmp / "broker"),
+            MORPHO_MAX_BODY_BYTES=str(1 << 30),
+            MORPHO_LOG_LEVEL="WARNING",
+            CUDA_VISIBLE_DEVICES="",
+        )
         self.manage("migrate", "--no-input", "-v0")
-        out = self.manage("shell", "-v0", "-c",
-                          "from django.contrib.auth.models import User\n"
-                          "from rest_framework.authtoken.models import Token\n"
-                          "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bench')).key)")
+        out = self.manage(
+            "shell",
+            "-v0",
+            "-c",
+            "from django.contrib.auth.models import User\n"
+            "from rest_framework.authtoken.models import Token\n"
+            "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bench')).key)",
+        )
         self.token = next(line for line in out.splitlines() if line.startswith("TOKEN="))[6:]
-        self.log = open(tmp / "party.log", "wb")
+        self.log = open(tmp / "party.log", "wb")  # noqa: SIM115 - the servers write to it
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "gunicorn", "morphoweb.wsgi", "--bind", f"127.0.0.1:{port}",
-                              "--workers", "1", "--threads", "4", "--timeout", "600"],
-                             cwd=BASE_DIR, env=self.env, stdout=self.log, stderr=subprocess.STDOUT),
-            subprocess.Popen([sys.executable, "bin/gpu-workers", "--loglevel", "WARNING"], cwd=BASE_DIR,
-                             env=self.env, stdout=self.log, stderr=subprocess.STDOUT),
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gunicorn",
+                    "morphoweb.wsgi",
+                    "--bind",
+                    f"127.0.0.1:{port}",
+                    "--workers",
+                    "1",
+                    "--threads",
+                    "4",
+                    "--timeout",
+                    "600",
+                ],
+                cwd=BASE_DIR,
+                env=self.env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            ),
+            subprocess.Popen(
+                [sys.executable, "bin/gpu-workers", "--loglevel", "WARNING"],
+                cwd=BASE_DIR,
+                env=self.env,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            ),
         ]
         deadline = time.monotonic() + 120
         while True:
@@ -116,12 +168,25 @@ class Party:
         time.sleep(3)  # the worker's engine warms up beside the web server's
 
     def manage(self, *args: str) -> str:
-        return subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=self.env, check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=BASE_DIR,
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
 
     def request(self, method: str, path: str, body: bytes | None = None):
-        req = urllib.request.Request(self.url + path, data=body, method=method, headers={
-            "Authorization": f"Token {getattr(self, 'token', '')}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=body,
+            method=method,
+            headers={
+                "Authorization": f"Token {getattr(self, 'token', '')}",
+                "Content-Type": "application/json",
+            },
+        )
         return urllib.request.urlopen(req, timeout=600)
 
     def stop(self) -> None:
@@ -136,7 +201,9 @@ class Party:
 
 def bulk_job(party: Party, pool, picks, reference) -> tuple[float, float, dict]:
     """(seconds from POST to the job done, seconds to stream and check the results, the job)."""
-    body = json.dumps({"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}).encode()
+    body = json.dumps(
+        {"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}
+    ).encode()
     started = time.perf_counter()
     job = json.loads(party.request("POST", "/bulk/jobs", body).read())
     while job["status"] in ("queued", "running"):
@@ -164,7 +231,9 @@ def main(argv=None) -> int:
     parser.add_argument("--queries", type=int, default=10_000)
     parser.add_argument("--pool", type=int, default=64, help="distinct keys the queries draw from")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--engine-only", action="store_true", help="no Django: backend and engine rows")
+    parser.add_argument(
+        "--engine-only", action="store_true", help="no Django: backend and engine rows"
+    )
     parser.add_argument("--port", type=int, default=8731)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -185,7 +254,9 @@ def main(argv=None) -> int:
         rows.append((f"backend_batch{tag}", seconds))
         engine = Engine(backend, epoch, policy=static_policy(BULK_POLICY)).start()
         try:
-            rows.append((f"engine_bulk_lane{tag}", engine_bulk_lane(engine, pool, picks, max_batch)))
+            rows.append(
+                (f"engine_bulk_lane{tag}", engine_bulk_lane(engine, pool, picks, max_batch))
+            )
         finally:
             engine.stop()
 
@@ -202,26 +273,40 @@ def main(argv=None) -> int:
         engine_rows("_after")
     # The engine's batch throughput: the mean of its runs before and after the job, so load from
     # other processes during the run weighs on both sides alike.
-    engine_qps = [args.queries / seconds for name, seconds in rows if name.startswith("engine_bulk_lane")]
+    engine_qps = [
+        args.queries / seconds for name, seconds in rows if name.startswith("engine_bulk_lane")
+    ]
     engine = sum(engine_qps) / len(engine_qps)
 
     command = "python -m queries.bulk_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        f"# machine: {platform.node()}; {cpu_model()}; {os.cpu_count()} CPUs; load average "
-        f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end",
-        f"# shape: pages={args.pages}, domain_bits={epoch.matrix.domain_bits}, queries={args.queries} "
-        f"(3 keys each, drawn from {args.pool} distinct keys), bulk policy max_batch={max_batch}, "
-        f"backend={backend.name}" + ("" if args.engine_only else f", chunk_size={job['chunk_size']}"),
+        (
+            f"# machine: {platform.node()}; {cpu_model()}; {os.cpu_count()} CPUs; load average "
+            f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end"
+        ),
+        (
+            f"# shape: pages={args.pages}, domain_bits={epoch.matrix.domain_bits}, "
+            f"queries={args.queries} (3 keys each, drawn from {args.pool} distinct keys), "
+            f"bulk policy max_batch={max_batch}, backend={backend.name}"
+            + ("" if args.engine_only else f", chunk_size={job['chunk_size']}")
+        ),
         f"# command: {command}",
-        f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        "# bulk_job: POST to job done (validation, chunks, Celery filesystem broker, SQLite, one worker);"
-        " every streamed answer equals the backend's",
-        f"# ratio_to_engine: queries/s over the mean of the engine_bulk_lane runs ({engine:.1f} queries/s)",
+        f"# date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        (
+            "# bulk_job: POST to job done (validation, chunks, Celery filesystem broker, SQLite, "
+            "one worker); every streamed answer equals the backend's"
+        ),
+        (
+            "# ratio_to_engine: queries/s over the mean of the engine_bulk_lane runs "
+            f"({engine:.1f} queries/s)"
+        ),
         COLUMNS,
     ]
     for name, seconds in rows:
-        lines.append(f"{name},{args.queries},{seconds:.2f},{args.queries / seconds:.1f},"
-                     f"{args.queries / seconds / engine:.3f}")
+        lines.append(
+            f"{name},{args.queries},{seconds:.2f},{args.queries / seconds:.1f},"
+            f"{args.queries / seconds / engine:.3f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,10 +1,11 @@
-"""Answering one claimed chunk on this worker's engine: bulk lane, policy-sized requests, one epoch."""
+"""Answer a claimed chunk on this worker's engine: bulk lane, policy-sized requests, one epoch."""
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Callable, List, Sequence, Tuple
 
 from django.conf import settings
 
@@ -23,7 +24,7 @@ EPOCH_ATTEMPTS = 3  # an epoch switch mid-chunk: answer the whole chunk again, t
 
 
 class ChunkRejected(Exception):
-    """This chunk can never be answered here (its keys do not fit the served epoch): fail the job."""
+    """This chunk can never be answered here (keys do not fit the served epoch): fail the job."""
 
 
 class EpochChanged(EngineBusy):
@@ -35,19 +36,28 @@ def bulk_policy(engine) -> BatchingPolicy:
     return engine.policies()[LANE]
 
 
-def parse_chunk(chunk: BulkChunk) -> List[List[DpfKey]]:
+def parse_chunk(chunk: BulkChunk) -> list[list[DpfKey]]:
     """The chunk's stored raw keys as queries of three DpfKeys."""
     d = chunk.job.domain_bits
     size = key_length(d)
     raw = bytes(chunk.keys)
     if len(raw) != chunk.count * KEYS_PER_QUERY * size:
-        raise ChunkRejected(f"stored keys are {len(raw)} bytes, expected {chunk.count} x 3 x {size}")
-    keys = [DpfKey.from_bytes(raw[i:i + size], expected_domain_bits=d) for i in range(0, len(raw), size)]
-    return [keys[i:i + KEYS_PER_QUERY] for i in range(0, len(keys), KEYS_PER_QUERY)]
+        raise ChunkRejected(
+            f"stored keys are {len(raw)} bytes, expected {chunk.count} x 3 x {size}"
+        )
+    keys = [
+        DpfKey.from_bytes(raw[i : i + size], expected_domain_bits=d)
+        for i in range(0, len(raw), size)
+    ]
+    return [keys[i : i + KEYS_PER_QUERY] for i in range(0, len(keys), KEYS_PER_QUERY)]
 
 
-def _submit(engine, queries: Sequence[Sequence[DpfKey]], outstanding: List[Future],
-            heartbeat: Callable[[], None]) -> Future:
+def _submit(
+    engine,
+    queries: Sequence[Sequence[DpfKey]],
+    outstanding: list[Future],
+    heartbeat: Callable[[], None],
+) -> Future:
     """Submit one request; while the lane is full, wait for our own requests ahead to finish."""
     deadline = time.monotonic() + settings.MORPHO_BULK_LEASE_SECONDS * 4
     while True:
@@ -64,23 +74,29 @@ def _submit(engine, queries: Sequence[Sequence[DpfKey]], outstanding: List[Futur
             heartbeat()
 
 
-def answer_queries(engine, queries: List[List[DpfKey]], heartbeat: Callable[[], None],
-                   heartbeat_every: float) -> Tuple[int, bytes]:
-    """(epoch_id, answers) for the queries, all against one epoch; answers are 3 x 4096 bytes each."""
+def answer_queries(
+    engine, queries: list[list[DpfKey]], heartbeat: Callable[[], None], heartbeat_every: float
+) -> tuple[int, bytes]:
+    """(epoch_id, answers) of the queries, all against one epoch; 3 x 4096 answer bytes each."""
     domain_bits = engine.epoch.matrix.domain_bits
     if queries and queries[0][0].domain_bits != domain_bits:
-        raise ChunkRejected(f"the job's keys have domain_bits {queries[0][0].domain_bits}, this worker's "
-                            f"epoch {engine.epoch.epoch_id} has {domain_bits}")
+        raise ChunkRejected(
+            f"the job's keys have domain_bits {queries[0][0].domain_bits}, this worker's "
+            f"epoch {engine.epoch.epoch_id} has {domain_bits}"
+        )
     for attempt in range(EPOCH_ATTEMPTS):
         batch = bulk_policy(engine).max_batch
-        requests = [queries[i:i + batch] for i in range(0, len(queries), batch)]
-        futures: List[Future] = []
+        requests = [queries[i : i + batch] for i in range(0, len(queries), batch)]
+        futures: list[Future] = []
         last_beat = time.monotonic()
         for index, request in enumerate(requests):
             # Keep IN_FLIGHT requests queued: submit the next as soon as an earlier one resolves.
             while sum(1 for f in futures if not f.done()) >= IN_FLIGHT:
-                wait([f for f in futures if not f.done()], timeout=heartbeat_every,
-                     return_when=FIRST_COMPLETED)
+                wait(
+                    [f for f in futures if not f.done()],
+                    timeout=heartbeat_every,
+                    return_when=FIRST_COMPLETED,
+                )
                 if time.monotonic() - last_beat >= heartbeat_every:
                     heartbeat()
                     last_beat = time.monotonic()
@@ -93,6 +109,9 @@ def answer_queries(engine, queries: List[List[DpfKey]], heartbeat: Callable[[], 
         if len(epochs) == 1:
             answers = b"".join(page for r in results for pages in r.pages for page in pages)
             return results[0].epoch_id, answers
-        log.warning("chunk answered across epochs %s (attempt %d); answering it again",
-                    sorted(epochs), attempt + 1)
+        log.warning(
+            "chunk answered across epochs %s (attempt %d); answering it again",
+            sorted(epochs),
+            attempt + 1,
+        )
     raise EpochChanged(f"the epoch changed during each of {EPOCH_ATTEMPTS} attempts", retry_after=5)

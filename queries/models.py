@@ -1,4 +1,5 @@
-"""Bulk job records: a job, its chunks (the unit of work and of retry), and one result row per chunk."""
+"""Bulk job records: a job, its chunks (the unit of work and retry), one result row per chunk."""
+
 from __future__ import annotations
 
 import uuid
@@ -28,16 +29,25 @@ class BulkJob(models.Model):
     """A user's offline job: many queries, answered in chunks by the GPU workers."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="bulk_jobs")
-    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED,
-                              db_index=True)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="bulk_jobs"
+    )
+    status = models.CharField(
+        max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True
+    )
     total = models.PositiveIntegerField(help_text="queries in the job")
     answered = models.PositiveIntegerField(default=0, help_text="queries whose answers are stored")
-    domain_bits = models.PositiveSmallIntegerField(help_text="DPF depth the keys were validated against")
-    chunk_size = models.PositiveIntegerField(help_text="queries per chunk (one task, one result write)")
+    domain_bits = models.PositiveSmallIntegerField(
+        help_text="DPF depth the keys were validated against"
+    )
+    chunk_size = models.PositiveIntegerField(
+        help_text="queries per chunk (one task, one result write)"
+    )
     error = models.TextField(blank=True, help_text="why the job failed, if it did")
     created = models.DateTimeField(auto_now_add=True, db_index=True)
-    started = models.DateTimeField(null=True, blank=True, help_text="when a worker took its first chunk")
+    started = models.DateTimeField(
+        null=True, blank=True, help_text="when a worker took its first chunk"
+    )
     finished = models.DateTimeField(null=True, blank=True, help_text="done, failed or cancelled at")
 
     class Meta:
@@ -83,8 +93,8 @@ class BulkChunk(models.Model):
     index = models.PositiveIntegerField(help_text="chunk number within the job, from 0")
     first = models.PositiveIntegerField(help_text="job index of the chunk's first query")
     count = models.PositiveIntegerField(help_text="queries in the chunk")
-    # The validated keys as raw bytes, 3 per query in order: the worker needs nothing from the broker
-    # but the chunk's id.
+    # The validated keys as raw bytes, 3 per query in order: the worker needs nothing from the
+    # broker but the chunk's id.
     keys = models.BinaryField()
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
     attempts = models.PositiveIntegerField(default=0, help_text="times a worker claimed it")
@@ -102,12 +112,15 @@ class BulkChunk(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "index"], name="bulk_chunk_unique_index"),
         ]
-        indexes = [models.Index(fields=["status", "lease_expires"]),
-                   models.Index(fields=["status", "dispatched"]),
-                   models.Index(fields=["claimed"])]
+        indexes = [
+            models.Index(fields=["status", "lease_expires"]),
+            models.Index(fields=["status", "dispatched"]),
+            models.Index(fields=["claimed"]),
+        ]
 
     def __str__(self) -> str:
-        return f"chunk {self.index} of {self.job_id} (queries {self.first}..{self.first + self.count - 1})"
+        last = self.first + self.count - 1
+        return f"chunk {self.index} of {self.job_id} (queries {self.first}..{last})"
 
     def clean(self) -> None:
         if self.count is not None and self.count < 1:
@@ -115,18 +128,24 @@ class BulkChunk(models.Model):
         if self.job_id and self.count and self.keys is not None:
             expected = self.count * KEYS_PER_QUERY * self.job.key_bytes
             if len(self.keys) != expected:
-                raise ValidationError({"keys": f"expected {expected} bytes for {self.count} queries, "
-                                               f"got {len(self.keys)}"})
+                raise ValidationError(
+                    {
+                        "keys": f"expected {expected} bytes for {self.count} queries, "
+                        f"got {len(self.keys)}"
+                    }
+                )
 
 
 class BulkResult(models.Model):
-    """A chunk's answers, written once: unique per (job, chunk), so a retried chunk cannot duplicate."""
+    """A chunk's answers, written once: unique per (job, chunk), so retries cannot duplicate."""
 
     job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="results")
     index = models.PositiveIntegerField(help_text="chunk number")
     first = models.PositiveIntegerField(help_text="job index of the first query")
     count = models.PositiveIntegerField()
-    epoch_id = models.BigIntegerField(help_text="the epoch every answer of the chunk was computed against")
+    epoch_id = models.BigIntegerField(
+        help_text="the epoch every answer of the chunk was computed against"
+    )
     # count x 3 answers of 4096 bytes, in query order then key order.
     answers = models.BinaryField()
     worker = models.CharField(max_length=200, blank=True)

@@ -1,4 +1,5 @@
-"""Celery tasks of the GPU workers: answer one bulk chunk; the worker's sweeper and engine warm-up."""
+"""Celery tasks of the GPU workers: answer one bulk chunk; the worker's sweeper and warm-up."""
+
 from __future__ import annotations
 
 import logging
@@ -35,7 +36,7 @@ class ChunkTask(Task):
     retry_jitter = True
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
-        # Retries spent, or a bug: fail the job with the reason rather than leave it running forever.
+        # Retries spent, or a bug: fail the job with the reason rather than leave it running.
         bulk.fail_chunk(args[0], f"{type(exc).__name__}: {exc}")
 
 
@@ -48,8 +49,11 @@ def answer_chunk(self, chunk_id: int) -> str:
         return "skipped"  # done already, held by a live worker, or its job ended
     try:
         epoch_id, answers = answer_queries(
-            get_engine(), parse_chunk(chunk), heartbeat=lambda: bulk.renew_lease(chunk, worker),
-            heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3)
+            get_engine(),
+            parse_chunk(chunk),
+            heartbeat=lambda: bulk.renew_lease(chunk, worker),
+            heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3,
+        )
     except ChunkRejected as exc:
         bulk.fail_chunk(chunk_id, str(exc))
         return "failed"
@@ -60,7 +64,7 @@ def answer_chunk(self, chunk_id: int) -> str:
     return "stored" if stored else "duplicate"
 
 
-# --- worker process wiring --------------------------------------------------------------------------
+# --- worker process wiring ---------------------------------------------------------------------
 
 _sweeper_started = threading.Event()
 _stop = threading.Event()
@@ -69,21 +73,26 @@ _stop = threading.Event()
 def forget_own_leases(worker: str) -> int:
     """A worker that starts holds no chunk: chunks its previous life held are free at once."""
     return BulkChunk.objects.filter(status=JobStatus.RUNNING, worker=worker).update(
-        lease_expires=timezone.now())
+        lease_expires=timezone.now()
+    )
 
 
 def _sweep_forever(worker: str) -> None:
     try:
         freed = forget_own_leases(worker)
         if freed:
-            log.warning("%s: %d chunk(s) held by this worker's previous run are free again", worker, freed)
+            log.warning(
+                "%s: %d chunk(s) held by this worker's previous run are free again", worker, freed
+            )
     except DatabaseError:
         log.exception("could not release this worker's old leases")
     while not _stop.is_set():
         try:
             bulk.sweep()
-        except Exception:  # noqa: BLE001 - a broken database or broker must not kill the thread
-            log.exception("bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS)
+        except Exception:  # a broken database or broker must not kill the thread
+            log.exception(
+                "bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS
+            )
         finally:
             close_old_connections()
         _stop.wait(settings.MORPHO_BULK_SWEEP_SECONDS)
@@ -97,7 +106,9 @@ def _start_sweeper(sender=None, **kwargs) -> None:
         return
     _sweeper_started.set()
     worker = getattr(sender, "hostname", None) or "worker"
-    threading.Thread(target=_sweep_forever, args=(worker,), name="bulk-sweeper", daemon=True).start()
+    threading.Thread(
+        target=_sweep_forever, args=(worker,), name="bulk-sweeper", daemon=True
+    ).start()
 
 
 @worker_shutdown.connect

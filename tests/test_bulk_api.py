@@ -1,4 +1,5 @@
-"""Bulk job API in-process: auth, validation of every query, limits, content types, cancel, results."""
+"""Bulk job API in-process: auth, per-query validation, limits, content types, cancel, results."""
+
 from __future__ import annotations
 
 import io
@@ -36,8 +37,10 @@ def key_pool():
 
 def queries_of(pool, n, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"keys": [pool[int(i)].to_bytes().hex() for i in rng.integers(len(pool), size=3)]}
-            for _ in range(n)]
+    return [
+        {"keys": [pool[int(i)].to_bytes().hex() for i in rng.integers(len(pool), size=3)]}
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture
@@ -59,7 +62,7 @@ def ndjson(queries) -> bytes:
     return "".join(json.dumps(q) + "\n" for q in queries).encode()
 
 
-# --- submitting ----------------------------------------------------------------------------------------
+# --- submitting ------------------------------------------------------------------------------
 
 
 def test_anonymous_users_get_401(serve_matrix, vector_matrix_path, key_pool):
@@ -89,7 +92,9 @@ def test_json_job_is_split_into_policy_sized_chunks(client, key_pool):
 def test_bare_array_ndjson_body_and_uploaded_file_make_the_same_job(client, key_pool):
     queries = queries_of(key_pool, 6)
     bare = post_json(client, queries)
-    body = client.generic("POST", JOBS, ndjson(queries) + b"\n", content_type="application/x-ndjson")
+    body = client.generic(
+        "POST", JOBS, ndjson(queries) + b"\n", content_type="application/x-ndjson"
+    )
     upload = io.BytesIO(ndjson(queries))
     upload.name = "queries.ndjson"
     form = client.post(JOBS, {"file": upload}, format="multipart")
@@ -109,7 +114,10 @@ def test_a_job_with_bad_queries_is_rejected_whole_naming_each(client, key_pool):
     assert response.status_code == 400
     errors = response.json()["errors"]
     assert [(e["query"], e["key"], e["code"]) for e in errors] == [
-        (1, 2, "not_hex"), (3, None, "count"), (5, None, "invalid")]
+        (1, 2, "not_hex"),
+        (3, None, "count"),
+        (5, None, "invalid"),
+    ]
     assert errors[0]["field"] == "queries[1].keys[2]"
     assert "expected 3 keys, got 2" in errors[1]["message"]
     assert BulkJob.objects.count() == 0 and BulkChunk.objects.count() == 0
@@ -138,25 +146,34 @@ def test_over_the_limit_and_empty_are_400(client, key_pool, settings, kind):
     over = send(queries_of(key_pool, 6))
     assert over.status_code == 400
     assert over.json()["errors"][0]["field"] == "queries"
-    assert over.json()["errors"][0]["message"].startswith("expected 1 to 5 queries (MORPHO_BULK_MAX_QUERIES)")
+    assert over.json()["errors"][0]["message"].startswith(
+        "expected 1 to 5 queries (MORPHO_BULK_MAX_QUERIES)"
+    )
     empty = send([])
     # An empty NDJSON body never reaches the parser: DRF sees no data at all.
     assert empty.status_code == 400
-    assert empty.json()["errors"][0]["message"].endswith("got 0" if kind == "json" else "got nothing")
+    assert empty.json()["errors"][0]["message"].endswith(
+        "got 0" if kind == "json" else "got nothing"
+    )
     assert send(queries_of(key_pool, 5)).status_code == 201
 
 
 def test_wrong_content_type_and_missing_file(client, key_pool):
-    response = client.generic("POST", JOBS, ndjson(queries_of(key_pool, 2)), content_type="text/plain")
+    response = client.generic(
+        "POST", JOBS, ndjson(queries_of(key_pool, 2)), content_type="text/plain"
+    )
     assert response.status_code == 415
-    assert "application/x-ndjson" in response.json()["detail"] and "got text/plain" in response.json()["detail"]
+    assert (
+        "application/x-ndjson" in response.json()["detail"]
+        and "got text/plain" in response.json()["detail"]
+    )
     response = client.post(JOBS, {"other": "x"}, format="multipart")
     assert response.status_code == 400
     assert response.json()["errors"][0]["field"] == "file"
     assert post_json(client, {"queries": "everything"}).json()["errors"][0]["code"] == "not_a_list"
 
 
-# --- reading, cancelling -------------------------------------------------------------------------------
+# --- reading, cancelling ---------------------------------------------------------------------
 
 
 def test_unknown_and_foreign_jobs_are_404(client, key_pool):
@@ -176,7 +193,9 @@ def test_cancel_a_queued_job_then_cancel_again_is_409(client, key_pool):
     response = client.delete(f"{JOBS}/{job_id}")
     assert response.status_code == 200 and response.json()["status"] == "cancelled"
     assert response.json()["finished"] is not None
-    assert set(BulkChunk.objects.filter(job_id=job_id).values_list("status", flat=True)) == {"cancelled"}
+    assert set(BulkChunk.objects.filter(job_id=job_id).values_list("status", flat=True)) == {
+        "cancelled"
+    }
     again = client.delete(f"{JOBS}/{job_id}")
     assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
     # A cancelled job's chunk is never claimed, even if its task arrives.
@@ -185,14 +204,17 @@ def test_cancel_a_queued_job_then_cancel_again_is_409(client, key_pool):
 
 def run_all_chunks(job_id, worker="w@h"):
     """What the worker's task does, in-process: claim, answer on the bulk lane, store once."""
-    for chunk_id in BulkChunk.objects.filter(job_id=job_id).order_by("index").values_list("pk", flat=True):
+    for chunk_id in (
+        BulkChunk.objects.filter(job_id=job_id).order_by("index").values_list("pk", flat=True)
+    ):
         chunk = bulk.claim_chunk(chunk_id, worker)
         epoch_id, answers = answer_queries(get_engine(), parse_chunk(chunk), lambda: None, 1.0)
         assert bulk.store_answers(chunk, worker, epoch_id, answers)
 
 
-def test_results_stream_in_order_match_the_reference_and_never_duplicate(client, key_pool,
-                                                                         vector_matrix_path):
+def test_results_stream_in_order_match_the_reference_and_never_duplicate(
+    client, key_pool, vector_matrix_path
+):
     queries = queries_of(key_pool, 10, seed=3)
     job_id = post_json(client, {"queries": queries}).json()["id"]
     early = client.get(f"{JOBS}/{job_id}/results")
@@ -236,7 +258,9 @@ def test_admin_lists_progress_and_cancels(client, key_pool):
     admin.force_login(staff)
     page = admin.get("/admin/queries/bulkjob/")
     assert page.status_code == 200 and b"<progress" in page.content and b"0 / 5" in page.content
-    response = admin.post("/admin/queries/bulkjob/", {"action": "cancel_jobs", "_selected_action": [job_id]})
+    response = admin.post(
+        "/admin/queries/bulkjob/", {"action": "cancel_jobs", "_selected_action": [job_id]}
+    )
     assert response.status_code == 302
     assert BulkJob.objects.get(pk=job_id).status == JobStatus.CANCELLED
     assert admin.get(f"/admin/queries/bulkjob/{job_id}/change/").status_code == 200

@@ -1,7 +1,8 @@
-"""Bulk jobs through real processes: gunicorn, `bin/gpu-workers`, and the filesystem or Redis broker.
+"""Bulk jobs through real processes: gunicorn, `bin/gpu-workers`, the filesystem or Redis broker.
 
 Each scenario submits 1,000 queries over HTTP and checks every answer against the NumPy reference;
 the fault scenarios SIGKILL the workers or restart Redis in the middle of the job."""
+
 from __future__ import annotations
 
 import json
@@ -49,33 +50,59 @@ class Stack:
         self.matrix = tmp / "matrix.bin"
         write_matrix_file(self.matrix, PAGES, seed=11)
         self.env = server_env(
-            MORPHO_MATRIX_PATH=self.matrix, MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=tmp,
-            DATABASE_URL=f"sqlite:///{self.db}", CELERY_BROKER_URL=broker,
-            CELERY_FILESYSTEM_BROKER_DIR=tmp / "broker", MORPHO_MAX_BODY_BYTES=32 << 20,
-            MORPHO_BULK_CHUNK=chunk, MORPHO_BULK_QUEUE=f"bulk-test-{uuid.uuid4().hex[:8]}",
-            MORPHO_BULK_LEASE_SECONDS=3, MORPHO_BULK_REQUEUE_SECONDS=4, MORPHO_BULK_SWEEP_SECONDS=0.5,
+            MORPHO_MATRIX_PATH=self.matrix,
+            MORPHO_ENGINE_BACKEND="cpu",
+            MORPHO_VAR_DIR=tmp,
+            DATABASE_URL=f"sqlite:///{self.db}",
+            CELERY_BROKER_URL=broker,
+            CELERY_FILESYSTEM_BROKER_DIR=tmp / "broker",
+            MORPHO_MAX_BODY_BYTES=32 << 20,
+            MORPHO_BULK_CHUNK=chunk,
+            MORPHO_BULK_QUEUE=f"bulk-test-{uuid.uuid4().hex[:8]}",
+            MORPHO_BULK_LEASE_SECONDS=3,
+            MORPHO_BULK_REQUEUE_SECONDS=4,
+            MORPHO_BULK_SWEEP_SECONDS=0.5,
             # no GPU for these workers even where one exists: one cpu0 worker
-            CUDA_VISIBLE_DEVICES="")
+            CUDA_VISIBLE_DEVICES="",
+        )
         self.manage("migrate", "--no-input", "-v0")
-        out = self.manage("shell", "-v0", "-c",
-                          "from django.contrib.auth.models import User\n"
-                          "from rest_framework.authtoken.models import Token\n"
-                          "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bulk')).key)")
+        out = self.manage(
+            "shell",
+            "-v0",
+            "-c",
+            "from django.contrib.auth.models import User\n"
+            "from rest_framework.authtoken.models import Token\n"
+            "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bulk')).key)",
+        )
         self.token = next(line for line in out.splitlines() if line.startswith("TOKEN="))[6:]
         self.web = start_server("gunicorn", self.env)
         self.workers: list[subprocess.Popen] = []
 
     def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env=self.env,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(  # noqa: PLW1510 - the status is asserted with stderr shown
+            [sys.executable, "manage.py", *args],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 
     def start_workers(self) -> subprocess.Popen:
-        log = open(self.tmp / f"workers-{len(self.workers)}.log", "wb")
-        # Its own session, so a SIGKILL of the group takes the supervisor, the worker and its pool child.
-        proc = subprocess.Popen([sys.executable, "bin/gpu-workers"], cwd=REPO, env=self.env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Left open for the worker to write to until the test ends.
+        log = open(self.tmp / f"workers-{len(self.workers)}.log", "wb")  # noqa: SIM115
+        # Its own session, so a SIGKILL of the group takes the supervisor, the worker and its
+        # pool child.
+        proc = subprocess.Popen(
+            [sys.executable, "bin/gpu-workers"],
+            cwd=REPO,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.workers.append(proc)
         return proc
 
@@ -95,7 +122,9 @@ class Stack:
                     proc.wait(10)
 
     def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp.glob("workers-*.log")))
+        return "\n".join(
+            p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp.glob("workers-*.log"))
+        )
 
     def request(self, method: str, path: str, body: bytes | None = None, timeout: float = 120):
         headers = {"Authorization": f"Token {self.token}", "Content-Type": "application/json"}
@@ -122,11 +151,15 @@ class Stack:
 
     def running_chunks(self) -> int:
         with sqlite3.connect(self.db) as db:
-            return db.execute("select count(*) from queries_bulkchunk where status = 'running'").fetchone()[0]
+            return db.execute(
+                "select count(*) from queries_bulkchunk where status = 'running'"
+            ).fetchone()[0]
 
     def chunk_attempts(self) -> list[int]:
         with sqlite3.connect(self.db) as db:
-            return [row[0] for row in db.execute("select attempts from queries_bulkchunk order by id")]
+            return [
+                row[0] for row in db.execute("select attempts from queries_bulkchunk order by id")
+            ]
 
 
 @pytest.fixture
@@ -152,7 +185,9 @@ def workload(tmp_path_factory):
     path = tmp_path_factory.mktemp("ref") / "m.bin"
     write_matrix_file(path, PAGES, seed=11)
     answers = reference_answers(load_matrix(path), KeyBatch.from_keys(pool))
-    body = json.dumps({"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]})
+    body = json.dumps(
+        {"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}
+    )
     return body.encode(), picks, answers
 
 
@@ -176,7 +211,9 @@ def check_results(stack: Stack, job_id: str, workload) -> dict:
         assert [bytes.fromhex(p[2:]) for p in line["pages"]] == [answers[i].tobytes() for i in row]
     with sqlite3.connect(stack.db) as db:
         assert db.execute("select count(*), sum(count) from queries_bulkresult").fetchone() == (
-            -(-QUERIES // job["chunk_size"]), QUERIES)
+            -(-QUERIES // job["chunk_size"]),
+            QUERIES,
+        )
     return job
 
 
@@ -210,15 +247,21 @@ def test_killed_pool_process_is_replaced_and_its_chunk_redelivered(stack, worklo
     job_id = submit(s, workload)
     s.wait(job_id, lambda j: j["answered"] >= 160 and s.running_chunks() == 1)
     # The process running the task, under the worker's main process (under bin/gpu-workers).
-    main = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True).stdout.split()
-    pool = subprocess.run(["pgrep", "-P", main[0]], capture_output=True, text=True).stdout.split()
+    main = subprocess.run(
+        ["pgrep", "-P", str(supervisor.pid)], check=True, capture_output=True, text=True
+    ).stdout.split()
+    pool = subprocess.run(
+        ["pgrep", "-P", main[0]], check=True, capture_output=True, text=True
+    ).stdout.split()
     os.kill(int(pool[0]), signal.SIGKILL)
     check_results(s, job_id, workload)
     assert max(s.chunk_attempts()) >= 2
     # The worker itself lived on (Celery started a new pool process); reject_on_worker_lost put
     # the task back, and the same worker could claim the chunk its dead process held.
     assert supervisor.poll() is None and "gpu-workers: cpu0 exited" not in s.logs()
-    assert "exited with 'signal 9 (SIGKILL)'" in (s.tmp / "workers-0.log").read_text(errors="replace")
+    assert "exited with 'signal 9 (SIGKILL)'" in (s.tmp / "workers-0.log").read_text(
+        errors="replace"
+    )
 
 
 @pytest.mark.skipif(not redis_reachable(), reason="no Redis on 127.0.0.1:6379")
@@ -234,8 +277,19 @@ def own_redis(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(tmp_path)]
+    argv = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(tmp_path),
+    ]
     procs = []
 
     def start() -> None:

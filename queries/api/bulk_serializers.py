@@ -1,8 +1,9 @@
 """Serializers of bulk jobs: the queries in (JSON list or NDJSON), the job and its progress out."""
+
 from __future__ import annotations
 
 import json
-from typing import Iterable, Iterator, List, Tuple
+from collections.abc import Iterable, Iterator
 
 from django.conf import settings
 from rest_framework import serializers
@@ -22,7 +23,7 @@ class NDJSONSource:
         self.fileobj = fileobj
         self.name = name
 
-    def __iter__(self) -> Iterator[Tuple[int, object]]:
+    def __iter__(self) -> Iterator[tuple[int, object]]:
         """(line number from 1, parsed value or a ValueError saying why the line is not JSON)."""
         for number, raw in enumerate(iter(self.fileobj.readline, b""), start=1):
             if isinstance(raw, str):
@@ -32,10 +33,13 @@ class NDJSONSource:
             try:
                 yield number, json.loads(raw)
             except (ValueError, RecursionError) as exc:
-                yield number, ValueError(f"line {number}: expected a JSON object, got invalid JSON ({exc})")
+                yield (
+                    number,
+                    ValueError(f"line {number}: expected a JSON object, got invalid JSON ({exc})"),
+                )
 
 
-def _items(data) -> Iterable[Tuple[object, object]]:
+def _items(data) -> Iterable[tuple[object, object]]:
     if isinstance(data, NDJSONSource):
         return iter(data)
     return ((None, item) for item in data)
@@ -52,31 +56,40 @@ class BulkQueriesField(serializers.Field):
         "null": "expected an array of queries, got null",
     }
 
-    def to_internal_value(self, data) -> List[bytes]:
+    def to_internal_value(self, data) -> list[bytes]:
         limit = settings.MORPHO_BULK_MAX_QUERIES
         if not isinstance(data, (list, NDJSONSource)):
-            raise serializers.ValidationError(f"expected an array of queries, got {json_type(data)}",
-                                              code="not_a_list")
+            raise serializers.ValidationError(
+                f"expected an array of queries, got {json_type(data)}", code="not_a_list"
+            )
         if isinstance(data, list) and not 1 <= len(data) <= limit:
             raise serializers.ValidationError(
-                f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got {len(data)}", code="count")
+                f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got {len(data)}",
+                code="count",
+            )
         context = {"domain_bits": self.context["domain_bits"]}
-        queries: List[bytes] = []
+        queries: list[bytes] = []
         errors: dict = {}
         bad = 0
         index = -1
         for index, (_line, item) in enumerate(_items(data)):
             if index >= limit:
                 raise serializers.ValidationError(
-                    f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got more than {limit}",
-                    code="count")
+                    f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), "
+                    f"got more than {limit}",
+                    code="count",
+                )
             if isinstance(item, ValueError):
-                detail = {"non_field_errors": [serializers.ErrorDetail(str(item), code="parse_error")]}
+                detail = {
+                    "non_field_errors": [serializers.ErrorDetail(str(item), code="parse_error")]
+                }
             else:
                 query = PageQuerySerializer(data=item, context=context)
                 if query.is_valid():
                     if not bad:  # once a query is bad nothing is stored; keep checking the rest
-                        queries.append(b"".join(key.to_bytes() for key in query.validated_data["keys"]))
+                        queries.append(
+                            b"".join(key.to_bytes() for key in query.validated_data["keys"])
+                        )
                     continue
                 detail = query.errors
             bad += 1
@@ -84,37 +97,52 @@ class BulkQueriesField(serializers.Field):
                 errors[index] = detail
         if index < 0:
             raise serializers.ValidationError(
-                f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got 0", code="count")
+                f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got 0", code="count"
+            )
         if bad:
             if bad > len(errors):
-                errors["more"] = [serializers.ErrorDetail(
-                    f"{bad} queries are invalid; the first {len(errors)} are listed", code="more_errors")]
+                errors["more"] = [
+                    serializers.ErrorDetail(
+                        f"{bad} queries are invalid; the first {len(errors)} are listed",
+                        code="more_errors",
+                    )
+                ]
             raise serializers.ValidationError(errors)
         return queries
 
 
 class BulkJobCreateSerializer(serializers.Serializer):
-    """`POST /bulk/jobs`: `{"queries": [{"keys": [k0, k1, k2]}, ...]}`, or the same as NDJSON lines."""
+    """`POST /bulk/jobs`: `{"queries": [{"keys": [k0, k1, k2]}, ...]}`, or those as NDJSON lines."""
 
     queries = BulkQueriesField()
 
     def to_internal_value(self, data):
         if not isinstance(data, dict):
             raise serializers.ValidationError(
-                {"non_field_errors": [f"expected a JSON object with \"queries\", got {json_type(data)}"]},
-                code="invalid")
+                {
+                    "non_field_errors": [
+                        f'expected a JSON object with "queries", got {json_type(data)}'
+                    ]
+                },
+                code="invalid",
+            )
         return super().to_internal_value(data)
 
     def create(self, validated_data) -> BulkJob:
         from queries import bulk
 
         queries = validated_data["queries"]
-        return bulk.create_job(self.context["owner"], queries, len(queries),
-                               self.context["domain_bits"], self.context["chunk_size"])
+        return bulk.create_job(
+            self.context["owner"],
+            queries,
+            len(queries),
+            self.context["domain_bits"],
+            self.context["chunk_size"],
+        )
 
 
 class BulkJobSerializer(serializers.ModelSerializer):
-    """A job as its owner sees it: status, progress, timestamps, epochs, errors, where the results are."""
+    """A job as its owner sees it: status, progress, timestamps, epochs, errors, results URL."""
 
     progress = serializers.SerializerMethodField()
     epoch_ids = serializers.SerializerMethodField()
@@ -124,8 +152,22 @@ class BulkJobSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = BulkJob
-        fields = ["id", "status", "total", "answered", "progress", "chunk_size", "chunks", "domain_bits",
-                  "created", "started", "finished", "epoch_ids", "errors", "results_url"]
+        fields = [
+            "id",
+            "status",
+            "total",
+            "answered",
+            "progress",
+            "chunk_size",
+            "chunks",
+            "domain_bits",
+            "created",
+            "started",
+            "finished",
+            "epoch_ids",
+            "errors",
+            "results_url",
+        ]
         read_only_fields = fields
 
     def get_progress(self, job: BulkJob) -> dict:
@@ -141,14 +183,25 @@ class BulkJobSerializer(serializers.ModelSerializer):
         return counts
 
     def get_errors(self, job: BulkJob) -> list[dict]:
-        errors = [{"chunk": None, "queries": None, "attempts": None, "message": job.error}] if job.error else []
-        for chunk in job.chunks.exclude(error="").only("index", "first", "count", "attempts", "error"):
-            errors.append({"chunk": chunk.index, "queries": [chunk.first, chunk.first + chunk.count - 1],
-                           "attempts": chunk.attempts, "message": chunk.error})
+        errors = (
+            [{"chunk": None, "queries": None, "attempts": None, "message": job.error}]
+            if job.error
+            else []
+        )
+        for chunk in job.chunks.exclude(error="").only(
+            "index", "first", "count", "attempts", "error"
+        ):
+            errors.append(
+                {
+                    "chunk": chunk.index,
+                    "queries": [chunk.first, chunk.first + chunk.count - 1],
+                    "attempts": chunk.attempts,
+                    "message": chunk.error,
+                }
+            )
         return errors
 
     def get_results_url(self, job: BulkJob) -> str:
         request = self.context.get("request")
         path = f"/bulk/jobs/{job.pk}/results"
         return request.build_absolute_uri(path) if request is not None else path
-

@@ -1,7 +1,8 @@
 """The bulk job API: submit (JSON or NDJSON), read progress, stream results as NDJSON, cancel."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
@@ -23,7 +24,9 @@ from queries.bulk_runner import bulk_policy
 from queries.models import KEYS_PER_QUERY, BulkJob, BulkResult, JobStatus
 
 NDJSON = "application/x-ndjson"
-ACCEPTED_TYPES = f"application/json, {NDJSON} or multipart/form-data (an NDJSON file in field \"file\")"
+ACCEPTED_TYPES = (
+    f'application/json, {NDJSON} or multipart/form-data (an NDJSON file in field "file")'
+)
 PAGE = 4096
 LINES_PER_WRITE = 16  # result lines joined into one write (about 400 KB)
 
@@ -46,17 +49,25 @@ class NDJSONRenderer(JSONRenderer):
 
 def result_lines(job: BulkJob) -> Iterator[bytes]:
     """The job's answers in query order, one chunk row in memory at a time."""
-    chunk_ids = list(BulkResult.objects.filter(job=job).order_by("index").values_list("pk", flat=True))
+    chunk_ids = list(
+        BulkResult.objects.filter(job=job).order_by("index").values_list("pk", flat=True)
+    )
     size = KEYS_PER_QUERY * PAGE
     for pk in chunk_ids:
-        first, epoch_id, answers = BulkResult.objects.values_list("first", "epoch_id", "answers").get(pk=pk)
+        first, epoch_id, answers = BulkResult.objects.values_list(
+            "first", "epoch_id", "answers"
+        ).get(pk=pk)
         answers = bytes(answers)
         lines = []
         for query in range(len(answers) // size):
             base = query * size
-            pages = '", "0x'.join(answers[base + k * PAGE: base + (k + 1) * PAGE].hex()
-                                  for k in range(KEYS_PER_QUERY))
-            lines.append(f'{{"index": {first + query}, "epoch_id": {epoch_id}, "pages": ["0x{pages}"]}}\n')
+            pages = '", "0x'.join(
+                answers[base + k * PAGE : base + (k + 1) * PAGE].hex()
+                for k in range(KEYS_PER_QUERY)
+            )
+            lines.append(
+                f'{{"index": {first + query}, "epoch_id": {epoch_id}, "pages": ["0x{pages}"]}}\n'
+            )
             if len(lines) == LINES_PER_WRITE:
                 yield "".join(lines).encode()
                 lines = []
@@ -90,14 +101,20 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
                 response.data["detail"] = f"Content-Type: {message}"
                 response.data["errors"][0]["message"] = message
             return response
+
         return handler
 
     @extend_schema(
-        request={"application/json": BulkJobCreateSerializer,
-                 NDJSON: {"type": "string", "description": "one query object per line"},
-                 "multipart/form-data": {"type": "object", "properties": {
-                     "file": {"type": "string", "format": "binary"}}}},
-        responses={201: BulkJobSerializer})
+        request={
+            "application/json": BulkJobCreateSerializer,
+            NDJSON: {"type": "string", "description": "one query object per line"},
+            "multipart/form-data": {
+                "type": "object",
+                "properties": {"file": {"type": "string", "format": "binary"}},
+            },
+        },
+        responses={201: BulkJobSerializer},
+    )
     def create(self, request):
         data = request.data
         if isinstance(data, list):  # a bare JSON array of queries
@@ -106,39 +123,60 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
             upload = request.FILES.get("file")
             if upload is None:
                 raise exceptions.ValidationError(
-                    {"file": ["expected an NDJSON file in the form field \"file\", got none"]})
+                    {"file": ['expected an NDJSON file in the form field "file", got none']}
+                )
             data = {"queries": NDJSONSource(upload, name=upload.name)}
         engine = get_engine()
-        context = {"domain_bits": engine.epoch.matrix.domain_bits, "owner": request.user,
-                   "chunk_size": bulk.chunk_size_for(bulk_policy(engine).max_batch)}
+        context = {
+            "domain_bits": engine.epoch.matrix.domain_bits,
+            "owner": request.user,
+            "chunk_size": bulk.chunk_size_for(bulk_policy(engine).max_batch),
+        }
         serializer = BulkJobCreateSerializer(data=data, context=context)
         serializer.is_valid(raise_exception=True)
         job = serializer.save()
         body = BulkJobSerializer(job, context={"request": request}).data
-        return Response(body, status=status.HTTP_201_CREATED,
-                        headers={"Location": request.build_absolute_uri(f"/bulk/jobs/{job.pk}")})
+        return Response(
+            body,
+            status=status.HTTP_201_CREATED,
+            headers={"Location": request.build_absolute_uri(f"/bulk/jobs/{job.pk}")},
+        )
 
-    @extend_schema(responses={200: BulkJobSerializer,
-                              409: OpenApiResponse(description="the job is already done, failed or cancelled")})
+    @extend_schema(
+        responses={
+            200: BulkJobSerializer,
+            409: OpenApiResponse(description="the job is already done, failed or cancelled"),
+        }
+    )
     def destroy(self, request, pk=None):
         job = self.get_object()
         try:
             job = bulk.cancel_job(job)
         except bulk.JobFinished as exc:
-            return Response({"detail": str(exc), "status": exc.job.status}, status=status.HTTP_409_CONFLICT)
+            return Response(
+                {"detail": str(exc), "status": exc.job.status}, status=status.HTTP_409_CONFLICT
+            )
         return Response(self.get_serializer(job).data)
 
-    @extend_schema(responses={(200, NDJSON): OpenApiTypes.STR,
-                              409: OpenApiResponse(description="the job is not done yet")})
+    @extend_schema(
+        responses={
+            (200, NDJSON): OpenApiTypes.STR,
+            409: OpenApiResponse(description="the job is not done yet"),
+        }
+    )
     @action(detail=True, methods=["get"])
     def results(self, request, pk=None):
         """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`."""
         job = self.get_object()
         if job.status != JobStatus.DONE:
             return Response(
-                {"detail": f"job {job.pk} is {job.status} ({job.answered} of {job.total} queries "
-                           f"answered); results are served once it is done", "status": job.status},
-                status=status.HTTP_409_CONFLICT)
+                {
+                    "detail": f"job {job.pk} is {job.status} ({job.answered} of {job.total} "
+                    "queries answered); results are served once it is done",
+                    "status": job.status,
+                },
+                status=status.HTTP_409_CONFLICT,
+            )
         response = StreamingHttpResponse(result_lines(job), content_type=NDJSON)
         response["X-Bulk-Total"] = str(job.total)
         return response
