@@ -49,6 +49,29 @@ def _row(endpoint: str, queries: int, samples: list[float]) -> str:
             f"{p95:.1f},{ordered[0]:.1f},{ordered[-1]:.1f},{queries / (mean / 1000.0):.2f}")
 
 
+def _backend_rows(matrix, plans, reps: int, batch_reps: int, warmup: int) -> list[str]:
+    """The same keys answered by a NumPy backend in this process: the cost without HTTP, measured
+    under the same machine load as the HTTP rows (the servers' backend may differ: see header)."""
+    from gpu_engine.backends.cpu import NumpyBackend
+    from gpu_engine.dpf import DpfKey, KeyBatch
+
+    def batch(chosen) -> KeyBatch:
+        return KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(key))
+                                   for plan in chosen for key in plan.keys_a])
+
+    resident = NumpyBackend().load(matrix)
+    try:
+        one, many = batch(plans[:1]), batch(plans)
+        return [
+            _row("NumPy backend in-process, no HTTP", 1,
+                 _time(lambda: resident.answer(one), reps, warmup)),
+            _row("NumPy backend in-process, no HTTP", len(plans),
+                 _time(lambda: resident.answer(many), batch_reps, warmup)),
+        ]
+    finally:
+        resident.release()
+
+
 def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
         matrix: Optional[str]) -> list[str]:
     """Time each shape; returns CSV header lines and rows."""
@@ -83,6 +106,7 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
         if got != [reference.row(r) for r in rows]:
             raise SystemExit("the rows fetched do not match the matrix file")
         checked = f"all {len(rows)} rows fetched equal {matrix}"
+        results += _backend_rows(reference, plans, reps, batch_reps, warmup)
     client.close()
     header = [
         f"# machine: {platform.node() or 'host'}; {_cpu_model()}; {os.cpu_count()} CPUs",
