@@ -98,7 +98,7 @@ def engine_bulk_lane(engine, pool, picks, max_batch: int) -> float:
 class Party:
     """One party's web server and GPU workers on a fresh SQLite database and file broker."""
 
-    def __init__(self, matrix: Path, tmp: Path, port: int) -> None:
+    def __init__(self, matrix: Path, tmp: Path, port: int, backend: str) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.env = {
             k: v
@@ -107,14 +107,17 @@ class Party:
         }
         self.env.update(
             MORPHO_MATRIX_PATH=str(matrix),
-            MORPHO_ENGINE_BACKEND="cpu",
+            MORPHO_ENGINE_BACKEND=backend,
             MORPHO_VAR_DIR=str(tmp),
             DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}",
             CELERY_BROKER_URL="filesystem://",
             CELERY_FILESYSTEM_BROKER_DIR=str(tmp / "broker"),
             MORPHO_MAX_BODY_BYTES=str(1 << 30),
             MORPHO_LOG_LEVEL="WARNING",
-            CUDA_VISIBLE_DEVICES="",
+        )
+        # One worker, like the engine rows: on the CPU, or pinned to the first GPU.
+        self.env.update(
+            {"CUDA_VISIBLE_DEVICES": ""} if backend == "cpu" else {"MORPHO_GPU_WORKERS": "1"}
         )
         self.manage("migrate", "--no-input", "-v0")
         out = self.manage(
@@ -263,7 +266,7 @@ def main(argv=None) -> int:
     engine_rows("")
     if not args.engine_only:
         # The engine rows run again after the job, so load from elsewhere shows as a spread.
-        party = Party(matrix, tmp, args.port)
+        party = Party(matrix, tmp, args.port, args.backend)
         try:
             job_s, stream_s, job = bulk_job(party, pool, picks, reference)
         finally:

@@ -131,6 +131,16 @@ def test_malformed_ndjson_lines_are_named(client, key_pool):
     (error,) = response.json()["errors"]
     assert error["query"] == 1 and error["code"] == "parse_error"
     assert error["message"].startswith("line 2: expected a JSON object, got invalid JSON")
+    # The same file uploaded: the same answer.
+    upload = io.BytesIO(b"\n".join(lines))
+    upload.name = "broken.ndjson"
+    response = client.post(JOBS, {"file": upload}, format="multipart")
+    assert response.status_code == 400 and response.json()["errors"] == [error]
+    upload = io.BytesIO(b"\xff\xfe not utf-8 \x00\n")
+    upload.name = "binary.ndjson"
+    response = client.post(JOBS, {"file": upload}, format="multipart")
+    assert response.status_code == 400
+    assert response.json()["errors"][0]["message"].startswith("line 1: expected a JSON object")
     assert BulkJob.objects.count() == 0
 
 
