@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import User
+from django.core import signals
 from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -32,7 +34,14 @@ def serving(db, serve_matrix, vector_matrix_path, settings):
     AnonRateThrottle.THROTTLE_RATES = {"anon": None}
     serve_matrix(vector_matrix_path)
     get_engine()
+    # Requests go through the real WSGI handler, which closes the database connection after
+    # each one; inside the test's transaction that would close it under the test (as Django's
+    # own test client prevents the same way).
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
     yield
+    signals.request_started.connect(close_old_connections)
+    signals.request_finished.connect(close_old_connections)
     AnonRateThrottle.THROTTLE_RATES = rates
 
 
