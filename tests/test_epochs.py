@@ -216,3 +216,19 @@ def test_load_epoch_from_a_process_without_an_engine_is_followed_at_engine_start
     assert peek_engine() is None
     assert Epoch.objects.active().epoch_id == 2
     assert get_engine().epoch.epoch_id == 2
+
+
+def test_switch_to_a_larger_epoch_changes_the_domain_clients_see(served, operator, tmp_path):
+    path = write_matrix_file(tmp_path / "big.bin", 4 * PAGES, seed=44)  # 256 pages: domain_bits 8
+    data = row_bytes(3)
+    assert operator.post("/api/row-updates/", {"row": 1000, "data": data.hex()}, format="json").status_code == 201
+    record = operator.post("/api/epochs/", {"epoch_id": 7, "matrix_path": str(path)}, format="json").json()
+    assert operator.post(f"/api/epochs/{record['id']}/activate/", {}, format="json").status_code == 200
+    epoch = APIClient().get("/epoch").json()
+    assert (epoch["epoch_id"], epoch["num_rows"], epoch["page_pir"]["domain_bits"]) == (7, 4096, 8)
+    epoch_id, page = fetch_page(APIClient(), 1000 // 16, domain_bits=8)
+    assert epoch_id == 7 and page == expected_page(path, {1000: data}, 1000 // 16)
+    # A client still holding keys for the old domain is told what changed, not answered wrongly.
+    old_keys = [gen_keys(1, 6)[0].to_bytes().hex() for _ in range(3)]
+    response = APIClient().post("/query/page/gpu", {"keys": old_keys}, format="json")
+    assert response.status_code == 400 and "domain_bits: expected 8" in response.json()["detail"]
