@@ -232,3 +232,12 @@ def test_switch_to_a_larger_epoch_changes_the_domain_clients_see(served, operato
     old_keys = [gen_keys(1, 6)[0].to_bytes().hex() for _ in range(3)]
     response = APIClient().post("/query/page/gpu", {"keys": old_keys}, format="json")
     assert response.status_code == 400 and "domain_bits: expected 8" in response.json()["detail"]
+
+
+def test_listings_are_paged_newest_first(served, operator):
+    from epochs import runtime
+
+    runtime.push_rows([(row, row_bytes(row)) for row in range(5)])
+    page = operator.get("/api/row-updates/?limit=2").json()
+    assert page["count"] == 5 and [u["row"] for u in page["results"]] == [4, 3]
+    assert "offset=2" in page["next"]
