@@ -241,3 +241,24 @@ def test_listings_are_paged_newest_first(served, operator):
     page = operator.get("/api/row-updates/?limit=2").json()
     assert page["count"] == 5 and [u["row"] for u in page["results"]] == [4, 3]
     assert "offset=2" in page["next"]
+
+
+def test_admin_records_and_activates_an_epoch(served, client, matrices):
+    User.objects.create_superuser("root", password="pw-root")
+    client.login(username="root", password="pw-root")
+    assert client.get("/admin/epochs/epoch/add/").status_code == 200
+    response = client.post("/admin/epochs/epoch/add/", {
+        "epoch_id": 3, "matrix_path": str(matrices[3]), "block_number": 300, "state_root": "03" * 32,
+        "seeds": "[3, 7, 9]", "pending_updates": "discard", "switch_mode": "beside"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    record = Epoch.objects.get(epoch_id=3)
+    assert record.num_pages == PAGES and record.state_root == "0x" + "03" * 32
+    bad = client.post("/admin/epochs/epoch/add/", {
+        "epoch_id": 4, "matrix_path": "/nowhere.bin", "block_number": 0, "state_root": "00" * 32,
+        "seeds": "[1, 2]", "pending_updates": "absorb", "switch_mode": "beside"})
+    text = bad.content.decode()
+    assert "no matrix file at &#x27;/nowhere.bin&#x27;" in text and "expected three integers" in text
+    response = client.post("/admin/epochs/epoch/", {"action": "activate_beside",
+                                                    "_selected_action": [record.pk]}, follow=True)
+    assert "Epoch 3 is active" in response.content.decode()
+    assert APIClient().get("/epoch").json()["block_number"] == 300
