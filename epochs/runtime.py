@@ -18,9 +18,17 @@ from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from epochs.models import Epoch, EpochState, PendingUpdates, RowUpdate, SwitchMode, UpdateState
+from epochs.models import (
+    Epoch,
+    EpochState,
+    PendingUpdates,
+    RowUpdate,
+    SwitchMode,
+    UpdateState,
+    parse_hex,
+)
 from gpu_engine.backends import BackendUnavailable
-from gpu_engine.matrix import ROWS_PER_PAGE
+from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
 from policies import live
 
 log = logging.getLogger(__name__)
@@ -107,7 +115,7 @@ def _final_rows(epoch_id: int, rows: Sequence[int] | None = None) -> tuple[dict[
     data: dict[int, bytes] = {}
     ids = []
     for pk, row, hexdata in updates.order_by("pk").values_list("pk", "row", "data"):
-        data[row] = bytes.fromhex(hexdata[2:])
+        data[row] = parse_hex(hexdata, ROW_BYTES)
         ids.append(pk)
     return data, ids
 
