@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db.models import Count, Max
 from django.utils import timezone
 
 from epochs.models import (
@@ -101,8 +102,6 @@ def state_version() -> tuple:
     active = Epoch.objects.filter(state=EpochState.ACTIVE).values_list(
         "pk", "epoch_id", "switch_mode", "activated").order_by("-activated", "-pk").first()
     pending = RowUpdate.objects.filter(state=UpdateState.PENDING)
-    from django.db.models import Count, Max
-
     figures = pending.aggregate(n=Count("pk"), high=Max("pk"))
     return (active, figures["n"], figures["high"])
 
