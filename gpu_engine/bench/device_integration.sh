@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call for the H100 figures of issues 4 and 5: the Poisson load sweep per batching mode
+# (engine level) and bulk-job throughput against the engine's, both on the CUDA backend.
+# Run from the repo root on the device with the Django/Celery wheels carried in .whl:
+#   bash gpu_engine/bench/device_integration.sh   (writes CSV/PNG/logs under $OUT)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PAGES=${PAGES:-1048576}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+echo "== loadgen: Poisson sweep, every mode, cuda, $PAGES pages"
+python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --duration 6 --warmup 0.5 \
+    --csv "$OUT/policy_cuda.csv" --png "$OUT/policy_cuda.png" 2>&1 | tee "$OUT/loadgen.log" | tail -40
+
+echo "== bulk: 10,000-query job vs engine throughput, cuda, $PAGES pages"
+python3 -m queries.bulk_bench --backend cuda --pages "$PAGES" --queries 10000 \
+    --out "$OUT/bulk_cuda.csv" 2>&1 | tee "$OUT/bulk.log" | tail -30
+cat "$OUT/bulk_cuda.csv"
