@@ -218,10 +218,12 @@ def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloP
 
     While single-query launches keep up (b = 1), nothing is held: with one device, launching at
     once and letting the next batch form while it runs gives the lowest latency. Beyond that,
-    holding for company pays only up to the fixed cost of a launch (the fit's intercept: what
-    one launch fewer saves), no longer than the batch takes to fill on average, and within the
-    budget: a query's latency is about hold + queue wait + t(b), and one arriving just behind a
-    launch waits that launch out, hence hold + 2 t(b) <= budget."""
+    holding for company pays only while the queries held wait (window/2 on average) less than
+    the fixed cost of a launch they save (the fit's intercept), so the hold is at most half the
+    intercept; no longer than the batch takes to fill on average; and within the budget: a
+    query's latency is about hold + queue wait + t(b), and one arriving just behind a launch
+    waits that launch out, hence hold + 2 t(b) <= budget. (Longer holds measured worse p95 than
+    launching at once: docs/benchmarks/policy_NOTES.md.)"""
     budget = policy.p95_target_ms / 1000 * (1 - policy.safety_margin)
     batch = policy.max_batch
     for b in range(1, policy.max_batch + 1):
@@ -230,7 +232,7 @@ def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloP
             break
     slack = budget - 2 * cost.predict(batch)
     fill = (batch - 1) / arrival_rate if arrival_rate > 0 else 0.0
-    window = max(0.0, min(policy.window_s, slack, fill, cost.intercept_s))
+    window = max(0.0, min(policy.window_s, slack, fill, cost.intercept_s / 2))
     return SloPlan(batch, window, budget, cost.predict(1) <= budget)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 from rest_framework.test import APIClient
@@ -101,3 +102,35 @@ def test_collector_exports_refusals_by_reason_and_fit_parameters():
     assert sample(text, "gpu_cost_model", parameter="per_query_s") == 0.0005
     assert sample(text, "gpu_batch_dispatch_mode_total", mode="slo") == 4
     assert "pir_latency_p95_last_minute_seconds{" not in text  # no answers yet: no figure
+
+
+def test_full_queue_is_a_503_with_retry_after_and_counted_by_reason(api, monkeypatch):
+    from gpu_engine.engine import static_policy
+    from gpu_engine.scheduler import BatchingPolicy
+
+    engine = get_engine()  # this test's own: serve_matrix stops it afterwards
+    engine.set_policy_source(static_policy(BatchingPolicy(name="tiny", max_batch=1, max_queue=1)))
+    gate, started = threading.Event(), threading.Event()
+    answer = engine._resident.answer
+
+    def held(keys, dispatch):
+        started.set()
+        gate.wait(30)
+        return answer(keys, dispatch)
+
+    monkeypatch.setattr(engine._resident, "answer", held)
+    query = [gen_keys(t, D)[0] for t in (1, 2, 3)]
+    try:
+        running = engine.submit([query])  # on the device, held
+        assert started.wait(10)
+        queued = engine.submit([query])  # fills the queue of 1
+        response = api.post("/query/page/gpu", json.dumps({"keys": keys_hex(9)}), content_type="application/json")
+        assert response.status_code == 503
+        assert int(response["Retry-After"]) >= 1
+        assert response.json()["detail"] == ("interactive queue is full: 1 queries queued, 1 more would "
+                                             "pass the policy's max_queue of 1")
+    finally:
+        gate.set()
+    assert running.result(30) and queued.result(30)
+    text = api.get("/metrics").content.decode()
+    assert sample(text, "pir_refusals_total", lane="interactive", reason="queue_full") >= 1

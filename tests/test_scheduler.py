@@ -120,9 +120,9 @@ def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
     assert plan.batch == 6
     assert 5 / FIT.predict(5) * SLO_MAX_UTILISATION < 450
     assert plan.budget_s == pytest.approx(0.040)
-    # held no longer than one launch's fixed cost (4 ms), below the fill time (5/450 s) and the
-    # slack (40 - 2 x 10 ms)
-    assert plan.window_s == pytest.approx(FIT.intercept_s)
+    # held no longer than half a launch's fixed cost (4 ms / 2), below the fill time (5/450 s)
+    # and the slack (40 - 2 x 10 ms)
+    assert plan.window_s == pytest.approx(FIT.intercept_s / 2)
     policies = lanes(policy)
     d = decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, 0.001)
     assert isinstance(d, Wait) and d.seconds == pytest.approx(plan.window_s - 0.001)

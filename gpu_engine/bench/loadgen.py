@@ -28,10 +28,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from gpu_engine.backends import create_backend
+from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix
 from gpu_engine.dpf import gen_keys
 from gpu_engine.engine import Engine, EngineBusy, static_policy
 from gpu_engine.engine_stats import percentile
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import PAGE_BYTES, Epoch, random_matrix
 from gpu_engine.scheduler import BatchingPolicy
 
 MODES = ("latency", "throughput", "adaptive", "slo")
@@ -53,6 +54,55 @@ class Point:
     refused: int
     mean_batch: float
     p95_target_ms: float
+
+
+class SimulatedBackend(Backend):
+    """A device whose launch of b queries sleeps t(b) = intercept + per_query * b and answers zeros.
+
+    It compares batching policies on a known cost curve without the noise of a shared CPU (a
+    sleeping launch leaves the cores to the load generator and to other processes)."""
+
+    name = "sim"
+
+    def __init__(self, intercept_s: float, per_query_s: float) -> None:
+        super().__init__()
+        self.intercept_s, self.per_query_s = intercept_s, per_query_s
+
+    def load(self, matrix, progress=None) -> ResidentMatrix:
+        return _SimulatedResident(matrix, self)
+
+    def memory_info(self) -> dict:
+        return {"device": f"simulated t(b) = {self.intercept_s * 1000:g} ms + {self.per_query_s * 1000:g} ms x b",
+                "used_bytes": 0, "total_bytes": 0}
+
+
+class _SimulatedResident(ResidentMatrix):
+    def __init__(self, matrix, backend: SimulatedBackend) -> None:
+        super().__init__(matrix)
+        self.backend = backend
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def answer(self, keys, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
+        self.check_keys(keys)
+        time.sleep(self.backend.intercept_s + self.backend.per_query_s * len(keys) / 3)
+        return np.zeros((len(keys), PAGE_BYTES), dtype=np.uint8)
+
+    def write_rows(self, rows) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+def make_backend(name: str, sim_cost_ms: Optional[str] = None) -> Backend:
+    """cpu | cuda | auto, or sim with sim_cost_ms "intercept,per_query" in milliseconds."""
+    if name != "sim":
+        return create_backend(name)
+    intercept, per_query = (float(v) / 1000 for v in (sim_cost_ms or "10,4.5").split(","))
+    return SimulatedBackend(intercept, per_query)
 
 
 def make_pool(domain_bits: int, count: int, seed: int) -> List[list]:
@@ -183,8 +233,8 @@ def measure_capacity(make_engine: Callable[[BatchingPolicy], Engine], pool: Sequ
 def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequence[float],
           duration: float, warmup: float, window_us: int, target_ms: Optional[float],
           max_batch: int, seed: int, log=print, capacity_s: Optional[float] = None,
-          rounds: int = 1) -> tuple:
-    backend = create_backend(backend_name)
+          rounds: int = 1, sim_cost_ms: Optional[str] = None) -> tuple:
+    backend = make_backend(backend_name, sim_cost_ms)
     epoch = Epoch(epoch_id=1, matrix=random_matrix(pages, seed=seed))
     pool = make_pool(epoch.matrix.domain_bits, 256, seed)
 
@@ -305,7 +355,9 @@ def plot(path: str, points: Sequence[Point], header: Sequence[str], title: str) 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python3 -m gpu_engine.bench.loadgen", description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "auto"))
+    parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "auto", "sim"))
+    parser.add_argument("--sim-cost-ms", default="10,4.5",
+                        help="sim backend: t(b) = A + C*b as 'A,C' in ms (default: this CPU's shape)")
     parser.add_argument("--pages", type=int, default=256, help="matrix pages (random, seeded)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
@@ -336,7 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unknown modes {unknown}, expected some of {', '.join(MODES)}")
     fractions = [float(f) for f in args.fractions.split(",") if f]
     points, shape = sweep(args.backend, args.pages, modes, fractions, args.duration, args.warmup,
-                          args.window_us, args.target_ms, args.max_batch, args.seed, rounds=args.rounds)
+                          args.window_us, args.target_ms, args.max_batch, args.seed, rounds=args.rounds,
+                          sim_cost_ms=args.sim_cost_ms)
     header = header_lines(shape, argv)
     if args.csv:
         write_csv(args.csv, points, header)
