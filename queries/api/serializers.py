@@ -116,10 +116,8 @@ class KeyListField(serializers.ListField):
         return super().to_internal_value(data)
 
 
-class PageQuerySerializer(serializers.Serializer):
-    """One query: `{"keys": [k0, k1, k2]}`."""
-
-    keys = KeyListField()
+class JsonObjectSerializer(serializers.Serializer):
+    """A serializer whose body must be a JSON object; anything else is named in the error."""
 
     def to_internal_value(self, data):
         if not isinstance(data, dict):
@@ -128,6 +126,12 @@ class PageQuerySerializer(serializers.Serializer):
                 code="invalid",
             )
         return super().to_internal_value(data)
+
+
+class PageQuerySerializer(JsonObjectSerializer):
+    """One query: `{"keys": [k0, k1, k2]}`."""
+
+    keys = KeyListField()
 
 
 class QueryListField(serializers.ListField):
@@ -146,18 +150,10 @@ class QueryListField(serializers.ListField):
         return super().to_internal_value(data)
 
 
-class BatchQuerySerializer(serializers.Serializer):
+class BatchQuerySerializer(JsonObjectSerializer):
     """A batch: `{"queries": [{"keys": [...]}, ...]}`, answered in order against one epoch."""
 
     queries = QueryListField()
-
-    def to_internal_value(self, data):
-        if not isinstance(data, dict):
-            raise serializers.ValidationError(
-                {"non_field_errors": [f"expected a JSON object, got {json_type(data)}"]},
-                code="invalid",
-            )
-        return super().to_internal_value(data)
 
 
 class PageAnswerSerializer(serializers.Serializer):

@@ -27,6 +27,16 @@ class PublicAPIView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
 
+    def validated(self, request):
+        """(engine, the epoch the keys were checked against, validated data) or a 400."""
+        engine = get_engine()
+        epoch = engine.epoch
+        serializer = self.serializer_class(
+            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
+        )
+        serializer.is_valid(raise_exception=True)
+        return engine, epoch, serializer.validated_data
+
 
 def answer(engine, epoch, queries):
     """Submit to the engine and wait: the answer, or 503 when it cannot come in time."""
@@ -96,13 +106,8 @@ class PageQueryView(PublicAPIView):
     @extend_schema(responses=PAGE_RESPONSE)
     @observe_query("/query/page/gpu")
     def post(self, request):
-        engine = get_engine()
-        epoch = engine.epoch
-        serializer = self.serializer_class(
-            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
-        )
-        serializer.is_valid(raise_exception=True)
-        result = answer(engine, epoch, [serializer.validated_data["keys"]])
+        engine, epoch, data = self.validated(request)
+        result = answer(engine, epoch, [data["keys"]])
         body = {"epoch_id": result.epoch_id}
         body.update(PageAnswerSerializer(result.pages[0]).data)
         return Response(body)
@@ -116,13 +121,8 @@ class BatchPageQueryView(PublicAPIView):
     @extend_schema(responses=BATCH_RESPONSE)
     @observe_query("/query/page/gpu/batch", queries=lambda response: len(response.data["results"]))
     def post(self, request):
-        engine = get_engine()
-        epoch = engine.epoch
-        serializer = self.serializer_class(
-            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
-        )
-        serializer.is_valid(raise_exception=True)
-        queries = [query["keys"] for query in serializer.validated_data["queries"]]
+        engine, epoch, data = self.validated(request)
+        queries = [query["keys"] for query in data["queries"]]
         result = answer(engine, epoch, queries)
         return Response(
             {
