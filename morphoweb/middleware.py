@@ -1,8 +1,18 @@
-"""Request middleware: refuse a body over MORPHO_MAX_BODY_BYTES with 413 before it is read."""
+"""Request middleware: refuse a body over its path's size limit with 413 before it is read."""
 from __future__ import annotations
 
 from django.conf import settings
 from django.http import JsonResponse
+
+
+BULK_PREFIX = "/bulk/"  # bulk job submissions carry up to MORPHO_BULK_MAX_QUERIES queries
+
+
+def body_limit(path: str) -> tuple[int, str]:
+    """(largest body in bytes, the setting that says so) for a request path."""
+    if path.startswith(BULK_PREFIX):
+        return settings.MORPHO_BULK_MAX_BODY_BYTES, "MORPHO_BULK_MAX_BODY_BYTES"
+    return settings.MORPHO_MAX_BODY_BYTES, "MORPHO_MAX_BODY_BYTES"
 
 
 class BodySizeLimitMiddleware:
@@ -35,9 +45,9 @@ class BodySizeLimitMiddleware:
                  "errors": [{"field": "Content-Length", "message": message}]},
                 status=400,
             )
-        limit = settings.MORPHO_MAX_BODY_BYTES
+        limit, setting = body_limit(request.path)
         if length > limit:
-            message = f"expected at most {limit} bytes (MORPHO_MAX_BODY_BYTES), got {length}"
+            message = f"expected at most {limit} bytes ({setting}), got {length}"
             return JsonResponse(
                 {"detail": f"body: {message}", "errors": [{"field": "body", "message": message}]},
                 status=413,

@@ -56,7 +56,7 @@ ERRORS = {
     "401": "Not signed in (a DRF token or an admin session is needed).",
     "403": "Signed in without the permission this operation needs.",
     "404": "No such object, or no endpoint at this path.",
-    "413": "Body over MORPHO_MAX_BODY_BYTES.",
+    "413": "Body over MORPHO_MAX_BODY_BYTES (MORPHO_BULK_MAX_BODY_BYTES under /bulk/).",
     "415": "Body not application/json.",
     "429": "Too many requests from this client address (MORPHO_QUERY_THROTTLE); see Retry-After.",
     "503": "Cannot answer now (epoch switching, engine down, overloaded); see Retry-After.",

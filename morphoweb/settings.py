@@ -210,6 +210,8 @@ MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None, lo=1, hi=32)
 MORPHO_MAX_BATCH = _env_int("MORPHO_MAX_BATCH", 32, lo=1, hi=32)
 # Largest request body accepted (bytes); a larger one gets 413. 32 queries at d = 32 fit in 128 KiB.
 MORPHO_MAX_BODY_BYTES = _env_int("MORPHO_MAX_BODY_BYTES", 256 * 1024, lo=1024)
+# Largest bulk job body under /bulk/ (bytes); 100,000 queries at d = 25 are about 300 MB of JSON.
+MORPHO_BULK_MAX_BODY_BYTES = _env_int("MORPHO_BULK_MAX_BODY_BYTES", 512 * 1024 * 1024, lo=1024)
 # How long a request waits for its answers before giving up with 503 (seconds).
 MORPHO_QUERY_TIMEOUT = _env_float("MORPHO_QUERY_TIMEOUT", 60.0, lo=0.001)
 # After the engine failed to start, how long to answer 503 before trying again (seconds).
@@ -218,8 +220,9 @@ MORPHO_ENGINE_RETRY_AFTER = _env_int("MORPHO_ENGINE_RETRY_AFTER", 5, lo=1)
 # rather than the first query (bool).
 MORPHO_ENGINE_EAGER = _env_bool("MORPHO_ENGINE_EAGER", True)
 
-# Django reads at most this many bytes into request.body/POST; kept equal to our own limit.
-DATA_UPLOAD_MAX_MEMORY_SIZE = MORPHO_MAX_BODY_BYTES
+# Django's own cap on request.body/POST (bytes): only a backstop, since BodySizeLimitMiddleware
+# already refused every body over its path's limit from the declared Content-Length.
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(MORPHO_MAX_BODY_BYTES, MORPHO_BULK_MAX_BODY_BYTES)
 
 # --- Celery ------------------------------------------------------------------------------------
 

@@ -75,6 +75,18 @@ def test_anonymous_users_get_401(serve_matrix, vector_matrix_path, key_pool):
     assert BulkJob.objects.count() == 0
 
 
+def test_bulk_bodies_have_their_own_size_limit(client, key_pool, settings):
+    body = {"queries": queries_of(key_pool, 300)}
+    assert len(json.dumps(body)) > settings.MORPHO_MAX_BODY_BYTES  # too big for a query endpoint
+    response = post_json(client, body)
+    assert response.status_code == 201, response.json()
+    assert response.json()["total"] == 300
+    settings.MORPHO_BULK_MAX_BODY_BYTES = 100_000
+    response = post_json(client, body)
+    assert response.status_code == 413
+    assert "expected at most 100000 bytes (MORPHO_BULK_MAX_BODY_BYTES)" in response.json()["detail"]
+
+
 def test_json_job_is_split_into_policy_sized_chunks(client, key_pool):
     response = post_json(client, {"queries": queries_of(key_pool, 10)})
     assert response.status_code == 201, response.json()
