@@ -11,19 +11,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from queries.bulk_bench import cpu_model
 from queries.client import MAX_BATCH, PirClient, plan_query
 
 COLUMNS = "endpoint,queries,reps,mean_ms,p50_ms,p95_ms,min_ms,max_ms,queries_per_s"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _load(values) -> str:
@@ -109,7 +100,7 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
         results += _backend_rows(reference, plans, reps, batch_reps, warmup)
     client.close()
     header = [
-        f"# machine: {platform.node() or 'host'}; {_cpu_model()}; {os.cpu_count()} CPUs",
+        f"# machine: {platform.node() or 'host'}; {cpu_model()}; {os.cpu_count()} CPUs",
         f"# shape: pages={info.num_pages}, domain_bits={info.domain_bits}, "
         f"rows={info.num_rows}, epoch_id={info.epoch_id}",
         f"# server: backend={health.get('backend')}, device={health.get('device')}; "

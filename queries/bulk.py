@@ -35,6 +35,20 @@ def chunk_size_for(max_batch: int) -> int:
 # --- creating a job (web process) -----------------------------------------------------------------
 
 
+def _chunk_runs(queries: Iterable[bytes], chunk_size: int):
+    """(first query index, query count, concatenated key bytes) for each run of chunk_size queries."""
+    buffer = bytearray()
+    first = count = 0
+    for raw in queries:
+        buffer += raw
+        count += 1
+        if count == chunk_size:
+            yield first, count, bytes(buffer)
+            first, count, buffer = first + count, 0, bytearray()
+    if count:
+        yield first, count, bytes(buffer)
+
+
 def create_job(
     owner, queries: Iterable[bytes], total: int, domain_bits: int, chunk_size: int
 ) -> BulkJob:
@@ -47,40 +61,15 @@ def create_job(
         job.save()
         now = timezone.now()
         pending: list[BulkChunk] = []
-        buffer = bytearray()
-        first = count = index = 0
-        for raw in queries:
-            buffer += raw
-            count += 1
-            if count == chunk_size:
-                pending.append(
-                    BulkChunk(
-                        job=job,
-                        index=index,
-                        first=first,
-                        count=count,
-                        keys=bytes(buffer),
-                        dispatched=now,
-                    )
-                )
-                index, first, count = index + 1, first + count, 0
-                buffer = bytearray()
-                if len(pending) >= 16:  # bounded memory: chunks go to the database as they fill
-                    BulkChunk.objects.bulk_create(pending)
-                    pending = []
-        if count:
-            pending.append(
-                BulkChunk(
-                    job=job,
-                    index=index,
-                    first=first,
-                    count=count,
-                    keys=bytes(buffer),
-                    dispatched=now,
-                )
-            )
+        stored = 0
+        for index, (first, count, keys) in enumerate(_chunk_runs(queries, chunk_size)):
+            pending.append(BulkChunk(job=job, index=index, first=first, count=count, keys=keys,
+                                     dispatched=now))
+            stored = first + count
+            if len(pending) >= 16:  # bounded memory: chunks go to the database as they fill
+                BulkChunk.objects.bulk_create(pending)
+                pending = []
         BulkChunk.objects.bulk_create(pending)
-        stored = first + count
         if stored != total:
             raise ValueError(f"job declared {total} queries but {stored} were given")
         transaction.on_commit(lambda: dispatch_job(job.pk))
