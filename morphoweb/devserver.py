@@ -68,6 +68,9 @@ def main(argv=None) -> int:
         _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out", str(matrix)],
                 dict(os.environ))
 
+    # Each child runs in a session of its own, so a terminal's Ctrl-C reaches only this process,
+    # which stops each child with one SIGTERM: gunicorn's threaded worker deadlocks when a second
+    # signal (the terminal's SIGINT, then its master's SIGTERM) lands inside its shutdown.
     parties = {"a": args.port_a, "b": args.port_b}
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -78,12 +81,13 @@ def main(argv=None) -> int:
                 [sys.executable, "-m", "gunicorn", "morphoweb.wsgi",
                  "--bind", f"{args.host}:{port}", "--workers", "1", "--threads", str(args.threads),
                  "--timeout", "120", "--name", f"morphoweb-party-{name}"],
-                cwd=BASE_DIR, env=env,
+                cwd=BASE_DIR, env=env, start_new_session=True,
             )
             # The party's bulk jobs run on its own Celery workers (one per visible GPU, else one
             # on the CPU), over the party's database and file broker.
             procs[f"{name}-workers"] = subprocess.Popen([sys.executable, "bin/gpu-workers"],
-                                                        cwd=BASE_DIR, env=env)
+                                                        cwd=BASE_DIR, env=env,
+                                                        start_new_session=True)
         urls = {name: f"http://{args.host}:{port}" for name, port in parties.items()}
         for name, url in urls.items():
             _wait_healthy(url, procs[name], timeout=300)
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # the master and every worker it forked
 
 
 if __name__ == "__main__":
