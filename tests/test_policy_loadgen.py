@@ -41,7 +41,7 @@ def test_engine_sweep_writes_csv_with_header_and_judges_slo(tmp_path, capsys):
     assert [p.mode for p in again] == ["latency", "slo"] and again[0].answered == points[0].answered
     assert loadgen.main(["--from-csv", str(path)]) == 0
     verdict = capsys.readouterr().out
-    assert verdict.startswith(" 50%: slo p95 ") and "target" in verdict
+    assert verdict.startswith(" 50%: p95 ") and "round-median p95" in verdict and "target" in verdict
 
 
 @pytest.fixture

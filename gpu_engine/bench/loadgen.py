@@ -54,6 +54,9 @@ class Point:
     refused: int
     mean_batch: float
     p95_target_ms: float
+    # the median over rounds of each round's p95: one stall of the machine spoils one round's
+    # tail, not the figure (the pooled p95 above counts it)
+    p95_round_median_ms: float = math.nan
 
 
 class SimulatedBackend(Backend):
@@ -182,10 +185,12 @@ def measure(arrivals: np.ndarray, start: float, done: np.ndarray, refused: np.nd
 def summarise(mode: str, fraction: float, rate: float, runs: Sequence[Run], target_ms: float) -> Point:
     ms = [1000 * v for run in runs for v in run.latencies_s]
     launches = sum(run.launches for run in runs)
+    per_round = sorted(percentile([1000 * v for v in run.latencies_s], 0.95) for run in runs)
     return Point(mode, fraction, rate, sum(r.completed for r in runs) / sum(r.span_s for r in runs),
                  percentile(ms, 0.50), percentile(ms, 0.95), percentile(ms, 0.99), len(ms),
                  sum(r.refused for r in runs),
-                 sum(r.queries for r in runs) / launches if launches else float("nan"), target_ms)
+                 sum(r.queries for r in runs) / launches if launches else float("nan"), target_ms,
+                 float(np.median(per_round)) if per_round else math.nan)
 
 
 def bench_policies(window_us: int, target_ms: float, max_batch: int) -> Dict[str, BatchingPolicy]:
@@ -403,25 +408,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def verdict(points: Sequence[Point]) -> List[str]:
-    """Per offered rate: is slo within 10% of the best static mode on p95 and throughput, and
-    under its target wherever any mode is?"""
+    """Per offered rate: is slo within 10% of the best static mode on p95 (pooled, and the median
+    of the rounds' p95) and on throughput, and under its target wherever any mode is?"""
     lines = []
     for fraction in dict.fromkeys(p.fraction for p in points):
         here = {p.mode: p for p in points if p.fraction == fraction}
         slo, static = here.get("slo"), [p for m, p in here.items() if m != "slo"]
         if slo is None or not static:
             continue
-        best_p95 = min(p.p95_ms for p in static)
+        parts = []
+        for label, key in (("p95", "p95_ms"), ("round-median p95", "p95_round_median_ms")):
+            mine, best = getattr(slo, key), min(getattr(p, key) for p in static)
+            if not math.isnan(mine):
+                parts.append(f"{label} {mine:.1f} ms vs best static {best:.1f} "
+                             f"({'ok' if mine <= 1.10 * best else 'MISS'})")
         best_tp = max(p.throughput_qps for p in static)
-        anyone_meets = any(p.p95_ms <= p.p95_target_ms for p in here.values())
-        ok_p95 = slo.p95_ms <= 1.10 * best_p95
-        ok_tp = slo.throughput_qps >= 0.90 * best_tp
-        ok_target = slo.p95_ms <= slo.p95_target_ms or not anyone_meets
-        lines.append(f"{fraction:4.0%}: slo p95 {slo.p95_ms:.1f} ms vs best static {best_p95:.1f} "
-                     f"({'ok' if ok_p95 else 'MISS'}), throughput {slo.throughput_qps:.1f} vs "
-                     f"{best_tp:.1f} ({'ok' if ok_tp else 'MISS'}), target "
-                     f"{'met' if slo.p95_ms <= slo.p95_target_ms else 'missed'}"
-                     f"{'' if ok_target else ' although another mode met it'}")
+        parts.append(f"throughput {slo.throughput_qps:.1f} vs {best_tp:.1f} "
+                     f"({'ok' if slo.throughput_qps >= 0.90 * best_tp else 'MISS'})")
+        met = slo.p95_ms <= slo.p95_target_ms
+        anyone = any(p.p95_ms <= p.p95_target_ms for p in here.values())
+        parts.append(f"target {'met' if met else 'missed'}"
+                     f"{' although another mode met it' if anyone and not met else ''}")
+        lines.append(f"{fraction:4.0%}: " + ", ".join(parts))
     return lines
 
 
