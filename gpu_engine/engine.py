@@ -7,7 +7,7 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -75,6 +75,17 @@ class _Request:
         return len(self.queries)
 
 
+def _settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
+    """Resolve a future unless it is already done: a caller may cancel what it waits for."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 def static_policy(policy: BatchingPolicy) -> PolicySource:
     return lambda lane: policy
 
@@ -95,6 +106,8 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._running = False
+        self._inflight: List[_Request] = []  # dequeued, not yet answered
+        self.failure: Optional[str] = None  # why the scheduler died, if it did
         self.cost = CostModel()
         self.stats = EngineStats(LANES)
 
@@ -104,26 +117,37 @@ class Engine:
             if self._running:
                 return self
             self._running = True
-        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
         log.info("engine started: backend=%s epoch=%s pages=%s", self.backend.name,
                  self._epoch.epoch_id, self._epoch.matrix.num_pages)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._halt("engine stopped")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._resident.release()
+
+    def _halt(self, reason: str) -> None:
+        """Stop taking work and fail everything queued or in flight with 503 and `reason`."""
         with self._cond:
             self._running = False
-            pending = [r for q in self._queues.values() for r in q]
+            pending = [r for q in self._queues.values() for r in q] + self._inflight
             for lane, q in self._queues.items():
                 q.clear()
                 self._depth[lane] = 0
+            self._inflight = []
             self._cond.notify_all()
         for request in pending:
-            self.stats.refuse(request.lane, "stopped", request.size)
-            request.future.set_exception(EngineUnavailable("engine stopped", retry_after=5))
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._resident.release()
+            if not request.future.done():
+                self.stats.refuse(request.lane, "stopped", request.size)
+            _settle(request.future, error=EngineUnavailable(reason, retry_after=5))
+
+    @property
+    def running(self) -> bool:
+        """True while the scheduler thread is alive and taking work."""
+        return self._running and self._thread is not None and self._thread.is_alive()
 
     @property
     def epoch(self) -> Epoch:
@@ -169,7 +193,7 @@ class Engine:
         request = _Request(queries, keys, lane, time.monotonic())
         with self._cond:
             if not self._running:
-                raise EngineUnavailable("engine is not running", retry_after=5)
+                raise EngineUnavailable(self.failure or "engine is not running", retry_after=5)
             depth = self._depth[lane]
             if depth + request.size > policy.max_queue:
                 refused = EngineOverloaded(
@@ -284,6 +308,14 @@ class Engine:
             expired += self._dequeue(lane, count)
         return expired
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a dead scheduler must not leave callers hanging
+            log.exception("engine scheduler failed; the engine stops taking work")
+            self.failure = f"engine scheduler failed: {exc!r}"
+            self._halt(self.failure)
+
     def _loop(self) -> None:
         while True:
             batch: Optional[Tuple[Launch, List[_Request]]] = None
@@ -308,13 +340,15 @@ class Engine:
             for request in expired:
                 timeout = self._last_policies[request.lane].queue_timeout_ms
                 self.stats.refuse(request.lane, "deadline", request.size)
-                request.future.set_exception(EngineOverloaded(
+                _settle(request.future, error=EngineOverloaded(
                     f"{request.lane} query not started within the policy's queue_timeout_ms of "
                     f"{timeout} ms", retry_after=1))
             for action in control:
                 action()
             if batch:
+                self._inflight = batch[1]
                 self._launch(*batch)
+                self._inflight = []
 
     def _launch(self, decision: Launch, batch: List[_Request]) -> None:
         epoch = self._epoch
@@ -328,7 +362,7 @@ class Engine:
             log.exception("launch of %d requests failed", len(batch))
             self.stats.failure(decision.lane, queries)
             for request in batch:
-                request.future.set_exception(EngineUnavailable(f"device error: {exc}", retry_after=5))
+                _settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
             return
         seconds = time.perf_counter() - started
         self.cost.observe(queries, seconds)
@@ -338,7 +372,7 @@ class Engine:
             for query in request.queries:
                 pages.append([answers[row + i].tobytes() for i in range(len(query))])
                 row += len(query)
-            request.future.set_result(BatchAnswer(epoch.epoch_id, pages))
+            _settle(request.future, BatchAnswer(epoch.epoch_id, pages))
         done = time.monotonic()
         self.stats.launched(decision, seconds, [(r.size, started_mono - r.arrived, done - r.arrived)
                                                 for r in batch], done)
@@ -348,7 +382,8 @@ class Engine:
         with self._cond:
             depth = dict(self._depth)
         return {
-            "running": self._running,
+            "running": self.running,
+            "failure": self.failure,
             "epoch_id": self._epoch.epoch_id,
             "queue_depth": depth,
             "resident_bytes": self._resident.nbytes,
@@ -364,7 +399,7 @@ class Engine:
         policies = dict(self._last_policies)
         fit = self.cost.fit()
         data = self.stats.snapshot(now)
-        data.update(running=self._running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
+        data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
                     cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
                           "samples": fit.samples, "rmse_s": fit.rmse_s})
         for lane in LANES:

@@ -183,3 +183,13 @@ def start_server(tmp_path_factory):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_live_watcher_at_the_end():
+    """Stop this process's live-policy watcher before pytest closes its output streams, so the
+    thread neither logs into closed files nor holds the test database at teardown."""
+    yield
+    from policies.live import default_watcher
+
+    default_watcher().stop()

@@ -236,3 +236,51 @@ def test_snapshot_reports_what_metrics_and_admin_show(engine):
 def test_policy_bounds():
     with pytest.raises(PolicyError, match="max_batch must be in 1..32 queries, got 0"):
         BatchingPolicy(max_batch=0)
+
+
+def test_a_cancelled_request_does_not_stop_the_engine():
+    eng, backend = _gated_engine(BatchingPolicy(max_batch=1))
+    rng = np.random.default_rng(8)
+    d = eng.epoch.matrix.domain_bits
+    try:
+        first = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate
+        assert backend.started.acquire(timeout=10)
+        waiting = eng.submit([_query(2, d, rng)[0]])
+        assert waiting.cancel()  # a caller that stopped waiting
+        backend.gate.set()
+        assert first.result(30).epoch_id == 1
+        later = eng.submit([_query(3, d, rng)[0]])
+        assert later.result(30).epoch_id == 1
+        assert eng.health()["running"] is True
+    finally:
+        backend.gate.set()
+        eng.stop()
+
+
+def test_a_dead_scheduler_fails_waiting_requests_and_says_why(monkeypatch):
+    import gpu_engine.engine as engine_module
+
+    def broken_decide(*args):
+        raise TypeError("decide() takes 3 positional arguments but 4 were given")
+
+    monkeypatch.setattr(engine_module, "decide", broken_decide)
+    epoch = Epoch(epoch_id=1, matrix=random_matrix(16, seed=0))
+    eng = Engine(NumpyBackend(workers=1), epoch)
+    rng = np.random.default_rng(9)
+    eng.start()
+    try:
+        try:
+            future = eng.submit([_query(1, epoch.matrix.domain_bits, rng)[0]])
+        except EngineUnavailable:
+            future = None  # the scheduler died before this submit: refused at once, also right
+        if future is not None:
+            with pytest.raises(EngineUnavailable, match="engine scheduler failed: TypeError"):
+                future.result(10)
+        eng._thread.join(10)
+        health = eng.health()
+        assert health["running"] is False
+        assert "decide() takes 3 positional arguments" in health["failure"]
+        with pytest.raises(EngineUnavailable, match="engine scheduler failed"):
+            eng.submit([_query(2, epoch.matrix.domain_bits, rng)[0]])
+    finally:
+        eng.stop()
