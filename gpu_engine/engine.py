@@ -102,7 +102,8 @@ class Engine:
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
         self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
         self._rates: Dict[str, RateMeter] = {lane: RateMeter() for lane in LANES}
-        self._control: Deque[Callable[[], None]] = deque()
+        # operations run between launches, each with the future its caller waits on
+        self._control: Deque[Tuple[Callable[[], None], Future]] = deque()
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._running = False
@@ -134,6 +135,8 @@ class Engine:
         with self._cond:
             self._running = False
             pending = [r for q in self._queues.values() for r in q] + self._inflight
+            control = [future for _, future in self._control]
+            self._control.clear()
             for lane, q in self._queues.items():
                 q.clear()
                 self._depth[lane] = 0
@@ -143,6 +146,8 @@ class Engine:
             if not request.future.done():
                 self.stats.refuse(request.lane, "stopped", request.size)
             _settle(request.future, error=EngineUnavailable(reason, retry_after=5))
+        for future in control:  # row writes and epoch switches that never ran
+            _settle(future, error=EngineUnavailable(reason, retry_after=5))
 
     @property
     def running(self) -> bool:
@@ -268,21 +273,21 @@ class Engine:
 
     def _run_between_launches(self, action: Callable[[], None]) -> "Future[None]":
         future: Future = Future()
-
-        def run() -> None:
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
         with self._cond:
             if not self._running:
-                raise EngineUnavailable("engine is not running", retry_after=5)
-            self._control.append(run)
+                raise EngineUnavailable(self.failure or "engine is not running", retry_after=5)
+            self._control.append((action, future))
             self._cond.notify()
         return future
+
+    @staticmethod
+    def _run_control(action: Callable[[], None], future: Future) -> None:
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            _settle(future, error=exc)
+        else:
+            _settle(future, None)
 
     # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
     def _snapshot(self, now: float) -> List[LaneQueue]:
@@ -343,8 +348,8 @@ class Engine:
                 _settle(request.future, error=EngineOverloaded(
                     f"{request.lane} query not started within the policy's queue_timeout_ms of "
                     f"{timeout} ms", retry_after=1))
-            for action in control:
-                action()
+            for action, future in control:
+                self._run_control(action, future)
             if batch:
                 self._inflight = batch[1]
                 self._launch(*batch)

@@ -284,3 +284,22 @@ def test_a_dead_scheduler_fails_waiting_requests_and_says_why(monkeypatch):
             eng.submit([_query(2, epoch.matrix.domain_bits, rng)[0]])
     finally:
         eng.stop()
+
+
+def test_a_row_write_queued_when_the_engine_stops_fails_instead_of_hanging():
+    eng, backend = _gated_engine(BatchingPolicy(max_batch=1))
+    rng = np.random.default_rng(10)
+    d = eng.epoch.matrix.domain_bits
+    running = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate
+    assert backend.started.acquire(timeout=10)
+    write = eng.write_rows({3: b"\x11" * 256})  # waits for the launch to end
+    stopper = threading.Thread(target=eng.stop)
+    stopper.start()
+    try:
+        with pytest.raises(EngineUnavailable, match="engine stopped"):
+            write.result(10)
+    finally:
+        backend.gate.set()
+        stopper.join(30)
+    with pytest.raises(EngineUnavailable, match="engine stopped"):  # stop frees its device
+        running.result(10)
