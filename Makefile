@@ -8,7 +8,7 @@ SERVER_A ?= http://127.0.0.1:8001
 SERVER_B ?= http://127.0.0.1:8002
 BENCH_PAGES ?= 65536
 
-.PHONY: venv run test bench-http clean-var gpu-workers bench-bulk
+.PHONY: venv run test bench-http clean-var gpu-workers bench-bulk bench-policy-http
 
 # The virtualenv is (re)built when pyproject.toml changes; `pip install -e` keeps the tree live.
 $(STAMP): pyproject.toml
@@ -42,6 +42,14 @@ gpu-workers: $(STAMP)
 # A 10,000-query bulk job against the engine's batch throughput on this machine.
 bench-bulk: $(STAMP)
 	$(PY) -m queries.bulk_bench --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
+
+# Poisson sweep over HTTP, 10% to 95% of the measured capacity, of the four interactive batching
+# modes, each activated live in one gunicorn party that the command starts and stops itself
+# (about 12 minutes with the defaults; matplotlib is installed for the plot).
+POLICY_HTTP_ARGS ?= --csv docs/benchmarks/policy_http_cpu.csv --png docs/benchmarks/policy_http_cpu.png
+bench-policy-http: $(STAMP)
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install --quiet 'matplotlib>=3.8,<4'
+	PY=$(PY) docs/benchmarks/policy_http_run.sh $(POLICY_HTTP_ARGS)
 
 clean-var:
 	rm -rf var/

@@ -5,18 +5,23 @@
 
 The server batches with whatever interactive policy is active (change it in the admin between
 runs; each row names the policy the server reported in /metrics). Offered rates are fractions of a
-capacity measured first with closed-loop clients, or given with --rates. Standard library + numpy."""
+capacity measured first with closed-loop clients, or given with --rates. Standard library + numpy.
+
+The pieces (`offer`, `http_capacity`, `active_policy`, `wait_for_policy`, `single_query_s`) also
+serve `python -m policies.bench_http`, the sweep of all four modes against a party it starts."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import statistics
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,6 +29,7 @@ import numpy as np
 from gpu_engine.bench.loadgen import (
     FRACTIONS,
     Point,
+    Run,
     drive,
     header_lines,
     make_pool,
@@ -84,10 +90,80 @@ def http_capacity(url: str, pool: Sequence[list], clients: int, seconds: float) 
     return answered[0] / (time.perf_counter() - started)
 
 
+def epoch_info(url: str) -> dict:
+    """The party's `/epoch` document (its `page_pir.domain_bits` and `num_pages`)."""
+    with urllib.request.urlopen(url + "/epoch", timeout=30) as response:
+        return json.loads(response.read())
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sample `name` with these labels (among others) in a Prometheus text page; nan if absent."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            metric, _, value = line.rpartition(" ")
+            have = dict(re.findall(r'(\w+)="([^"]*)"', metric))
+            if metric.split("{")[0] == name and all(have.get(k) == v for k, v in labels.items()):
+                return float(value)
+    return math.nan
+
+
+def lane_counts(url: str, lane: str = "interactive") -> Tuple[float, float]:
+    """(queries answered, launches) of one lane of the server's engine so far, from /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return (metric_value(text, "gpu_queries_answered_total", lane=lane),
+            metric_value(text, "pir_compute_seconds_count", lane=lane))
+
+
+def wait_for_policy(url: str, name: str, timeout: float = 5.0, target_ms: Optional[float] = None,
+                    poll_s: float = 0.02) -> float:
+    """Seconds until the server reports `name` (and `target_ms`) as its interactive policy.
+
+    Raises RuntimeError when it still reports another one after `timeout` seconds."""
+    started = time.perf_counter()
+    while True:
+        seen = active_policy(url)
+        if seen[0] == name and (target_ms is None or math.isclose(seen[2], target_ms, rel_tol=1e-4)):
+            return time.perf_counter() - started
+        if time.perf_counter() - started > timeout:
+            wanted = name if target_ms is None else f"{name} (target {target_ms:g} ms)"
+            raise RuntimeError(f"the server still reports interactive policy {seen[0]} ({seen[1]}, "
+                               f"target {seen[2]:g} ms) {timeout:g} s after {wanted} was activated")
+        time.sleep(poll_s)
+
+
+def single_query_s(url: str, pool: Sequence[list], count: int = 20, warmup: int = 5) -> float:
+    """The median time of `count` single queries sent one after another (after `warmup` more)."""
+    samples = []
+    for i in range(warmup + count):
+        started = time.perf_counter()
+        post_query(url, pool[i % len(pool)], 60)
+        if i >= warmup:
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def offer(url: str, pool: Sequence[list], arrivals, warmup: float, executor: Executor,
+          timeout: float = 120.0) -> Run:
+    """One stretch of open-loop load: a query at each arrival offset, each on its own thread.
+
+    The Run's queries/launches are the interactive lane's, warm-up included, from /metrics."""
+    before = lane_counts(url)
+
+    def submit(query) -> Future:
+        return executor.submit(post_query, url, query, timeout)
+
+    start, done, refused = drive(submit, pool, arrivals, timeout=timeout)
+    run = measure(arrivals, start, done, refused, warmup)
+    after = lane_counts(url)
+    if not any(math.isnan(v) for v in before + after):
+        run.queries, run.launches = int(after[0] - before[0]), int(after[1] - before[1])
+    return run
+
+
 def run(url: str, rates: Optional[List[float]], fractions: Sequence[float], duration: float,
         warmup: float, clients: int, seed: int, log=print) -> Tuple[List[Point], dict]:
-    with urllib.request.urlopen(url + "/epoch", timeout=30) as response:
-        epoch = json.loads(response.read())
+    epoch = epoch_info(url)
     domain_bits = epoch["page_pir"]["domain_bits"]
     pool = make_pool(domain_bits, 256, seed)
     capacity = float("nan")
@@ -102,14 +178,9 @@ def run(url: str, rates: Optional[List[float]], fractions: Sequence[float], dura
         for rate in rates:
             name, mode, target = active_policy(url)
             arrivals = poisson_arrivals(rate, warmup + duration, rng)
-
-            def submit(query) -> Future:
-                return pool_threads.submit(post_query, url, query, 120)
-
-            start, done, refused = drive(submit, pool, arrivals)
             fraction = rate / capacity if capacity == capacity else float("nan")
             point = summarise(f"{mode}:{name}", fraction, rate,
-                              [measure(arrivals, start, done, refused, warmup)], target)
+                              [offer(url, pool, arrivals, warmup, pool_threads)], target)
             points.append(point)
             log(f"{name} ({mode}) offered {rate:7.1f} q/s: {point.throughput_qps:7.1f} q/s, p50 "
                 f"{point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} p99 {point.p99_ms:7.1f} ms, "
