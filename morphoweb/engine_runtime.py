@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -99,6 +100,8 @@ def _build_engine():
         "serving epoch %s (block %s) from %s: %d pages, domain_bits %d",
         epoch.epoch_id, epoch.block_number, path, matrix.num_pages, matrix.domain_bits,
     )
+    if settings.MORPHO_GIL_SWITCH_INTERVAL_US:
+        sys.setswitchinterval(settings.MORPHO_GIL_SWITCH_INTERVAL_US / 1e6)
     engine = Engine(backend, epoch)
     # Batching follows the active policy records live, in every process (policies.bridge).
     from policies.bridge import attach

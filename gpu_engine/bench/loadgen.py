@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import math
 import os
 import platform
@@ -29,6 +30,7 @@ import numpy as np
 
 from gpu_engine.backends import create_backend
 from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix
+from gpu_engine.costmodel import CostFit, CostModel
 from gpu_engine.dpf import gen_keys
 from gpu_engine.engine import Engine, EngineBusy, static_policy
 from gpu_engine.engine_stats import percentile
@@ -57,6 +59,9 @@ class Point:
     # the median over rounds of each round's p95: one stall of the machine spoils one round's
     # tail, not the figure (the pooled p95 above counts it)
     p95_round_median_ms: float = math.nan
+    # each round's p95 in round order, ';'-separated: every mode of a round saw the same arrivals,
+    # so the modes compare round by round (verdict's paired ratio)
+    p95_rounds_ms: str = ""
 
 
 class SimulatedBackend(Backend):
@@ -185,12 +190,14 @@ def measure(arrivals: np.ndarray, start: float, done: np.ndarray, refused: np.nd
 def summarise(mode: str, fraction: float, rate: float, runs: Sequence[Run], target_ms: float) -> Point:
     ms = [1000 * v for run in runs for v in run.latencies_s]
     launches = sum(run.launches for run in runs)
-    per_round = sorted(percentile([1000 * v for v in run.latencies_s], 0.95) for run in runs)
+    rounds = [percentile([1000 * v for v in run.latencies_s], 0.95) for run in runs]
+    per_round = sorted(rounds)
     return Point(mode, fraction, rate, sum(r.completed for r in runs) / sum(r.span_s for r in runs),
                  percentile(ms, 0.50), percentile(ms, 0.95), percentile(ms, 0.99), len(ms),
                  sum(r.refused for r in runs),
                  sum(r.queries for r in runs) / launches if launches else float("nan"), target_ms,
-                 float(np.median(per_round)) if per_round else math.nan)
+                 float(np.median(per_round)) if per_round else math.nan,
+                 ";".join(f"{v:.3f}" for v in rounds))
 
 
 def bench_policies(window_us: int, target_ms: float, max_batch: int) -> Dict[str, BatchingPolicy]:
@@ -207,90 +214,115 @@ def bench_policies(window_us: int, target_ms: float, max_batch: int) -> Dict[str
     }
 
 
-def measure_capacity(make_engine: Callable[[BatchingPolicy], Engine], pool: Sequence[list],
-                     max_batch: int, seconds: float) -> float:
+def measure_capacity(engine: Engine, pool: Sequence[list], max_batch: int, seconds: float) -> float:
     """Queries per second with the queue never empty (several full batches always waiting)."""
-    engine = make_engine(BatchingPolicy(name="capacity", max_batch=max_batch, max_queue=100_000))
-    try:
-        for query in pool[:max_batch]:  # warm caches and the cost model
-            engine.submit([query]).result(120)
-        outstanding = threading.Semaphore(4 * max_batch)
-        answered = [0]
-        stop = time.perf_counter() + seconds
-        started = time.perf_counter()
-        i = 0
-        while time.perf_counter() < stop:
-            outstanding.acquire()
-            future = engine.submit([pool[i % len(pool)]])
-            i += 1
+    engine.set_policy_source(static_policy(
+        BatchingPolicy(name="capacity", max_batch=max_batch, max_queue=100_000)))
+    for query in pool[:max_batch]:  # warm caches and the cost model
+        engine.submit([query]).result(120)
+    outstanding = threading.Semaphore(4 * max_batch)
+    answered = [0]
+    stop = time.perf_counter() + seconds
+    started = time.perf_counter()
+    i = 0
+    while time.perf_counter() < stop:
+        outstanding.acquire()
+        future = engine.submit([pool[i % len(pool)]])
+        i += 1
 
-            def finished(f):
-                answered[0] += 1
-                outstanding.release()
+        def finished(f):
+            answered[0] += 1
+            outstanding.release()
 
-            future.add_done_callback(finished)
-        elapsed = time.perf_counter() - started
-        return answered[0] / elapsed
-    finally:
-        engine.stop()
+        future.add_done_callback(finished)
+    elapsed = time.perf_counter() - started
+    return answered[0] / elapsed
+
+
+def probe_cost(engine: Engine, pool: Sequence[list], max_batch: int) -> CostFit:
+    """The engine's fitted t(b) after launches of 1 and of max_batch queries."""
+    engine.set_policy_source(static_policy(BatchingPolicy(name="probe", max_batch=max_batch)))
+    for b in (1, max_batch):  # first launches compile and allocate: keep them out of the fit
+        engine.answer([list(q) for q in pool[:b]], timeout=120)
+    engine.cost = CostModel()
+    for b in (1, max_batch, 1, max_batch, 1, max_batch):
+        engine.answer([list(q) for q in pool[:b]], timeout=120)
+    return engine.cost.fit()
+
+
+def _stretches(engine: Engine, pool: Sequence[list], policies: Dict[str, BatchingPolicy],
+               modes: Sequence[str], fractions: Sequence[float], capacity: float, duration: float,
+               warmup: float, rounds: int, rng: np.random.Generator, log=print) -> Dict[tuple, List[Run]]:
+    """(fraction, mode) -> the runs measuring it.
+
+    Each point is measured in `rounds` stretches, the modes interleaved, so that a slow spell of
+    the machine (other processes) falls on every mode alike rather than on one. Within a stretch
+    every mode gets the same arrival trace (common random numbers): near capacity the p95 of one
+    Poisson draw differs from the next by more than the modes differ."""
+    runs: Dict[tuple, List[Run]] = {}
+    gc.freeze()  # the pool and the matrix: no collection walks them during a measured stretch
+    for round_ in range(rounds):
+        for fraction in fractions:
+            arrivals = poisson_arrivals(fraction * capacity, warmup + duration / rounds, rng)
+            for mode in modes:
+                engine.set_policy_source(static_policy(policies[mode]))
+                before = engine.snapshot()["lanes"]["interactive"]
+                start, done, refused = drive(lambda q: engine.submit([q]), pool, arrivals)
+                after = engine.snapshot()["lanes"]["interactive"]
+                run = measure(arrivals, start, done, refused, warmup)
+                run.queries = after["queries"] - before["queries"]
+                run.launches = after["launches"] - before["launches"]
+                runs.setdefault((fraction, mode), []).append(run)
+                fit = engine.cost.fit()
+                log(f"  round {round_ + 1} {fraction:4.0%} {mode:>10}: p95 "
+                    f"{percentile([1000 * v for v in run.latencies_s], 0.95):7.2f} ms, batch "
+                    f"{run.queries / max(1, run.launches):5.1f}, fit t(1) {fit.predict(1) * 1000:.2f} "
+                    f"t(32) {fit.predict(32) * 1000:.2f} ms")
+    return runs
 
 
 def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequence[float],
           duration: float, warmup: float, window_us: int, target_ms: Optional[float],
           max_batch: int, seed: int, log=print, capacity_s: Optional[float] = None,
-          rounds: int = 1, sim_cost_ms: Optional[str] = None) -> tuple:
+          rounds: int = 1, sim_cost_ms: Optional[str] = None,
+          capacity_qps: Optional[float] = None) -> tuple:
+    """Every mode at every fraction of the capacity (measured, or `capacity_qps` as given).
+
+    One engine serves the whole sweep and each stretch swaps its policy live, as the admin does:
+    the matrix is loaded once (4 GiB take seconds to upload to a GPU) and each mode starts from
+    the cost fit and arrival rate a running service would have."""
     backend = make_backend(backend_name, sim_cost_ms)
     epoch = Epoch(epoch_id=1, matrix=random_matrix(pages, seed=seed))
     pool = make_pool(epoch.matrix.domain_bits, 256, seed)
-
-    def make_engine(policy: BatchingPolicy) -> Engine:
-        return Engine(backend, epoch, static_policy(policy)).start()
-
-    capacity = measure_capacity(make_engine, pool, max_batch,
-                                capacity_s if capacity_s is not None else max(3.0, duration / 3))
-    probe = make_engine(BatchingPolicy(name="probe", max_batch=max_batch))
+    engine = Engine(backend, epoch).start()
     try:
-        for b in (1, max_batch, 1, max_batch, 1, max_batch):
-            probe.answer([list(q) for q in pool[:b]], timeout=120)
-        fit = probe.cost.fit()
+        if capacity_qps is None:
+            capacity_qps = measure_capacity(engine, pool, max_batch,
+                                            capacity_s if capacity_s is not None else max(3.0, duration / 3))
+        fit = probe_cost(engine, pool, max_batch)
+        t1, tmax = fit.predict(1), fit.predict(max_batch)
+        if target_ms is None:
+            # A target that decides something: a lightly loaded engine meets it with room to
+            # spare (one launch takes t(1)), a saturated one cannot.
+            target_ms = round(5 * t1 * 1000, 1)
+        log(f"capacity {capacity_qps:.1f} q/s; t(1) = {t1 * 1000:.2f} ms, t({max_batch}) = "
+            f"{tmax * 1000:.2f} ms; slo p95 target {target_ms} ms")
+        policies = bench_policies(window_us, target_ms, max_batch)
+        runs = _stretches(engine, pool, policies, modes, fractions, capacity_qps, duration, warmup,
+                          rounds, np.random.default_rng(seed), log)
     finally:
-        probe.stop()
-    t1, tmax = fit.predict(1), fit.predict(max_batch)
-    if target_ms is None:
-        # A target that decides something: a lightly loaded engine meets it with room to spare
-        # (one launch takes t(1)), a saturated one cannot.
-        target_ms = round(5 * t1 * 1000, 1)
-    log(f"capacity {capacity:.1f} q/s; t(1) = {t1 * 1000:.2f} ms, t({max_batch}) = {tmax * 1000:.2f} ms; "
-        f"slo p95 target {target_ms} ms")
-    policies = bench_policies(window_us, target_ms, max_batch)
-    rng = np.random.default_rng(seed)
-    runs: Dict[tuple, List[Run]] = {}
-    # Each point is measured in `rounds` stretches, the modes interleaved, so that a slow spell
-    # of the machine (other processes) falls on every mode alike rather than on one.
-    for round_ in range(rounds):
-        for fraction in fractions:
-            for mode in modes:
-                arrivals = poisson_arrivals(fraction * capacity, warmup + duration / rounds, rng)
-                engine = make_engine(policies[mode])
-                try:
-                    start, done, refused = drive(lambda q: engine.submit([q]), pool, arrivals)
-                    lane = engine.snapshot()["lanes"]["interactive"]
-                finally:
-                    engine.stop()
-                run = measure(arrivals, start, done, refused, warmup)
-                run.queries, run.launches = lane["queries"], lane["launches"]
-                runs.setdefault((fraction, mode), []).append(run)
+        engine.stop()
     points: List[Point] = []
     for fraction in fractions:
         for mode in modes:
-            point = summarise(mode, fraction, fraction * capacity, runs[(fraction, mode)], target_ms)
+            point = summarise(mode, fraction, fraction * capacity_qps, runs[(fraction, mode)], target_ms)
             points.append(point)
             log(f"{mode:>10} {fraction:4.0%} offered {point.offered_qps:7.1f} q/s: "
                 f"{point.throughput_qps:7.1f} q/s, p50 {point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} "
                 f"p99 {point.p99_ms:7.1f} ms, batch {point.mean_batch:4.1f}, refused {point.refused}")
     shape = {"pages": pages, "domain_bits": epoch.matrix.domain_bits, "keys_per_query": 3,
              "max_batch": max_batch, "window_us": window_us, "p95_target_ms": target_ms, "rounds": rounds,
-             "capacity_qps": round(capacity, 1), "t1_ms": round(t1 * 1000, 3),
+             "capacity_qps": round(capacity_qps, 1), "t1_ms": round(t1 * 1000, 3),
              f"t{max_batch}_ms": round(tmax * 1000, 3), "backend": backend.describe().get("device", backend.name)}
     return points, shape
 
@@ -374,14 +406,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="slo p95 target (default: 5 x the measured t(1))")
     parser.add_argument("--rounds", type=int, default=3,
                         help="stretches each point is measured in, interleaved over the sweep")
+    parser.add_argument("--capacity-qps", type=float, default=None,
+                        help="take this capacity (queries/s) instead of measuring it, to split one "
+                             "sweep over several runs")
+    parser.add_argument("--switch-interval-us", type=int, default=500,
+                        help="Python's GIL switch interval (µs), as the service sets it "
+                             "(MORPHO_GIL_SWITCH_INTERVAL_US); 0 = Python's own 5000")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--csv", help="write the points here (with machine/shape/command/date lines)")
     parser.add_argument("--png", help="plot p95/p99 and throughput against offered load here")
-    parser.add_argument("--from-csv", help="run nothing: plot (--png) and judge a CSV written before")
+    parser.add_argument("--from-csv", help="run nothing: judge CSVs written before (comma-separated: "
+                                           "one sweep split over several runs), plot them (--png) "
+                                           "and write them as one (--csv)")
     args = parser.parse_args(argv)
     if args.from_csv:
-        points, header = read_csv(args.from_csv)
+        points, header = [], []
+        for path in args.from_csv.split(","):
+            more, lines = read_csv(path)
+            points += more
+            header += lines if not header else [line.replace("# ", f"# part {path.rsplit('/', 1)[-1]}: ", 1)
+                                                for line in lines]
+        if args.csv:
+            write_csv(args.csv, points, header)
         if args.png:
             plot(args.png, points, header, f"Batching modes under Poisson load ({args.backend})")
         for line in verdict(points):
@@ -392,9 +439,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown modes {unknown}, expected some of {', '.join(MODES)}")
     fractions = [float(f) for f in args.fractions.split(",") if f]
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     points, shape = sweep(args.backend, args.pages, modes, fractions, args.duration, args.warmup,
                           args.window_us, args.target_ms, args.max_batch, args.seed, rounds=args.rounds,
-                          sim_cost_ms=args.sim_cost_ms)
+                          sim_cost_ms=args.sim_cost_ms, capacity_qps=args.capacity_qps)
     header = header_lines(shape, argv)
     if args.csv:
         write_csv(args.csv, points, header)
@@ -407,9 +456,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def paired_p95_ratio(slo: Point, static: Sequence[Point]) -> Optional[float]:
+    """The median over rounds of slo's p95 / the best static p95 of the same round (None without
+    two or more rounds).
+
+    The modes of one round answered the same arrival trace, so a round's ratio compares policies
+    and not draws; the median over rounds drops a round that a stall of the machine spoiled."""
+    rounds = [[float(v) for v in p.p95_rounds_ms.split(";")] if p.p95_rounds_ms else []
+              for p in (slo, *static)]
+    count = len(rounds[0])
+    if count < 2 or any(len(r) != count for r in rounds):
+        return None
+    return float(np.median([rounds[0][i] / min(r[i] for r in rounds[1:]) for i in range(count)]))
+
+
 def verdict(points: Sequence[Point]) -> List[str]:
-    """Per offered rate: is slo within 10% of the best static mode on p95 (pooled, and the median
-    of the rounds' p95) and on throughput, and under its target wherever any mode is?"""
+    """Per offered rate: is slo within 10% of the best static mode on p95 (pooled, the median of
+    the rounds' p95, and paired round by round) and on throughput, and under its target wherever
+    any mode is?"""
     lines = []
     for fraction in dict.fromkeys(p.fraction for p in points):
         here = {p.mode: p for p in points if p.fraction == fraction}
@@ -422,6 +486,9 @@ def verdict(points: Sequence[Point]) -> List[str]:
             if not math.isnan(mine):
                 parts.append(f"{label} {mine:.1f} ms vs best static {best:.1f} "
                              f"({'ok' if mine <= 1.10 * best else 'MISS'})")
+        paired = paired_p95_ratio(slo, static)
+        if paired is not None:
+            parts.append(f"paired p95 ratio {paired:.2f} ({'ok' if paired <= 1.10 else 'MISS'})")
         best_tp = max(p.throughput_qps for p in static)
         parts.append(f"throughput {slo.throughput_qps:.1f} vs {best_tp:.1f} "
                      f"({'ok' if slo.throughput_qps >= 0.90 * best_tp else 'MISS'})")
