@@ -79,16 +79,17 @@ def test_engine_sweep_gives_every_mode_of_a_round_the_same_arrivals(monkeypatch)
     assert all(len(p.p95_rounds_ms.split(";")) == 2 for p in points)
 
 
-def test_paired_ratio_compares_modes_round_by_round():
-    def point(mode, rounds):
-        return loadgen.Point(mode, 0.5, 100.0, 100.0, 1.0, 1.0, 1.0, 10, 0, 1.0, 50.0, 1.0,
+def test_paired_ratio_compares_slo_with_the_best_static_mode_round_by_round():
+    def point(mode, pooled_p95, rounds):
+        return loadgen.Point(mode, 0.5, 100.0, 100.0, 1.0, pooled_p95, 1.0, 10, 0, 1.0, 50.0, 1.0,
                              ";".join(map(str, rounds)))
 
-    slo = point("slo", [11.0, 30.0, 9.0])
-    static = [point("latency", [10.0, 20.0, 10.0]), point("throughput", [12.0, 40.0, 9.0])]
-    # round ratios 1.1, 1.5, 1.0 -> median 1.1
-    assert loadgen.paired_p95_ratio(slo, static) == pytest.approx(1.1)
-    assert loadgen.paired_p95_ratio(point("slo", [1.0]), static) is None
+    slo = point("slo", 20.0, [11.0, 30.0, 9.0])
+    latency = point("latency", 19.0, [10.0, 20.0, 10.0])  # the best static mode (pooled p95)
+    throughput = point("throughput", 25.0, [12.0, 40.0, 6.0])  # best in round 3 only
+    # against latency in every round: 1.1, 1.5, 0.9 -> median 1.1 (not a per-round best)
+    assert loadgen.paired_p95_ratio(slo, [latency, throughput]) == pytest.approx(1.1)
+    assert loadgen.paired_p95_ratio(point("slo", 1.0, [1.0]), [latency, throughput]) is None
 
 
 def test_the_service_sets_the_gil_switch_interval_when_its_engine_starts(serve_matrix, vector_matrix_path):
