@@ -222,15 +222,16 @@ def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloP
     the fixed cost of a launch they save (the fit's intercept), so the hold is at most half the
     intercept; no longer than the batch takes to fill on average; and within the budget: a
     query's latency is about hold + queue wait + t(b), and one arriving just behind a launch
-    waits that launch out, hence hold + 2 t(b) <= budget. (Longer holds measured worse p95 than
-    launching at once: docs/benchmarks/policy_NOTES.md.)"""
+    waits that launch out, hence hold + 2 t(b) <= budget, with t(b) taken two residuals of the
+    fit high: a launch that runs long while the device idled for the hold costs the whole queue.
+    (Longer holds measured worse p95 than launching at once: docs/benchmarks/policy_NOTES.md.)"""
     budget = policy.p95_target_ms / 1000 * (1 - policy.safety_margin)
     batch = policy.max_batch
     for b in range(1, policy.max_batch + 1):
         if b / cost.predict(b) * SLO_MAX_UTILISATION >= arrival_rate:
             batch = b
             break
-    slack = budget - 2 * cost.predict(batch)
+    slack = budget - 2 * (cost.predict(batch) + 2 * cost.rmse_s)
     fill = (batch - 1) / arrival_rate if arrival_rate > 0 else 0.0
     window = max(0.0, min(policy.window_s, slack, fill, cost.intercept_s / 2))
     return SloPlan(batch, window, budget, cost.predict(1) <= budget)

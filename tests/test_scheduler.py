@@ -130,6 +130,17 @@ def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
     assert decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, plan.window_s).reason == "window"
 
 
+def test_slo_does_not_hold_when_the_fit_is_too_noisy_to_promise_the_slack():
+    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    steady = plan_slo(policy, FIT, arrival_rate=450)
+    # launches of 6 measured +-6 ms around the line: 2 x (10 + 2 x 6) ms is over the 40 ms budget
+    noisy = plan_slo(policy, CostFit(FIT.intercept_s, FIT.per_query_s, FIT.samples, rmse_s=0.006), 450)
+    assert steady.window_s > 0 and (noisy.batch, noisy.window_s) == (steady.batch, 0.0)
+    d = decide([q((1, 1, 1), 0.0, rate=450)], lanes(policy),
+               CostFit(FIT.intercept_s, FIT.per_query_s, FIT.samples, rmse_s=0.006), 0.0)
+    assert (d.reason, d.queries) == ("window", 3)  # launched at once, like latency
+
+
 def test_slo_with_a_target_it_cannot_meet_never_holds_queries():
     policy = BatchingPolicy(mode="slo", p95_target_ms=5, window_us=20000)
     plan = plan_slo(policy, FIT, arrival_rate=400)
