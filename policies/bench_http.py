@@ -88,12 +88,6 @@ def activate(name: str) -> None:
 # --- The sweep: common arrivals per (round, fraction), the modes interleaved --------------------
 
 
-def mode_order(modes: Sequence[str], round_: int) -> List[str]:
-    """The modes of one round, turned by one each round (no mode always runs first after a switch)."""
-    k = round_ % len(modes)
-    return list(modes[k:]) + list(modes[:k])
-
-
 def run_sweep(modes: Sequence[str], fractions: Sequence[float], rounds: int, capacity: float,
               seconds: float, seed: int, switch: Callable[[str], None],
               offer: Callable[[np.ndarray], loadgen.Run]) -> Dict[Tuple[float, str], List[loadgen.Run]]:
@@ -107,7 +101,7 @@ def run_sweep(modes: Sequence[str], fractions: Sequence[float], rounds: int, cap
         for fraction in fractions:
             arrivals = loadgen.poisson_arrivals(fraction * capacity, seconds, rng)
             arrivals.setflags(write=False)  # one trace for every mode: none may change it
-            for mode in mode_order(modes, round_):
+            for mode in loadgen.mode_order(modes, round_):
                 switch(mode)
                 runs.setdefault((fraction, mode), []).append(offer(arrivals))
     return runs

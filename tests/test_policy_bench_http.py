@@ -92,7 +92,7 @@ def test_every_mode_of_a_round_and_fraction_gets_the_same_arrivals():
         assert not np.array_equal(traces[(0, fraction)]["slo"], traces[(1, fraction)]["slo"])
     # the mode order turns each round, so no mode is always the first after a switch
     firsts = [offers[r * n * len(fractions)][1] for r in range(rounds)]
-    assert firsts == [bench_http.mode_order(loadgen.MODES, r)[0] for r in range(rounds)]
+    assert firsts == [loadgen.mode_order(loadgen.MODES, r)[0] for r in range(rounds)]
     assert len(set(firsts)) == rounds
     assert all(len(runs[(f, m)]) == rounds for f in fractions for m in loadgen.MODES)
     # the same seed draws the same traces

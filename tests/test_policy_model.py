@@ -102,3 +102,15 @@ def test_the_service_sets_the_gil_switch_interval_when_its_engine_starts(serve_m
         assert sys.getswitchinterval() == pytest.approx(0.0007)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_an_a_a_control_measures_latency_twice_and_the_verdict_reports_their_gap(capsys, tmp_path):
+    points, shape = loadgen.sweep("sim", pages=16, modes=("latency", loadgen.CONTROL, "slo"),
+                                  fractions=(0.3,), duration=0.6, warmup=0.1, window_us=2000,
+                                  target_ms=50.0, max_batch=8, seed=3, log=lambda *a: None, rounds=2,
+                                  sim_cost_ms="1,0.2", capacity_qps=400.0)
+    assert [p.mode for p in points] == ["latency", loadgen.CONTROL, "slo"]
+    lines = loadgen.verdict(points)
+    assert lines[0].startswith(" 30%: p95 ") and "A/A control, latency measured twice" in lines[1]
+    # the control is not a static mode slo is judged against
+    assert loadgen.bench_policies(2000, 50.0, 8).keys() == set(loadgen.MODES)

@@ -38,6 +38,9 @@ from gpu_engine.matrix import PAGE_BYTES, Epoch, random_matrix
 from gpu_engine.scheduler import BatchingPolicy
 
 MODES = ("latency", "throughput", "adaptive", "slo")
+# The latency policy measured a second time under another name (an A/A control): how far two
+# runs of one policy fall apart on this machine, the resolution of every comparison here.
+CONTROL = "latency-control"
 FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.85, 0.95)
 
 
@@ -200,11 +203,14 @@ def summarise(mode: str, fraction: float, rate: float, runs: Sequence[Run], targ
                  ";".join(f"{v:.3f}" for v in rounds))
 
 
-def bench_policies(window_us: int, target_ms: float, max_batch: int) -> Dict[str, BatchingPolicy]:
-    """The four modes, each with room enough (queue, timeout) that nothing is refused."""
+def bench_policies(window_us: int, target_ms: float, max_batch: int,
+                   control: bool = False) -> Dict[str, BatchingPolicy]:
+    """The four modes (and the A/A control if asked), each with room enough (queue, timeout)
+    that nothing is refused."""
     common = dict(max_batch=max_batch, max_queue=100_000, queue_timeout_ms=600_000,
                   p95_target_ms=target_ms)
-    return {
+    extra = {CONTROL: BatchingPolicy(name="bench-latency-control", mode="latency", **common)} if control else {}
+    return {**extra,
         "latency": BatchingPolicy(name="bench-latency", mode="latency", **common),
         "throughput": BatchingPolicy(name="bench-throughput", mode="throughput", window_us=window_us, **common),
         "adaptive": BatchingPolicy(name="bench-adaptive", mode="adaptive", window_us=window_us,
@@ -250,6 +256,12 @@ def probe_cost(engine: Engine, pool: Sequence[list], max_batch: int) -> CostFit:
     return engine.cost.fit()
 
 
+def mode_order(modes: Sequence[str], round_: int) -> List[str]:
+    """The modes of one round, turned by one each round (no mode always runs first after a switch)."""
+    k = round_ % len(modes)
+    return list(modes[k:]) + list(modes[:k])
+
+
 def _stretches(engine: Engine, pool: Sequence[list], policies: Dict[str, BatchingPolicy],
                modes: Sequence[str], fractions: Sequence[float], capacity: float, duration: float,
                warmup: float, rounds: int, rng: np.random.Generator, log=print) -> Dict[tuple, List[Run]]:
@@ -264,8 +276,7 @@ def _stretches(engine: Engine, pool: Sequence[list], policies: Dict[str, Batchin
     for round_ in range(rounds):
         for fraction in fractions:
             arrivals = poisson_arrivals(fraction * capacity, warmup + duration / rounds, rng)
-            # the order turns each round, so that no mode always follows the same one
-            for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
+            for mode in mode_order(modes, round_):
                 engine.set_policy_source(static_policy(policies[mode]))
                 before = engine.snapshot()["lanes"]["interactive"]
                 start, done, refused = drive(lambda q: engine.submit([q]), pool, arrivals)
@@ -308,7 +319,7 @@ def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequen
             target_ms = round(5 * t1 * 1000, 1)
         log(f"capacity {capacity_qps:.1f} q/s; t(1) = {t1 * 1000:.2f} ms, t({max_batch}) = "
             f"{tmax * 1000:.2f} ms; slo p95 target {target_ms} ms")
-        policies = bench_policies(window_us, target_ms, max_batch)
+        policies = bench_policies(window_us, target_ms, max_batch, control=CONTROL in modes)
         runs = _stretches(engine, pool, policies, modes, fractions, capacity_qps, duration, warmup,
                           rounds, np.random.default_rng(seed), log)
     finally:
@@ -436,9 +447,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(line)
         return 0
     modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted(set(modes) - set(MODES) - {CONTROL})
     if unknown:
-        parser.error(f"unknown modes {unknown}, expected some of {', '.join(MODES)}")
+        parser.error(f"unknown modes {unknown}, expected some of {', '.join(MODES)}, {CONTROL}")
     fractions = [float(f) for f in args.fractions.split(",") if f]
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
@@ -480,6 +491,7 @@ def verdict(points: Sequence[Point]) -> List[str]:
     lines = []
     for fraction in dict.fromkeys(p.fraction for p in points):
         here = {p.mode: p for p in points if p.fraction == fraction}
+        control = here.pop(CONTROL, None)
         slo, static = here.get("slo"), [p for m, p in here.items() if m != "slo"]
         if slo is None or not static:
             continue
@@ -500,6 +512,11 @@ def verdict(points: Sequence[Point]) -> List[str]:
         parts.append(f"target {'met' if met else 'missed'}"
                      f"{' although another mode met it' if anyone and not met else ''}")
         lines.append(f"{fraction:4.0%}: " + ", ".join(parts))
+        if control is not None and "latency" in here:
+            same = paired_p95_ratio(control, [here["latency"]])
+            lines.append(f"{fraction:4.0%}: A/A control, latency measured twice: p95 "
+                         f"{control.p95_ms:.1f} vs {here['latency'].p95_ms:.1f} ms"
+                         + (f", paired ratio {same:.2f}" if same is not None else ""))
     return lines
 
 
