@@ -240,7 +240,13 @@ def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloP
 def _slo(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
     if cost is None or cost.samples < SLO_MIN_SAMPLES:
         return launch(queue, policy, "warmup")  # no measurements yet: behave like latency
-    plan = plan_slo(policy, cost, queue.arrival_rate)
+    # The queue in front shows the recent rate: depth - 1 arrivals since the oldest came. The EMA
+    # lags behind a rising load (after an idle spell or a burst), and a plan made on the lagging
+    # rate holds queries with the device idle exactly when more are coming than it thinks.
+    held = now - queue.oldest_arrival
+    recent = (queue.depth - 1) / held if held > 0 else (0.0 if queue.depth <= 1 else math.inf)
+    rate = max(queue.arrival_rate, recent)
+    plan = plan_slo(policy, cost, rate)
     if plan.batch <= 1:
         return launch(queue, policy, "now")
     return _fill_or_window(queue, policy, plan.batch, plan.window_s, now)

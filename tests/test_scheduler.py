@@ -124,9 +124,9 @@ def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
     # and the slack (40 - 2 x 10 ms)
     assert plan.window_s == pytest.approx(FIT.intercept_s / 2)
     policies = lanes(policy)
-    d = decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, 0.001)
+    d = decide([q((1,), 0.0, rate=450)], policies, FIT, 0.001)
     assert isinstance(d, Wait) and d.seconds == pytest.approx(plan.window_s - 0.001)
-    assert decide([q((1,) * 6, 0.0, rate=450)], policies, FIT, 0.001).reason == "full"
+    assert decide([q((1,) * 6, 0.0, rate=450)], policies, FIT, 0.001).queries == 6  # a full batch goes
     assert decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, plan.window_s).reason == "window"
 
 
@@ -139,6 +139,15 @@ def test_slo_does_not_hold_when_the_fit_is_too_noisy_to_promise_the_slack():
     d = decide([q((1, 1, 1), 0.0, rate=450)], lanes(policy),
                CostFit(FIT.intercept_s, FIT.per_query_s, FIT.samples, rmse_s=0.006), 0.0)
     assert (d.reason, d.queries) == ("window", 3)  # launched at once, like latency
+
+
+def test_slo_plans_with_the_rate_its_queue_shows_when_the_average_lags():
+    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    # the average says 450/s and one query waits: hold it (a 2 ms window is planned)
+    assert isinstance(decide([q((1,), 0.0, rate=450)], lanes(policy), FIT, 0.001), Wait)
+    # the average still says 50/s after an idle spell, but 5 queries came in 0.5 ms: no hold
+    d = decide([q((1,) * 5, 0.0, rate=50)], lanes(policy), FIT, 0.0005)
+    assert isinstance(d, Launch) and d.queries == 5
 
 
 def test_slo_with_a_target_it_cannot_meet_never_holds_queries():
