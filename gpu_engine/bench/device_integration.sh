@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the H100 figures of issues 4 and 5: the Poisson load sweep per batching mode
-# (engine level) and bulk-job throughput against the engine's, both on the CUDA backend.
+# One device call for the H100 figure of issue 5: bulk-job throughput against the engine's, on the
+# CUDA backend. (The policy sweep of issue 4 is gpu_engine/bench/device_policy.sh.)
 # Run from the repo root on the device with the Django/Celery wheels carried in .whl:
 #   bash gpu_engine/bench/device_integration.sh   (writes CSV/PNG/logs under $OUT)
 set -uo pipefail
@@ -10,10 +10,6 @@ export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PAGES=${PAGES:-1048576}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-
-echo "== loadgen: Poisson sweep, every mode, cuda, $PAGES pages"
-python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --duration 6 --warmup 0.5 \
-    --csv "$OUT/policy_cuda.csv" --png "$OUT/policy_cuda.png" 2>&1 | tee "$OUT/loadgen.log" | tail -40
 
 echo "== bulk: 10,000-query job vs engine throughput, cuda, $PAGES pages"
 python3 -m queries.bulk_bench --backend cuda --pages "$PAGES" --queries 10000 \
