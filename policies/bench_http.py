@@ -386,17 +386,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    header = [line.replace("gpu_engine.bench.loadgen ", "policies.bench_http ", 1)
-              for line in loadgen.header_lines(result.shape, argv)]
-    if args.csv:
-        loadgen.write_csv(args.csv, result.points, header)
-        print(f"wrote {args.csv}")
-    if args.png:
-        loadgen.plot(args.png, result.points, header,
-                     "Batching modes under Poisson load over HTTP (gunicorn, cpu)")
-        print(f"wrote {args.png}")
-    for line in loadgen.verdict(result.points):
-        print(line)
+    loadgen.report(result.points, loadgen.header_lines(result.shape, argv, "policies.bench_http"),
+                   args.csv, args.png, "Batching modes under Poisson load over HTTP (gunicorn, cpu)")
     return 0
 
 

@@ -339,14 +339,28 @@ def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequen
     return points, shape
 
 
-def header_lines(shape: dict, argv: Sequence[str]) -> List[str]:
+def header_lines(shape: dict, argv: Sequence[str], module: str = "gpu_engine.bench.loadgen") -> List[str]:
+    """The # machine / shape / command / date lines every policy CSV starts with."""
     return [
         f"# machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
         f"cpus={os.cpu_count()} python={platform.python_version()} numpy={np.__version__}",
         "# shape: " + " ".join(f"{k}={v}" for k, v in shape.items()),
-        "# command: python3 -m gpu_engine.bench.loadgen " + " ".join(shlex.quote(a) for a in argv),
+        f"# command: python3 -m {module} " + " ".join(shlex.quote(a) for a in argv),
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
     ]
+
+
+def report(points: Sequence[Point], header: Sequence[str], csv_path: Optional[str], png_path: Optional[str],
+           title: str) -> None:
+    """Write the CSV and the plot where asked, then print the verdict."""
+    if csv_path:
+        write_csv(csv_path, points, header)
+        print(f"wrote {csv_path}")
+    if png_path:
+        plot(png_path, points, header, title)
+        print(f"wrote {png_path}")
+    for line in verdict(points):
+        print(line)
 
 
 def write_csv(path: str, points: Sequence[Point], header: Sequence[str]) -> None:
@@ -439,12 +453,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             points += more
             header += lines if not header else [line.replace("# ", f"# part {path.rsplit('/', 1)[-1]}: ", 1)
                                                 for line in lines]
-        if args.csv:
-            write_csv(args.csv, points, header)
-        if args.png:
-            plot(args.png, points, header, f"Batching modes under Poisson load ({args.backend})")
-        for line in verdict(points):
-            print(line)
+        report(points, header, args.csv, args.png, f"Batching modes under Poisson load ({args.backend})")
         return 0
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES) - {CONTROL})
@@ -456,15 +465,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     points, shape = sweep(args.backend, args.pages, modes, fractions, args.duration, args.warmup,
                           args.window_us, args.target_ms, args.max_batch, args.seed, rounds=args.rounds,
                           sim_cost_ms=args.sim_cost_ms, capacity_qps=args.capacity_qps)
-    header = header_lines(shape, argv)
-    if args.csv:
-        write_csv(args.csv, points, header)
-        print(f"wrote {args.csv}")
-    if args.png:
-        plot(args.png, points, header, f"Batching modes under Poisson load ({args.backend})")
-        print(f"wrote {args.png}")
-    for line in verdict(points):
-        print(line)
+    report(points, header_lines(shape, argv), args.csv, args.png,
+           f"Batching modes under Poisson load ({args.backend})")
     return 0
 
 

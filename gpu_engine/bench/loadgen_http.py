@@ -34,10 +34,9 @@ from gpu_engine.bench.loadgen import (
     header_lines,
     make_pool,
     measure,
-    plot,
     poisson_arrivals,
+    report,
     summarise,
-    write_csv,
 )
 
 
@@ -208,14 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f]
     points, shape = run(args.url.rstrip("/"), rates, fractions, args.duration, args.warmup,
                         args.clients, args.seed)
-    header = [line.replace("gpu_engine.bench.loadgen ", "gpu_engine.bench.loadgen_http ")
-              for line in header_lines(shape, argv)]
-    if args.csv:
-        write_csv(args.csv, points, header)
-        print(f"wrote {args.csv}")
-    if args.png:
-        plot(args.png, points, header, "Poisson load over HTTP")
-        print(f"wrote {args.png}")
+    report(points, header_lines(shape, argv, "gpu_engine.bench.loadgen_http"), args.csv, args.png,
+           "Poisson load over HTTP")
     return 0
 
 

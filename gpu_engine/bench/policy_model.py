@@ -18,8 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.bench.loadgen import (FRACTIONS, MODES, Point, bench_policies, header_lines, plot, verdict,
-                                      write_csv)
+from gpu_engine.bench.loadgen import FRACTIONS, MODES, Point, bench_policies, header_lines, report
 from gpu_engine.costmodel import CostFit, RateMeter
 from gpu_engine.engine_stats import percentile
 from gpu_engine.scheduler import HEAD_REQUESTS, BatchingPolicy, LaneQueue, Launch, decide
@@ -114,17 +113,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for p in points:
         print(f"{p.mode:>10} {p.fraction:4.0%} {p.offered_qps:8.1f} q/s: p50 {p.p50_ms:7.2f} "
               f"p95 {p.p95_ms:7.2f} p99 {p.p99_ms:7.2f} ms, batch {p.mean_batch:4.1f}")
-    header = [line.replace("gpu_engine.bench.loadgen ", "gpu_engine.bench.policy_model ")
-              for line in header_lines({"model": f"t(b) = {a * 1000:g} + {c * 1000:g} b ms",
-                                        "arrivals_per_point": args.arrivals, **shape}, argv)]
-    if args.csv:
-        write_csv(args.csv, points, header)
-        print(f"wrote {args.csv}")
-    if args.png:
-        plot(args.png, points, header, "Batching modes, virtual-time model (no noise)")
-        print(f"wrote {args.png}")
-    for line in verdict(points):
-        print(line)
+    header = header_lines({"model": f"t(b) = {a * 1000:g} + {c * 1000:g} b ms",
+                           "arrivals_per_point": args.arrivals, **shape}, argv, "gpu_engine.bench.policy_model")
+    report(points, header, args.csv, args.png, "Batching modes, virtual-time model (no noise)")
     return 0
 
 
