@@ -108,6 +108,10 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._running = False
         self._inflight: List[_Request] = []  # dequeued, not yet answered
+        # monotonic time the device last fell idle: a launch's hold is counted from the later of
+        # this and its oldest query's arrival
+        self._idle_since = time.monotonic()
+        self._waited = False  # the scheduler chose to wait with queries queued since the last launch
         self.failure: Optional[str] = None  # why the scheduler died, if it did
         self.cost = CostModel()
         self.stats = EngineStats(LANES)
@@ -337,6 +341,7 @@ class Engine:
                         batch = (decision, self._dequeue(decision.lane, decision.requests))
                         break
                     wait = decision.seconds
+                    self._waited = self._waited or any(self._depth.values())
                     self._cond.wait(POLICY_RECHECK_S if wait is None else min(wait, POLICY_RECHECK_S))
                 if not self._running:
                     return
@@ -381,8 +386,13 @@ class Engine:
         # the device time and handing the answers out (measured ~20% of a launch on the H100).
         self.cost.observe(queries, time.perf_counter() - started)
         done = time.monotonic()
+        # how long the device sat idle with this launch's oldest query waiting: what holding for
+        # a fuller batch cost (near zero for a policy that launches at once)
+        held = max(0.0, started_mono - max(self._idle_since, batch[0].arrived))
+        self._idle_since = done
         self.stats.launched(decision, seconds, [(r.size, started_mono - r.arrived, done - r.arrived)
-                                                for r in batch], done)
+                                                for r in batch], done, held, self._waited)
+        self._waited = False
 
     # -- what operators and metrics read --------------------------------------------------
     def health(self) -> dict:

@@ -55,6 +55,8 @@ class LaneStats:
         self.queries = 0  # queries answered
         self.requests = 0  # requests answered
         self.launches = 0
+        self.held_seconds = 0.0  # device idle while a query of this lane waited, summed per launch
+        self.launches_held = 0  # launches the scheduler held back at least once for a fuller batch
         self.queue_wait = Histogram(SECONDS_BOUNDS)  # per query: arrival to launch start
         self.compute = Histogram(SECONDS_BOUNDS)  # per launch: the backend's time
         self.latency = Histogram(SECONDS_BOUNDS)  # per query: arrival to answer
@@ -108,8 +110,11 @@ class EngineStats:
             refused["device_error"] = refused.get("device_error", 0) + queries
 
     def launched(self, launch: "Launch", seconds: float,
-                 requests: List[Tuple[int, float, float]], done: float) -> None:
-        """One launch that took `seconds`; requests are (queries, queue wait, latency)."""
+                 requests: List[Tuple[int, float, float]], done: float, held: float = 0.0,
+                 waited: bool = False) -> None:
+        """One launch that took `seconds` after the device sat `held` seconds idle with its oldest
+        query queued (`waited`: the scheduler chose to wait for it); requests are (queries, queue
+        wait, latency)."""
         queries = sum(size for size, _, _ in requests)
         with self._lock:
             lane = self._lane(launch.lane)
@@ -122,6 +127,8 @@ class EngineStats:
             self.dispatch_modes[launch.mode] = self.dispatch_modes.get(launch.mode, 0) + 1
             self.launch_reasons[launch.reason] = self.launch_reasons.get(launch.reason, 0) + 1
             lane.launches += 1
+            lane.held_seconds += held
+            lane.launches_held += waited
             lane.queries += queries
             lane.requests += len(requests)
             lane.compute.observe(seconds)
@@ -143,6 +150,7 @@ class EngineStats:
                 batches = [size for _, size in lane.recent_batches]
                 lanes[name] = {
                     "queries": lane.queries, "requests": lane.requests, "launches": lane.launches,
+                    "held_seconds": lane.held_seconds, "launches_held": lane.launches_held,
                     "queue_wait": lane.queue_wait.snapshot(), "compute": lane.compute.snapshot(),
                     "latency": lane.latency.snapshot(), "refused": dict(lane.refused),
                     "p95_last_minute_s": percentile(latencies, 0.95),

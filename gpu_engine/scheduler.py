@@ -212,41 +212,72 @@ class SloPlan:
     feasible: bool  # False when even a single-query launch is predicted to miss the budget
 
 
+def batch_keeping_up(cost: CostFit, arrival_rate: float, max_batch: int) -> int:
+    """The smallest b whose launches, back to back, serve `arrival_rate` at SLO_MAX_UTILISATION:
+    b / t(b) * u >= rate, i.e. b >= rate * a / (u - rate * c); max_batch when none does.
+
+    Solved rather than searched: it runs on every scheduling decision, with the device idle."""
+    room = SLO_MAX_UTILISATION - arrival_rate * cost.per_query_s
+    if room <= 0:
+        return 1 if _keeps_up(1, cost, arrival_rate) else max_batch
+    b = min(max_batch, max(1, math.ceil(arrival_rate * cost.intercept_s / room)))
+    if b > 1 and _keeps_up(b - 1, cost, arrival_rate):  # ceil of a float a hair above a whole number
+        return b - 1
+    if b < max_batch and not _keeps_up(b, cost, arrival_rate):
+        return b + 1
+    return b
+
+
+def _keeps_up(batch: int, cost: CostFit, arrival_rate: float) -> bool:
+    return batch / cost.predict(batch) * SLO_MAX_UTILISATION >= arrival_rate
+
+
 def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloPlan:
     """The smallest batch that keeps up with the arrivals, and how long the oldest query may be
     held for it.
 
     While single-query launches keep up (b = 1), nothing is held: with one device, launching at
     once and letting the next batch form while it runs gives the lowest latency. Beyond that,
-    holding for company pays only while the queries held wait (window/2 on average) less than
-    the fixed cost of a launch they save (the fit's intercept), so the hold is at most half the
-    intercept; no longer than the batch takes to fill on average; and within the budget: a
-    query's latency is about hold + queue wait + t(b), and one arriving just behind a launch
-    waits that launch out, hence hold + 2 t(b) <= budget, with t(b) taken two residuals of the
-    fit high: a launch that runs long while the device idled for the hold costs the whole queue.
+    holding a query one more instant dw pays while the company it may bring saves more latency
+    than the hold costs: a query arriving u into the hold and launched with the held one saves
+    itself the wait behind a separate launch, a - c - 2u in all (t(b) = a + c b), with chance
+    rate * dw; the held query waits dw longer whenever nobody came. Hence the hold is at most
+    (a - c - 1/rate) / 2: none while fewer than one query arrives per saved intercept, and never
+    more than half the intercept. It is also no longer than the batch takes to fill on average,
+    and within the budget: a query's latency is about hold + queue wait + t(b), and one arriving
+    just behind a launch waits that launch out, hence hold + 2 t(b) <= budget, with t(b) taken
+    two residuals of the fit high: a launch that runs long while the device idled for the hold
+    costs the whole queue.
     (Longer holds measured worse p95 than launching at once: docs/benchmarks/policy_NOTES.md.)"""
     budget = policy.p95_target_ms / 1000 * (1 - policy.safety_margin)
-    batch = policy.max_batch
-    for b in range(1, policy.max_batch + 1):
-        if b / cost.predict(b) * SLO_MAX_UTILISATION >= arrival_rate:
-            batch = b
-            break
+    batch = batch_keeping_up(cost, arrival_rate, policy.max_batch)
     slack = budget - 2 * (cost.predict(batch) + 2 * cost.rmse_s)
     fill = (batch - 1) / arrival_rate if arrival_rate > 0 else 0.0
-    window = max(0.0, min(policy.window_s, slack, fill, cost.intercept_s / 2))
+    window = max(0.0, min(policy.window_s, slack, fill, hold_worth(cost, arrival_rate)))
     return SloPlan(batch, window, budget, cost.predict(1) <= budget)
+
+
+def hold_worth(cost: CostFit, arrival_rate: float) -> float:
+    """The longest hold that company arriving at `arrival_rate` pays for, (a - c - 1/rate) / 2
+    seconds (plan_slo says why); <= 0: launch at once."""
+    if arrival_rate <= 0:
+        return 0.0
+    return (cost.intercept_s - cost.per_query_s - 1 / arrival_rate) / 2
 
 
 def _slo(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
     if cost is None or cost.samples < SLO_MIN_SAMPLES:
         return launch(queue, policy, "warmup")  # no measurements yet: behave like latency
-    # The queue in front shows the recent rate: depth - 1 arrivals since the oldest came. The EMA
-    # lags behind a rising load (after an idle spell or a burst), and a plan made on the lagging
-    # rate holds queries with the device idle exactly when more are coming than it thinks.
-    held = now - queue.oldest_arrival
-    recent = (queue.depth - 1) / held if held > 0 else (0.0 if queue.depth <= 1 else math.inf)
-    rate = max(queue.arrival_rate, recent)
-    plan = plan_slo(policy, cost, rate)
+    if queue.depth >= policy.max_batch:
+        return launch(queue, policy, "full")  # no plan holds a full batch back
+    # Cheap exits first: this runs between launches with the device idle (on the H100's host,
+    # 20 µs more per decision than latency's showed as 1% more idle device time).
+    # The 2 s average lags a rising load; a low rate only shortens the hold, so the lag errs
+    # towards launching at once. (The rate the queue shows, depth over time since the oldest
+    # arrival, was tried: from two arrivals a few µs apart it saw huge rates and held for them.)
+    if hold_worth(cost, queue.arrival_rate) <= 0:
+        return launch(queue, policy, "now")
+    plan = plan_slo(policy, cost, queue.arrival_rate)
     if plan.batch <= 1:
         return launch(queue, policy, "now")
     return _fill_or_window(queue, policy, plan.batch, plan.window_s, now)

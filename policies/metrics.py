@@ -98,6 +98,9 @@ class EngineCollector:
         wait = HistogramMetricFamily("pir_queue_wait_seconds", "Per query: arrival to launch start.",
                                      labels=["lane"])
         compute = HistogramMetricFamily("pir_compute_seconds", "Per launch: device time.", labels=["lane"])
+        held = CounterMetricFamily("gpu_held_idle_seconds", "Device idle while a query of the lane "
+                                   "waited: the time batching policies spend holding for a fuller "
+                                   "batch.", labels=["lane"])
         for lane, data in sorted(snap["lanes"].items()):
             answered.add_metric([lane], data["queries"])
             for reason, count in sorted(data["refused"].items()):
@@ -108,11 +111,12 @@ class EngineCollector:
                 p95.add_metric([lane], data["p95_last_minute_s"])
             _histogram(wait, [lane], data["queue_wait"])
             _histogram(compute, [lane], data["compute"])
+            held.add_metric([lane], data["held_seconds"])
         cost = GaugeMetricFamily("gpu_cost_model", "Launch cost fit t(b) = intercept + per_query * b "
                                  "(seconds) and the launches it is fitted from.", labels=["parameter"])
         for name in ("intercept_s", "per_query_s", "samples", "rmse_s"):
             cost.add_metric([name], snap["cost"][name])
-        return [modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait, compute, cost]
+        return [modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait, compute, held, cost]
 
 
 _registered = False

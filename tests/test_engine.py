@@ -203,6 +203,18 @@ def test_launch_uses_the_policy_dispatch_shape_and_a_changed_policy_applies_mid_
         eng.stop()
 
 
+def test_held_seconds_count_the_device_idle_while_a_policy_holds_for_a_fuller_batch(engine):
+    rng = np.random.default_rng(10)
+    d = engine.epoch.matrix.domain_bits
+    engine.answer([_query(1, d, rng)[0]], timeout=30)
+    lane = engine.snapshot()["lanes"]["interactive"]
+    assert lane["held_seconds"] < 0.05 and lane["launches_held"] == 0  # latency: launched at once
+    engine.set_policy_source(lambda lane: BatchingPolicy(mode="throughput", window_us=300_000))
+    engine.answer([_query(2, d, rng)[0]], timeout=30)  # alone: waits out the whole window
+    lane = engine.snapshot()["lanes"]["interactive"]
+    assert 0.29 <= lane["held_seconds"] < 1.0 and (lane["launches"], lane["launches_held"]) == (2, 1)
+
+
 def test_a_failing_policy_source_keeps_the_last_good_policy(engine):
     def broken(lane):
         raise RuntimeError("database away")

@@ -69,6 +69,7 @@ def test_metrics_count_queries_time_them_and_show_the_engine(api):
     assert sample(text, "pir_queue_depth", lane="interactive") == 0
     assert sample(text, "pir_queue_wait_seconds_count", lane="interactive") >= 4
     assert sample(text, "pir_compute_seconds_count", lane="interactive") >= 2
+    assert 0 <= sample(text, "gpu_held_idle_seconds_total", lane="interactive") < 1  # latency holds nothing
     assert sample(text, "gpu_cost_model", parameter="samples") >= 2
     assert sample(text, "pir_arrival_rate_per_second", lane="interactive") > 0
     assert sample(text, "pir_latency_p95_last_minute_seconds", lane="interactive") > 0
@@ -84,7 +85,8 @@ class _Refusing:
     def snapshot(self):
         empty = Histogram((1.0,)).snapshot()
         lane = {"queries": 0, "refused": {"queue_full": 5, "deadline": 2}, "queued": 7, "arrival_rate": 3.0,
-                "p95_last_minute_s": float("nan"), "queue_wait": empty, "compute": empty}
+                "p95_last_minute_s": float("nan"), "queue_wait": empty, "compute": empty,
+                "held_seconds": 1.5}
         return {"dispatch_modes": {"slo": 4}, "launch_reasons": {"window": 4}, "batch_size": empty,
                 "launches": 4, "lanes": {"interactive": lane},
                 "cost": {"intercept_s": 0.002, "per_query_s": 0.0005, "samples": 4, "rmse_s": 0.0}}
@@ -101,6 +103,7 @@ def test_collector_exports_refusals_by_reason_and_fit_parameters():
     assert sample(text, "gpu_cost_model", parameter="intercept_s") == 0.002
     assert sample(text, "gpu_cost_model", parameter="per_query_s") == 0.0005
     assert sample(text, "gpu_batch_dispatch_mode_total", mode="slo") == 4
+    assert sample(text, "gpu_held_idle_seconds_total", lane="interactive") == 1.5
     assert "pir_latency_p95_last_minute_seconds{" not in text  # no answers yet: no figure
 
 

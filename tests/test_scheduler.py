@@ -9,6 +9,7 @@ from gpu_engine.costmodel import CostFit, CostModel, RateMeter, fit_line
 from gpu_engine.scheduler import (
     SLO_MAX_UTILISATION,
     BatchingPolicy,
+    batch_keeping_up,
     LaneQueue,
     Launch,
     PolicyError,
@@ -120,14 +121,24 @@ def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
     assert plan.batch == 6
     assert 5 / FIT.predict(5) * SLO_MAX_UTILISATION < 450
     assert plan.budget_s == pytest.approx(0.040)
-    # held no longer than half a launch's fixed cost (4 ms / 2), below the fill time (5/450 s)
-    # and the slack (40 - 2 x 10 ms)
-    assert plan.window_s == pytest.approx(FIT.intercept_s / 2)
+    # held while the company it brings is worth the wait: (a - c - 1/rate) / 2 = (4 - 1 - 2.22) / 2 ms,
+    # below the fill time (5/450 s) and the slack (40 - 2 x 10 ms)
+    assert plan.window_s == pytest.approx((0.004 - 0.001 - 1 / 450) / 2)
     policies = lanes(policy)
-    d = decide([q((1,), 0.0, rate=450)], policies, FIT, 0.001)
-    assert isinstance(d, Wait) and d.seconds == pytest.approx(plan.window_s - 0.001)
+    d = decide([q((1,), 0.0, rate=450)], policies, FIT, 0.0001)
+    assert isinstance(d, Wait) and d.seconds == pytest.approx(plan.window_s - 0.0001)
     assert decide([q((1,) * 6, 0.0, rate=450)], policies, FIT, 0.001).queries == 6  # a full batch goes
     assert decide([q((1, 1, 1), 0.0, rate=450)], policies, FIT, plan.window_s).reason == "window"
+
+
+def test_slo_does_not_hold_while_fewer_than_one_query_arrives_per_saved_intercept():
+    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    # 300/s: single launches (t(1) = 5 ms) cannot keep up, yet the 3.3 ms between arrivals is
+    # longer than the 3 ms a shared launch saves, so holding one query costs more than it brings
+    plan = plan_slo(policy, FIT, arrival_rate=300)
+    assert plan.batch == 3 and plan.window_s == 0
+    d = decide([q((1,), 0.0, rate=300)], lanes(policy), FIT, 0.0)
+    assert (d.reason, d.queries) == ("now", 1)
 
 
 def test_slo_does_not_hold_when_the_fit_is_too_noisy_to_promise_the_slack():
@@ -141,13 +152,17 @@ def test_slo_does_not_hold_when_the_fit_is_too_noisy_to_promise_the_slack():
     assert (d.reason, d.queries) == ("window", 3)  # launched at once, like latency
 
 
-def test_slo_plans_with_the_rate_its_queue_shows_when_the_average_lags():
+def test_slo_holds_only_at_a_rate_that_brings_company_in_time():
     policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
-    # the average says 450/s and one query waits: hold it (a 2 ms window is planned)
-    assert isinstance(decide([q((1,), 0.0, rate=450)], lanes(policy), FIT, 0.001), Wait)
-    # the average still says 50/s after an idle spell, but 5 queries came in 0.5 ms: no hold
+    # the average says 450/s and one query waits: hold it (a 0.39 ms window is planned)
+    assert isinstance(decide([q((1,), 0.0, rate=450)], lanes(policy), FIT, 0.0001), Wait)
+    # the average still says 50/s after an idle spell, and 5 queries came in 0.5 ms: a lagging
+    # average errs towards launching at once
     d = decide([q((1,) * 5, 0.0, rate=50)], lanes(policy), FIT, 0.0005)
     assert isinstance(d, Launch) and d.queries == 5
+    # two queries 10 µs apart at a light 200/s are a coincidence, not a burst to hold for
+    d = decide([q((1, 1), 0.0, rate=200)], lanes(policy), FIT, 0.00001)
+    assert isinstance(d, Launch) and (d.reason, d.queries) == ("now", 2)
 
 
 def test_slo_with_a_target_it_cannot_meet_never_holds_queries():
@@ -156,6 +171,17 @@ def test_slo_with_a_target_it_cannot_meet_never_holds_queries():
     assert plan.window_s == 0
     assert plan.feasible is False  # t(1) = 5 ms is over the 4 ms budget
     assert decide([q((1,), 0.0, rate=400)], lanes(policy), FIT, 0.0).reason == "window"
+
+
+def test_slo_batch_is_the_smallest_that_keeps_up():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        fit = CostFit(rng.choice([0.0, rng.uniform(0, 0.02)]), rng.choice([0.0, rng.uniform(0, 0.002)]), 10)
+        rate, max_batch = rng.uniform(0, 5000), rng.randint(1, 32)
+        keeps_up = [b for b in range(1, max_batch + 1) if b / fit.predict(b) * SLO_MAX_UTILISATION >= rate]
+        assert batch_keeping_up(fit, rate, max_batch) == (keeps_up[0] if keeps_up else max_batch)
 
 
 def test_slo_past_capacity_uses_full_batches():
@@ -253,11 +279,29 @@ def test_cost_fit_recovers_a_line_and_refuses_negative_terms():
     fit = model.fit()
     assert fit.samples == 8
     assert fit.intercept_s == pytest.approx(0.003) and fit.per_query_s == pytest.approx(0.0005)
-    assert fit_line([(4, 0.01)] * 3) == CostFit(0.01, 0.0, 3, 0.0)  # one size: a constant
+    one_size = fit_line([(4, 0.01)] * 3)  # one size: a constant
+    assert (one_size.intercept_s, one_size.per_query_s, one_size.samples) == (pytest.approx(0.01), 0.0, 3)
+    assert one_size.rmse_s == pytest.approx(0.0, abs=1e-9)
     flat = fit_line([(1, 0.011), (32, 0.010)])  # noise on a flat curve must not fall
     assert flat.per_query_s == 0 and flat.intercept_s == pytest.approx(0.0105)
     through_origin = fit_line([(1, 0.0), (2, 0.003)])
     assert through_origin.intercept_s == 0 and through_origin.per_query_s > 0
+
+
+def test_cost_model_keeps_the_fit_of_its_last_launches_as_they_come_and_go():
+    import random
+
+    rng = random.Random(3)
+    model = CostModel(window=16)
+    points = [(rng.randint(1, 32), rng.uniform(0.001, 0.02)) for _ in range(100)]
+    for i, (b, t) in enumerate(points):
+        model.observe(b, t)
+        got, want = model.fit(), fit_line(points[max(0, i - 15):i + 1])
+        assert got.samples == want.samples == min(i + 1, 16)
+        for field in ("intercept_s", "per_query_s", "rmse_s"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-6, abs=1e-12)
+    residuals = [t - (want.intercept_s + want.per_query_s * b) for b, t in points[-16:]]
+    assert want.rmse_s == pytest.approx((sum(r * r for r in residuals) / 16) ** 0.5)
 
 
 def test_rate_meter_tracks_poisson_arrivals_and_forgets_after_idle():

@@ -2,11 +2,12 @@
 # The H100 Poisson sweep of issue 4 (engine level, every mode, cuda, 1,048,576 pages), in two
 # device calls because one command may run 10 minutes at most:
 #   bash gpu_engine/bench/device_policy.sh low
-#       measures the capacity and t(1); 10%, 30%, 50%, 70% of it, 4 rounds of 6 s per point
+#       measures the capacity and t(1); 10%, 30%, 50%, 70% of it, 4 rounds of 5 s per point, and
+#       the latency policy measured twice (A/A control)
 #   CAPACITY=<capacity_qps> TARGET=<p95_target_ms> bash gpu_engine/bench/device_policy.sh high
-#       85% and 95% of the same capacity, same slo target, 5 rounds of 8 s per point, and the
-#       latency policy measured twice (A/A control): near capacity the p95 of a few seconds
-#       moves by more than the modes differ, and the control says by how much
+#       85% and 95% of the same capacity, same slo target, 7 rounds of 6 s per point, and the
+#       A/A control: near capacity the p95 of a few seconds moves by more than the modes differ,
+#       and the control says by how much
 # and, back here, one CSV and plot from both:
 #   python3 -m gpu_engine.bench.loadgen --from-csv low.csv,high.csv --csv docs/benchmarks/policy_cuda.csv \
 #       --png docs/benchmarks/policy_cuda.png
@@ -23,10 +24,10 @@ trap 'kill $! 2>/dev/null' EXIT
 case "${1:-}" in
 low)
     python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --fractions 0.1,0.3,0.5,0.7 \
-        --duration 24 --rounds 4 --warmup 0.5 --csv "$OUT/policy_cuda_low.csv" 2>&1 | tee "$OUT/low.log" ;;
+        --modes latency,throughput,adaptive,slo,latency-control --duration 20 --rounds 4 --warmup 0.5 --csv "$OUT/policy_cuda_low.csv" 2>&1 | tee "$OUT/low.log" ;;
 high)
     python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --fractions 0.85,0.95 \
-        --modes latency,throughput,adaptive,slo,latency-control --duration 40 --rounds 5 --warmup 0.5 --capacity-qps "$CAPACITY" --target-ms "$TARGET" \
+        --modes latency,throughput,adaptive,slo,latency-control --duration 42 --rounds 7 --warmup 0.5 --capacity-qps "$CAPACITY" --target-ms "$TARGET" \
         --csv "$OUT/policy_cuda_high.csv" 2>&1 | tee "$OUT/high.log" ;;
 gil)
     # 90% of the same capacity with Python's GIL switch interval at its 5 ms default (0) and at 500 µs:

@@ -65,6 +65,10 @@ class Point:
     # each round's p95 in round order, ';'-separated: every mode of a round saw the same arrivals,
     # so the modes compare round by round (verdict's paired ratio)
     p95_rounds_ms: str = ""
+    # percent of the stretches' wall time the device sat idle with a query queued (engine level
+    # only): what the mode spent holding for fuller batches
+    held_pct: float = math.nan
+    launches_held_pct: float = math.nan  # percent of launches the scheduler chose to wait for
 
 
 class SimulatedBackend(Backend):
@@ -178,6 +182,9 @@ class Run:
     refused: int
     queries: int = 0  # answered by the engine, warm-up included (for the mean batch)
     launches: int = 0
+    held_s: float = 0.0  # device idle with a query queued, warm-up included (engine snapshot)
+    wall_s: float = 0.0  # the whole stretch, warm-up included; 0 where held_s was not measured
+    launches_held: int = 0  # launches the scheduler chose to wait for (engine snapshot)
 
 
 def measure(arrivals: np.ndarray, start: float, done: np.ndarray, refused: np.ndarray,
@@ -200,7 +207,13 @@ def summarise(mode: str, fraction: float, rate: float, runs: Sequence[Run], targ
                  sum(r.refused for r in runs),
                  sum(r.queries for r in runs) / launches if launches else float("nan"), target_ms,
                  float(np.median(per_round)) if per_round else math.nan,
-                 ";".join(f"{v:.3f}" for v in rounds))
+                 ";".join(f"{v:.3f}" for v in rounds), _held_pct(runs),
+                 100 * sum(r.launches_held for r in runs) / launches if launches and runs[0].wall_s else math.nan)
+
+
+def _held_pct(runs: Sequence[Run]) -> float:
+    wall = sum(run.wall_s for run in runs)
+    return 100 * sum(run.held_s for run in runs) / wall if wall > 0 else math.nan
 
 
 def bench_policies(window_us: int, target_ms: float, max_batch: int,
@@ -284,11 +297,16 @@ def _stretches(engine: Engine, pool: Sequence[list], policies: Dict[str, Batchin
                 run = measure(arrivals, start, done, refused, warmup)
                 run.queries = after["queries"] - before["queries"]
                 run.launches = after["launches"] - before["launches"]
+                run.held_s = after["held_seconds"] - before["held_seconds"]
+                run.launches_held = after["launches_held"] - before["launches_held"]
+                run.wall_s = time.perf_counter() - start
                 runs.setdefault((fraction, mode), []).append(run)
                 fit = engine.cost.fit()
                 log(f"  round {round_ + 1} {fraction:4.0%} {mode:>10}: p95 "
                     f"{percentile([1000 * v for v in run.latencies_s], 0.95):7.2f} ms, batch "
-                    f"{run.queries / max(1, run.launches):5.1f}, fit t(1) {fit.predict(1) * 1000:.2f} "
+                    f"{run.queries / max(1, run.launches):5.1f}, held {100 * run.held_s / run.wall_s:4.1f}% "
+                    f"({run.launches_held} of {run.launches} launches), "
+                    f"fit t(1) {fit.predict(1) * 1000:.2f} "
                     f"t(32) {fit.predict(32) * 1000:.2f} ms")
     return runs
 
@@ -331,7 +349,8 @@ def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequen
             points.append(point)
             log(f"{mode:>10} {fraction:4.0%} offered {point.offered_qps:7.1f} q/s: "
                 f"{point.throughput_qps:7.1f} q/s, p50 {point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} "
-                f"p99 {point.p99_ms:7.1f} ms, batch {point.mean_batch:4.1f}, refused {point.refused}")
+                f"p99 {point.p99_ms:7.1f} ms, batch {point.mean_batch:4.1f}, held {point.held_pct:4.1f}% "
+                f"({point.launches_held_pct:.1f}% of launches), refused {point.refused}")
     shape = {"pages": pages, "domain_bits": epoch.matrix.domain_bits, "keys_per_query": 3,
              "max_batch": max_batch, "window_us": window_us, "p95_target_ms": target_ms, "rounds": rounds,
              "capacity_qps": round(capacity_qps, 1), "t1_ms": round(t1 * 1000, 3),
