@@ -44,8 +44,8 @@ bench-bulk: $(STAMP)
 	$(PY) -m queries.bulk_bench --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
 
 # Poisson sweep over HTTP, 10% to 95% of the measured capacity, of the four interactive batching
-# modes, each activated live in one gunicorn party that the command starts and stops itself
-# (about 12 minutes with the defaults; matplotlib is installed for the plot).
+# modes and the A/A control, each activated live in one gunicorn party that the command starts and
+# stops itself (about 16 minutes with the defaults; matplotlib is installed for the plot).
 POLICY_HTTP_ARGS ?= --csv docs/benchmarks/policy_http_cpu.csv --png docs/benchmarks/policy_http_cpu.png
 bench-policy-http: $(STAMP)
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install --quiet 'matplotlib>=3.8,<4'

@@ -1,11 +1,11 @@
-"""Poisson sweep over HTTP of the four interactive batching modes, each activated live (issue 4).
+"""Poisson sweep over HTTP of the four batching modes and an A/A control, each made live (issue 4).
 
     make bench-policy-http    (docs/benchmarks/policy_http_run.sh, which runs this module)
     python -m policies.bench_http --duration 20 --rounds 3 --csv FILE.csv --png FILE.png
 
 Starts its own party in a temporary folder: a 256-page matrix, a SQLite database, gunicorn with
-1 worker x 32 threads, the CPU engine, the query throttle off. Writes four policy records into the
-interactive lane, field for field those of `gpu_engine.bench.loadgen.bench_policies` (so this sweep
+1 worker x 32 threads, the CPU engine, the query throttle off. Writes five policy records (the
+four modes and a second latency one, the A/A control) into the interactive lane, field for field those of `gpu_engine.bench.loadgen.bench_policies` (so this sweep
 and the engine-level one compare the same policies), measures t(1) (the slo target is 5 x t(1)
 unless --target-ms) and the capacity over HTTP, offers one stretch not measured, then for each
 round, each offered fraction of the capacity and each mode: activates the mode's record through
@@ -242,7 +242,8 @@ class Result:
 
 
 def sweep(args, log=print) -> Result:
-    modes = list(loadgen.MODES)
+    # and the A/A control: latency measured twice says how far two runs of one policy fall apart
+    modes = list(loadgen.MODES) + [loadgen.CONTROL]
     loads = [_load()]
     with Party(PAGES, args.seed, args.port, log=log) as party:
         party.setup_django()
@@ -264,7 +265,7 @@ def sweep(args, log=print) -> Result:
         t1 = loadgen_http.single_query_s(url, pool, count=20)
         if target_ms is None:
             target_ms = round(5 * t1 * 1000, 1)
-        policies = loadgen.bench_policies(args.window_us, target_ms, args.max_batch)
+        policies = loadgen.bench_policies(args.window_us, target_ms, args.max_batch, control=True)
         use(policies, "latency")
         capacity = loadgen_http.http_capacity(url, pool, args.clients, args.capacity_s)
         log(f"t(1) over HTTP {t1 * 1000:.2f} ms (median of 20); slo p95 target {target_ms} ms "
