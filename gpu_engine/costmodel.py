@@ -25,8 +25,8 @@ class CostFit:
 @dataclass
 class LineSums:
     """The sums a least-squares line needs, kept as launches come and go (O(1) per launch: the
-    fit is read on every scheduling decision, and refitting 128 points in Python took ~90 µs of
-    device idle per launch)."""
+    fit is read on every scheduling decision, and refitting 128 points in Python took 45 to 90 µs
+    of device idle per launch: docs/benchmarks/policy_NOTES.md)."""
 
     n: int = 0
     b: float = 0.0

@@ -5,9 +5,10 @@
 
 Starts its own party in a temporary folder: a 256-page matrix, a SQLite database, gunicorn with
 1 worker x 32 threads, the CPU engine, the query throttle off. Writes five policy records (the
-four modes and a second latency one, the A/A control) into the interactive lane, field for field those of `gpu_engine.bench.loadgen.bench_policies` (so this sweep
-and the engine-level one compare the same policies), measures t(1) (the slo target is 5 x t(1)
-unless --target-ms) and the capacity over HTTP, offers one stretch not measured, then for each
+four modes and a second latency one, the A/A control) into the interactive lane, field for field
+those of `gpu_engine.bench.loadgen.bench_policies` (so this sweep and the engine-level one
+compare the same policies), measures t(1) (the slo target is 5 x t(1) unless --target-ms) and
+the capacity over HTTP, offers one stretch not measured, then for each
 round, each offered fraction of the capacity and each mode: activates the mode's record through
 the database, as the admin does (no restart), waits until the server's /metrics reports it, and
 offers Poisson load. Every mode of one (round, fraction) gets the same arrival trace (common

@@ -207,13 +207,16 @@ def summarise(mode: str, fraction: float, rate: float, runs: Sequence[Run], targ
                  sum(r.refused for r in runs),
                  sum(r.queries for r in runs) / launches if launches else float("nan"), target_ms,
                  float(np.median(per_round)) if per_round else math.nan,
-                 ";".join(f"{v:.3f}" for v in rounds), _held_pct(runs),
-                 100 * sum(r.launches_held for r in runs) / launches if launches and runs[0].wall_s else math.nan)
+                 ";".join(f"{v:.3f}" for v in rounds), *_held_pcts(runs, launches))
 
 
-def _held_pct(runs: Sequence[Run]) -> float:
+def _held_pcts(runs: Sequence[Run], launches: int) -> Tuple[float, float]:
+    """(held_pct, launches_held_pct) of a point; nan where the engine's snapshot was not read."""
     wall = sum(run.wall_s for run in runs)
-    return 100 * sum(run.held_s for run in runs) / wall if wall > 0 else math.nan
+    if wall <= 0 or not launches:
+        return math.nan, math.nan
+    return (100 * sum(run.held_s for run in runs) / wall,
+            100 * sum(run.launches_held for run in runs) / launches)
 
 
 def bench_policies(window_us: int, target_ms: float, max_batch: int,
