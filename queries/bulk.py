@@ -8,12 +8,18 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Max, Q
+from django.db.models import Case, Exists, F, Max, OuterRef, Q, When
 from django.utils import timezone
 
 from queries.models import ACTIVE, KEYS_PER_QUERY, BulkChunk, BulkJob, BulkResult, JobStatus
 
 log = logging.getLogger(__name__)
+
+# Claims one worker tries before giving its task up: each failed try means another worker took
+# a chunk or a turn meanwhile, so the work is moving.
+CLAIM_TRIES = 100
+# Chunks one sweep looks at: bounded memory (a chunk's message is a few hundred bytes).
+SWEEP_BATCH = 10_000
 
 
 class JobFinished(Exception):
@@ -150,28 +156,80 @@ def lease_until():
     return timezone.now() + timedelta(seconds=settings.MORPHO_BULK_LEASE_SECONDS)
 
 
-def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
-    """Take a chunk for `worker`; None when it is done, held by a live worker, or its job ended."""
-    now = timezone.now()
-    # A worker runs one task at a time: if the chunk is marked as running on this very worker,
-    # that attempt died (a pool process killed, the task redelivered) and the chunk is free.
-    free = (
-        Q(status=JobStatus.QUEUED)
-        | Q(status=JobStatus.RUNNING, lease_expires__lt=now)
-        | Q(status=JobStatus.RUNNING, worker=worker)
+def _free(now) -> Q:
+    """Chunks a worker may take: queued, or running on a worker that stopped renewing its lease."""
+    return Q(status=JobStatus.QUEUED) | Q(status=JobStatus.RUNNING, lease_expires__lt=now)
+
+
+def _next_in_turn(now) -> tuple[object, object, int] | None:
+    """(job id, job turn, chunk id): the first free chunk of the job whose turn is oldest."""
+    waiting = BulkChunk.objects.filter(_free(now), job=OuterRef("pk"))
+    job = (
+        BulkJob.objects.filter(Exists(waiting), status__in=ACTIVE)
+        .order_by("turn", "created", "pk")
+        .values_list("pk", "turn")
+        .first()
     )
-    taken = BulkChunk.objects.filter(free, pk=chunk_id, job__status__in=ACTIVE).update(
-        status=JobStatus.RUNNING,
-        worker=worker,
-        lease_expires=lease_until(),
-        claimed=now,
-        attempts=F("attempts") + 1,
-        error="",
-    )
-    if not taken:
+    if job is None:
         return None
-    chunk = BulkChunk.objects.select_related("job").get(pk=chunk_id)
-    BulkJob.objects.filter(pk=chunk.job_id, status=JobStatus.QUEUED).update(
+    chunk_id = (
+        BulkChunk.objects.filter(_free(now), job_id=job[0])
+        .order_by("index")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    return None if chunk_id is None else (job[0], job[1], chunk_id)
+
+
+def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
+    """Take a chunk for `worker`: the next in round-robin order over jobs; None when none is free.
+
+    A task names a chunk, but any task may answer any chunk: a message only says that a chunk
+    is waiting, and the chunk is chosen when a worker is free to compute it, so jobs take turns
+    whatever order their messages were sent in. The job whose turn is oldest (its creation, then
+    its last claim) gives its lowest free chunk, and its turn becomes now; the conditional update
+    of the turn lets one worker take each turn, so concurrent workers keep the order strict.
+    The exception: a worker runs one task at a time, so a chunk marked as running on this very
+    worker belongs to an attempt that died (a pool process killed, its task redelivered) and is
+    taken again first."""
+    for _ in range(CLAIM_TRIES):
+        now = timezone.now()
+        own = (
+            BulkChunk.objects.filter(
+                status=JobStatus.RUNNING, worker=worker, job__status__in=ACTIVE
+            )
+            .order_by(Case(When(pk=chunk_id, then=0), default=1), "claimed")
+            .values_list("pk", "job_id")
+            .first()
+        )
+        if own is not None:
+            target, job_id = own
+            free = Q(status=JobStatus.RUNNING, worker=worker)
+        else:
+            turn = _next_in_turn(now)
+            if turn is None:
+                return None
+            job_id, job_turn, target = turn
+            if not BulkJob.objects.filter(pk=job_id, turn=job_turn).update(turn=now):
+                continue  # another worker took this job's turn: look again
+            free = _free(now)
+        taken = BulkChunk.objects.filter(free, pk=target, job__status__in=ACTIVE).update(
+            status=JobStatus.RUNNING,
+            worker=worker,
+            lease_expires=lease_until(),
+            claimed=now,
+            attempts=F("attempts") + 1,
+            error="",
+        )
+        if taken:
+            break
+        if own is None:  # the chunk went to a worker redoing it: give the turn back
+            BulkJob.objects.filter(pk=job_id, turn=now).update(turn=job_turn)
+    else:
+        log.warning("%s: no chunk claimed after %d tries; others took them", worker, CLAIM_TRIES)
+        return None
+    chunk = BulkChunk.objects.select_related("job").get(pk=target)
+    BulkJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
         status=JobStatus.RUNNING, started=now
     )
     return chunk
@@ -250,29 +308,30 @@ def fail_chunk(chunk_id: int, reason: str) -> None:
     log.error("bulk chunk %s failed: %s", chunk_id, reason)
 
 
+def fail_held(worker: str, reason: str) -> int | None:
+    """A task gave up (retries spent, or a bug): fail the chunk it held, if no one took it since.
+
+    Tasks are not bound to chunks, so the chunk is found as the one this worker claimed last
+    that is neither finished nor claimed again elsewhere (a worker runs one task at a time).
+    Returns its id, or None when there was none (the task failed before claiming)."""
+    chunk_id = (
+        BulkChunk.objects.filter(worker=worker, status__in=ACTIVE, job__status__in=ACTIVE)
+        .order_by("-claimed")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if chunk_id is not None:
+        fail_chunk(chunk_id, reason)
+    return chunk_id
+
+
 # --- the sweep: nothing lives only in the broker -------------------------------------------------
 
 
-def sweep(now=None) -> int:
-    """Resend chunks whose worker died (lease ran out) or whose message the broker lost.
+def _resend(candidates, now) -> int | None:
+    """Send (pk, status, dispatched, lease_expires) candidates again, each by one sweeper only.
 
-    A queued chunk counts as lost once it was sent MORPHO_BULK_REQUEUE_SECONDS ago and no worker
-    has taken any chunk since: while workers keep taking chunks the queue is moving and nothing
-    is resent. Every worker sweeps; a conditional update picks one sender per chunk. Returns the
-    number of chunks resent."""
-    now = now or timezone.now()
-    requeue_before = now - timedelta(seconds=settings.MORPHO_BULK_REQUEUE_SECONDS)
-    lost = Q(status=JobStatus.RUNNING, lease_expires__lt=now) | Q(
-        status=JobStatus.QUEUED, dispatched__isnull=True
-    )
-    last_claim = BulkChunk.objects.aggregate(last=Max("claimed"))["last"]
-    if last_claim is None or last_claim < requeue_before:
-        lost |= Q(status=JobStatus.QUEUED, dispatched__lt=requeue_before)
-    candidates = list(
-        BulkChunk.objects.filter(lost, job__status__in=ACTIVE)
-        .order_by("job_id", "index")
-        .values_list("pk", "status", "dispatched", "lease_expires")[:10_000]
-    )
+    Returns how many this call sent, or None when the broker refused one (it is down)."""
     resent = 0
     for pk, status, dispatched, lease in candidates:
         if status == JobStatus.RUNNING:
@@ -283,10 +342,62 @@ def sweep(now=None) -> int:
         else:
             same = Q(dispatched__isnull=True) if dispatched is None else Q(dispatched=dispatched)
             won = BulkChunk.objects.filter(same, pk=pk, status=status).update(dispatched=now)
-            reason = "it was never sent" if dispatched is None else "no worker took it in time"
+            reason = "it was never sent" if dispatched is None else "its message may be lost"
         if won:
-            log.warning("resending bulk chunk %s: %s", pk, reason)
+            log.info("resending bulk chunk %s: %s", pk, reason)
             if not send_chunk(pk):
-                break  # the broker is down: the next sweep tries again
+                return None  # the broker is down: the next sweep tries again
             resent += 1
     return resent
+
+
+def _candidates(lost: Q):
+    return list(
+        BulkChunk.objects.filter(lost, job__status__in=ACTIVE)
+        .order_by("job_id", "index")
+        .values_list("pk", "status", "dispatched", "lease_expires")[:SWEEP_BATCH]
+    )
+
+
+def sweep(now=None) -> int:
+    """Resend chunks whose worker died (lease ran out) or whose message the broker lost.
+
+    A queued chunk counts as lost once it was sent MORPHO_BULK_REQUEUE_SECONDS ago and no worker
+    has taken any chunk since: while workers keep taking chunks the queue is moving (and any
+    message serves any job, so no job waits on its own lost messages) and nothing is resent.
+    Every worker sweeps; a conditional update picks one sender per chunk. Returns the number of
+    chunks resent."""
+    now = now or timezone.now()
+    requeue_before = now - timedelta(seconds=settings.MORPHO_BULK_REQUEUE_SECONDS)
+    lost = Q(status=JobStatus.RUNNING, lease_expires__lt=now) | Q(
+        status=JobStatus.QUEUED, dispatched__isnull=True
+    )
+    last_claim = BulkChunk.objects.aggregate(last=Max("claimed"))["last"]
+    if last_claim is None or last_claim < requeue_before:
+        lost |= Q(status=JobStatus.QUEUED, dispatched__lt=requeue_before)
+    resent = _resend(_candidates(lost), now) or 0
+    if resent:
+        log.warning("bulk sweep resent %d chunk(s)", resent)
+    return resent
+
+
+def resend_sent_before(moment, now=None) -> int:
+    """The broker came back after losing its connection at `moment`: resend what it may have lost.
+
+    Every queued chunk whose message was sent before that moment is sent again at once (a broker
+    restarted without persistence holds none of them); one sent since is in the new broker.
+    A chunk sent twice is claimed once (claim_chunk), so a broker that kept its messages costs
+    only one extra message per queued chunk. Every worker that reconnects calls this; the first
+    moves each chunk's `dispatched` past the moment, so the others skip it. Returns the number
+    resent."""
+    now = now or timezone.now()
+    moment = min(moment, now)  # chunks this call resends are past it, so the loop ends
+    resent = 0
+    while True:
+        candidates = _candidates(Q(status=JobStatus.QUEUED, dispatched__lt=moment))
+        batch = _resend(candidates, now)
+        if batch is None:
+            return resent
+        resent += batch
+        if len(candidates) < SWEEP_BATCH:
+            return resent

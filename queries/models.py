@@ -7,6 +7,7 @@ import uuid
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.utils import timezone
 
 from gpu_engine.dpf import key_length
 
@@ -49,6 +50,13 @@ class BulkJob(models.Model):
         null=True, blank=True, help_text="when a worker took its first chunk"
     )
     finished = models.DateTimeField(null=True, blank=True, help_text="done, failed or cancelled at")
+    # Round-robin over jobs (queries/bulk.py, claim_chunk): the job with the oldest turn gets the
+    # next chunk a worker claims, and its turn becomes that moment.
+    turn = models.DateTimeField(
+        default=timezone.now,
+        db_index=True,
+        help_text="when the job was created or last had a chunk claimed; the oldest goes next",
+    )
 
     class Meta:
         ordering = ["-created"]

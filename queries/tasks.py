@@ -1,4 +1,4 @@
-"""Celery tasks of the GPU workers: answer one bulk chunk; the worker's sweeper and warm-up."""
+"""Celery tasks of the GPU workers: answer one bulk chunk; sweeper, broker watch and warm-up."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 import threading
 import time
 
-from celery import Task, shared_task
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from celery import Task, bootsteps, shared_task
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
@@ -37,7 +37,9 @@ class ChunkTask(Task):
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
         # Retries spent, or a bug: fail the job with the reason rather than leave it running.
-        bulk.fail_chunk(args[0], f"{type(exc).__name__}: {exc}")
+        # The chunk is the one this worker held, not args[0]: a task answers whichever chunk
+        # was next in turn (bulk.claim_chunk).
+        bulk.fail_held(self.request.hostname or "worker", f"{type(exc).__name__}: {exc}")
 
 
 @shared_task(base=ChunkTask, bind=True, name="queries.answer_chunk")
@@ -68,6 +70,9 @@ def answer_chunk(self, chunk_id: int) -> str:
 
 _sweeper_started = threading.Event()
 _stop = threading.Event()
+_wake = threading.Event()
+# When this worker's consumer last lost the broker; set by BrokerWatch, read by the sweeper.
+_broker_lost_at: list = []
 
 
 def forget_own_leases(worker: str) -> int:
@@ -75,6 +80,48 @@ def forget_own_leases(worker: str) -> int:
     return BulkChunk.objects.filter(status=JobStatus.RUNNING, worker=worker).update(
         lease_expires=timezone.now()
     )
+
+
+class BrokerWatch(bootsteps.StartStopStep):
+    """Tells the sweeper when the consumer reconnects: a restarted broker lost every message.
+
+    Celery restarts the consumer's steps after a connection error (stop, then start once the
+    broker answers again). The moment of the stop is kept; at the next start the sweeper resends
+    every queued chunk sent before it (bulk.resend_sent_before) instead of waiting
+    MORPHO_BULK_REQUEUE_SECONDS for the queue to look stalled."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c, **kwargs) -> None:
+        super().__init__(c, **kwargs)
+        self.lost_at = None
+
+    def start(self, c) -> None:
+        if self.lost_at is not None:
+            log.warning("connected to the broker again; resending bulk chunks it may have lost")
+            _broker_lost_at.append(self.lost_at)
+            self.lost_at = None
+            _wake.set()
+
+    def stop(self, c) -> None:
+        # Called on a connection error (before reconnecting; again if a reconnection fails
+        # half-way, hence the first moment is kept) and at shutdown.
+        if self.lost_at is None:
+            self.lost_at = timezone.now()
+
+
+@worker_init.connect
+def _watch_broker(sender=None, **kwargs) -> None:
+    # Runs before the worker builds its consumer, so the step is part of it.
+    sender.app.steps["consumer"].add(BrokerWatch)
+
+
+def _sweep_once() -> None:
+    while _broker_lost_at:
+        resent = bulk.resend_sent_before(_broker_lost_at[0])
+        _broker_lost_at.pop(0)  # only once done: a failed resend is tried again next sweep
+        log.warning("broker came back: %d queued bulk chunk(s) sent again", resent)
+    bulk.sweep()
 
 
 def _sweep_forever(worker: str) -> None:
@@ -87,15 +134,16 @@ def _sweep_forever(worker: str) -> None:
     except DatabaseError:
         log.exception("could not release this worker's old leases")
     while not _stop.is_set():
+        _wake.clear()
         try:
-            bulk.sweep()
+            _sweep_once()
         except Exception:  # a broken database or broker must not kill the thread
             log.exception(
                 "bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS
             )
         finally:
             close_old_connections()
-        _stop.wait(settings.MORPHO_BULK_SWEEP_SECONDS)
+        _wake.wait(settings.MORPHO_BULK_SWEEP_SECONDS)
 
 
 @worker_ready.connect
@@ -114,6 +162,7 @@ def _start_sweeper(sender=None, **kwargs) -> None:
 @worker_shutdown.connect
 def _stop_sweeper(**kwargs) -> None:
     _stop.set()
+    _wake.set()
 
 
 @worker_process_init.connect

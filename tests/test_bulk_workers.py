@@ -44,27 +44,28 @@ def redis_reachable(port: int = 6379) -> bool:
 class Stack:
     """A party's database, matrix, web server and GPU workers, wired to one broker."""
 
-    def __init__(self, tmp: Path, start_server, broker: str, chunk: int = 32) -> None:
+    def __init__(self, tmp: Path, start_server, broker: str, chunk: int = 32, **env) -> None:
         self.tmp = tmp
         self.db = tmp / "db.sqlite3"
         self.matrix = tmp / "matrix.bin"
         write_matrix_file(self.matrix, PAGES, seed=11)
-        self.env = server_env(
-            MORPHO_MATRIX_PATH=self.matrix,
-            MORPHO_ENGINE_BACKEND="cpu",
-            MORPHO_VAR_DIR=tmp,
-            DATABASE_URL=f"sqlite:///{self.db}",
-            CELERY_BROKER_URL=broker,
-            CELERY_FILESYSTEM_BROKER_DIR=tmp / "broker",
-            MORPHO_MAX_BODY_BYTES=32 << 20,
-            MORPHO_BULK_CHUNK=chunk,
-            MORPHO_BULK_QUEUE=f"bulk-test-{uuid.uuid4().hex[:8]}",
-            MORPHO_BULK_LEASE_SECONDS=3,
-            MORPHO_BULK_REQUEUE_SECONDS=4,
-            MORPHO_BULK_SWEEP_SECONDS=0.5,
+        self.env = server_env(**{
+            "MORPHO_MATRIX_PATH": self.matrix,
+            "MORPHO_ENGINE_BACKEND": "cpu",
+            "MORPHO_VAR_DIR": tmp,
+            "DATABASE_URL": f"sqlite:///{self.db}",
+            "CELERY_BROKER_URL": broker,
+            "CELERY_FILESYSTEM_BROKER_DIR": tmp / "broker",
+            "MORPHO_MAX_BODY_BYTES": 32 << 20,
+            "MORPHO_BULK_CHUNK": chunk,
+            "MORPHO_BULK_QUEUE": f"bulk-test-{uuid.uuid4().hex[:8]}",
+            "MORPHO_BULK_LEASE_SECONDS": 3,
+            "MORPHO_BULK_REQUEUE_SECONDS": 4,
+            "MORPHO_BULK_SWEEP_SECONDS": 0.5,
             # no GPU for these workers even where one exists: one cpu0 worker
-            CUDA_VISIBLE_DEVICES="",
-        )
+            "CUDA_VISIBLE_DEVICES": "",
+            **env,  # a test's own settings win
+        })
         self.manage("migrate", "--no-input", "-v0")
         out = self.manage(
             "shell",
@@ -185,36 +186,46 @@ def workload(tmp_path_factory):
     path = tmp_path_factory.mktemp("ref") / "m.bin"
     write_matrix_file(path, PAGES, seed=11)
     answers = reference_answers(load_matrix(path), KeyBatch.from_keys(pool))
-    body = json.dumps(
-        {"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}
-    )
-    return body.encode(), picks, answers
+    pool_hex = [key.to_bytes().hex() for key in pool]
+    body = json.dumps({"queries": [{"keys": [pool_hex[i] for i in row]} for row in picks]})
+    return body.encode(), picks, answers, pool_hex
 
 
-def submit(stack: Stack, workload) -> str:
-    status, body = stack.request("POST", "/bulk/jobs", workload[0])
-    assert status == 201, body
-    return json.loads(body)["id"]
+def submit(stack: Stack, workload, body: bytes | None = None) -> str:
+    status, answer = stack.request("POST", "/bulk/jobs", workload[0] if body is None else body)
+    assert status == 201, answer
+    return json.loads(answer)["id"]
 
 
-def check_results(stack: Stack, job_id: str, workload) -> dict:
+def body_of(workload, picks) -> bytes:
+    """A job's JSON body: one query per row of `picks`, three pooled keys each."""
+    pool = workload[3]
+    return json.dumps({"queries": [{"keys": [pool[i] for i in row]} for row in picks]}).encode()
+
+
+def check_answers(stack: Stack, job_id: str, picks, answers) -> dict:
+    """Wait for the job to end; it is done with every answer present once, in order, and right."""
     job = stack.wait(job_id, lambda j: j["status"] != "running" and j["status"] != "queued")
     assert job["status"] == "done", (job, stack.logs())
-    assert job["answered"] == QUERIES and job["epoch_ids"] == [1]
+    assert job["answered"] == len(picks) and job["epoch_ids"] == [1]
     status, body = stack.request("GET", f"/bulk/jobs/{job_id}/results")
     assert status == 200
     lines = [json.loads(line) for line in body.splitlines()]
-    assert [line["index"] for line in lines] == list(range(QUERIES))  # each exactly once, in order
-    _, picks, answers = workload
+    assert [line["index"] for line in lines] == list(range(len(picks)))  # once each, in order
     for line, row in zip(lines, picks):
         assert line["epoch_id"] == 1
         assert [bytes.fromhex(p[2:]) for p in line["pages"]] == [answers[i].tobytes() for i in row]
     with sqlite3.connect(stack.db) as db:
-        assert db.execute("select count(*), sum(count) from queries_bulkresult").fetchone() == (
-            -(-QUERIES // job["chunk_size"]),
-            QUERIES,
-        )
+        stored = db.execute(
+            "select count(*), sum(count) from queries_bulkresult where job_id = ?",
+            (uuid.UUID(job_id).hex,),
+        ).fetchone()
+    assert stored == (-(-len(picks) // job["chunk_size"]), len(picks))
     return job
+
+
+def check_results(stack: Stack, job_id: str, workload) -> dict:
+    return check_answers(stack, job_id, workload[1], workload[2])
 
 
 def test_filesystem_broker_worker_answers_a_1000_query_job(stack, workload):
@@ -271,53 +282,128 @@ def test_redis_broker_worker_answers_a_1000_query_job(stack, workload):
     check_results(s, submit(s, workload), workload)
 
 
-@pytest.fixture
-def own_redis(tmp_path):
-    """A redis-server of this test's own, without persistence: a restart loses every message."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    argv = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(tmp_path),
-    ]
-    procs = []
+class RedisServer:
+    """A redis-server of a test's own, without persistence: a restart loses every message."""
 
-    def start() -> None:
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.argv = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(tmp),
+        ]  # fmt: skip
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.procs.append(
+            subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        )
         deadline = time.monotonic() + 10
-        while not redis_reachable(port):
+        while not redis_reachable(self.port):
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.05)
 
-    def stop() -> None:
-        procs[-1].terminate()
-        procs[-1].wait(10)
+    def stop(self) -> None:
+        self.procs[-1].terminate()
+        self.procs[-1].wait(10)
 
-    start()
-    yield port, start, stop
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    def kill(self) -> None:
+        self.procs[-1].kill()  # SIGKILL: no shutdown, no save
+        self.procs[-1].wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    yield redis
+    redis.close()
 
 
 def test_redis_restarted_mid_job_the_job_completes(stack, workload, own_redis):
-    port, start_redis, stop_redis = own_redis
-    s = stack(f"redis://127.0.0.1:{port}/0")
+    s = stack(own_redis.url)
     s.start_workers()
     job_id = submit(s, workload)
     s.wait(job_id, lambda j: j["answered"] >= 160)
-    stop_redis()  # every queued message is gone with it
+    own_redis.stop()  # every queued message is gone with it
     time.sleep(1.0)
-    start_redis()
+    own_redis.start()
     check_results(s, job_id, workload)
+
+
+def test_broker_killed_mid_job_costs_at_most_30_s_of_progress(stack, workload, own_redis):
+    # Lost messages are resent only after an hour of no progress: what moves the job again is
+    # the workers noticing the broker coming back.
+    s = stack(own_redis.url, MORPHO_BULK_REQUEUE_SECONDS=3600, MORPHO_BULK_SWEEP_SECONDS=5)
+    s.start_workers()
+    job_id = submit(s, workload)
+    s.wait(job_id, lambda j: j["answered"] >= 160 and s.running_chunks() == 1)
+    own_redis.kill()
+    killed_at = s.job(job_id)["answered"]
+    time.sleep(1.0)
+    own_redis.start()
+    restarted = time.monotonic()
+    # The chunk computing at the kill may still be stored; a second one needs a message the new
+    # broker did not have.
+    s.wait(job_id, lambda j: j["answered"] >= killed_at + 2 * 32, timeout=60)
+    assert time.monotonic() - restarted <= 30, s.logs()
+    assert killed_at < QUERIES
+    check_results(s, job_id, workload)
+    log = (s.tmp / "workers-0.log").read_text(errors="replace")
+    assert "connected to the broker again; resending bulk chunks it may have lost" in log
+
+
+def test_a_2000_query_job_keeps_its_turn_while_small_jobs_stream_in(stack, workload):
+    """One worker, job A of 2,000 queries, and small jobs B submitted so that two are always
+    waiting: jobs take chunks in turn, so A waits at most two chunks between its own."""
+    s = stack("filesystem://", chunk=64)
+    s.start_workers()
+    _, picks, answers, _ = workload
+    big_picks = np.concatenate([picks, picks])
+    big = submit(s, workload, body_of(workload, big_picks))
+    small: dict[str, np.ndarray] = {}
+    waiting: list[str] = []
+    deadline = time.monotonic() + 300
+    while s.job(big)["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, s.logs()
+        waiting = [j for j in waiting if s.job(j)["status"] in ("queued", "running")]
+        while len(waiting) < 2:
+            rows = picks[8 * len(small) % QUERIES :][:8]
+            job_id = submit(s, workload, body_of(workload, rows))
+            small[job_id] = rows
+            waiting.append(job_id)
+        time.sleep(0.05)
+    check_answers(s, big, big_picks, answers)
+    for job_id, rows in small.items():
+        check_answers(s, job_id, rows, answers)
+
+    with sqlite3.connect(s.db) as db:
+        made = db.execute("select created, 'made', id from queries_bulkjob").fetchall()
+        claims = db.execute(
+            "select claimed, 'claim', job_id, attempts from queries_bulkchunk"
+        ).fetchall()
+    assert {row[3] for row in claims} == {1}  # nothing was redone, so `claimed` is each claim
+    events = sorted(made + [row[:3] for row in claims])
+    big_hex = uuid.UUID(big).hex
+    a_claims = [i for i, (_, kind, job) in enumerate(events) if kind == "claim" and job == big_hex]
+    # The stream really ran beside A: many small jobs were claimed between A's first and last.
+    during = {job for _, kind, job in events[a_claims[0] : a_claims[-1]] if job != big_hex}
+    assert len(during) >= 10, len(during)
+    # At most three jobs have chunks waiting at once (A and two small ones), so from a job's
+    # creation or claim to its next claim, at most two other chunks are claimed.
+    for i, (_, _, job) in enumerate(events):
+        after = [j for j in range(i + 1, len(events)) if events[j][2] == job]
+        if after and events[after[0]][1] == "claim":
+            between = [e for e in events[i + 1 : after[0]] if e[1] == "claim"]
+            assert len(between) <= 2, (events[i], between)

@@ -1,0 +1,156 @@
+"""Which chunk a worker takes: round-robin over jobs with its bound, redone attempts, resends."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from queries import bulk
+from queries.models import BulkChunk, BulkJob, BulkResult, JobStatus
+
+pytestmark = pytest.mark.django_db
+KEY = 8  # bytes per fake key: claiming and storing never parse them
+ANSWER = 3 * 4096
+
+
+@pytest.fixture
+def owner():
+    return User.objects.create_user("alice")
+
+
+def make_job(owner, queries: int, chunk: int = 1) -> BulkJob:
+    return bulk.create_job(owner, (bytes(3 * KEY) for _ in range(queries)), queries, 8, chunk)
+
+
+def claim_and_store(worker: str = "w@h") -> BulkChunk | None:
+    chunk = bulk.claim_chunk(0, worker)
+    if chunk is not None:
+        assert bulk.store_answers(chunk, worker, 1, bytes(chunk.count * ANSWER))
+    return chunk
+
+
+def test_jobs_take_turns_whatever_their_size_and_a_new_job_waits_its_turn(owner):
+    a = make_job(owner, 6)
+    b = make_job(owner, 2)
+    names = {a.pk: "A", b.pk: "B"}
+    order = [names[claim_and_store().job_id] for _ in range(2)]
+    c = make_job(owner, 3)  # made after A's and B's turns: behind both of them
+    names[c.pk] = "C"
+    while (chunk := claim_and_store()) is not None:
+        order.append(names[chunk.job_id])
+    assert "".join(order) == "ABABCACACAA"
+    # Within a job, chunks go in order, and every job is complete and done.
+    for job in (a, b, c):
+        job.refresh_from_db()
+        assert job.status == JobStatus.DONE and job.answered == job.total
+        claimed = list(
+            BulkChunk.objects.filter(job=job).order_by("claimed").values_list("index", flat=True)
+        )
+        assert claimed == sorted(claimed)
+
+
+def test_any_job_waits_at_most_one_claim_per_other_waiting_job(owner):
+    """The README's bound, on random arrivals: between a job's creation or claim and its next
+    claim, the workers claim at most J - 1 other chunks, J = jobs with chunks waiting then."""
+    rng = np.random.default_rng(5)
+    events = []  # ("made" | "claim", job id) in order
+    made = 0
+    while made < 40 or BulkChunk.objects.filter(status=JobStatus.QUEUED).exists():
+        if made < 40 and rng.random() < 0.4:
+            job = make_job(owner, int(rng.choice([1, 2, 3, 12])))
+            events.append(("made", job.pk, waiting_jobs()))
+            made += 1
+            continue
+        chunk = claim_and_store()
+        if chunk is not None:
+            events.append(("claim", chunk.job_id, waiting_jobs()))
+    assert BulkJob.objects.exclude(status=JobStatus.DONE).count() == 0
+    checked = 0
+    for i, (_, job_id, _) in enumerate(events):
+        later = [j for j, event in enumerate(events[i + 1 :], i + 1) if event[1] == job_id]
+        if not later or events[later[0]][0] != "claim":
+            continue
+        # Jobs waiting when this wait began, this one included (it has a chunk left to claim).
+        bound = len(events[i][2] | {job_id}) - 1
+        others = sum(1 for kind, other, _ in events[i + 1 : later[0]] if kind == "claim")
+        assert others <= bound, (i, others, bound)
+        checked += 1
+    assert checked > 100
+
+
+def waiting_jobs() -> set:
+    return set(
+        BulkChunk.objects.filter(status=JobStatus.QUEUED).values_list("job_id", flat=True)
+    )
+
+
+def test_a_worker_redoes_its_own_dead_attempt_before_taking_a_new_turn(owner):
+    a = make_job(owner, 3)
+    b = make_job(owner, 3)
+    first = bulk.claim_chunk(0, "w@h")
+    assert first.job_id == a.pk
+    # The pool process died mid-chunk; its task comes back to the same worker.
+    again = bulk.claim_chunk(first.pk, "w@h")
+    assert again.pk == first.pk and again.attempts == 2
+    # Another worker is not fooled into taking it: it takes B's turn.
+    assert bulk.claim_chunk(first.pk, "other@h").job_id == b.pk
+
+
+def test_an_expired_lease_is_free_to_take_a_live_one_is_not(owner):
+    job = make_job(owner, 1)
+    held = bulk.claim_chunk(0, "dead@h")
+    assert bulk.claim_chunk(held.pk, "live@h") is None
+    BulkChunk.objects.filter(pk=held.pk).update(lease_expires=timezone.now() - timedelta(1))
+    taken = bulk.claim_chunk(held.pk, "live@h")
+    assert taken.pk == held.pk and taken.worker == "live@h"
+    assert bulk.store_answers(taken, "live@h", 1, bytes(ANSWER))
+    # The dead worker's copy, if it ever finishes, stores nothing twice.
+    assert not bulk.store_answers(held, "dead@h", 1, bytes(ANSWER))
+    job.refresh_from_db()
+    assert job.answered == 1 and BulkResult.objects.filter(job=job).count() == 1
+
+
+def test_a_task_that_gives_up_fails_the_chunk_it_held_not_the_one_it_named(owner):
+    a = make_job(owner, 2)
+    b = make_job(owner, 2)
+    a_first = BulkChunk.objects.get(job=a, index=0)
+    held = bulk.claim_chunk(a_first.pk, "w@h")  # named A's chunk, took A's turn
+    claim_and_store("other@h")  # B's turn, on another worker
+    bulk.release_chunk(held, "w@h", "EngineBusy: overloaded")
+    assert bulk.fail_held("w@h", "EngineBusy: retries spent") == held.pk
+    a.refresh_from_db()
+    b.refresh_from_db()
+    assert a.status == JobStatus.FAILED and "retries spent" in a.error
+    assert b.status == JobStatus.RUNNING
+    # A worker that held nothing fails nothing.
+    assert bulk.fail_held("idle@h", "DatabaseError") is None
+    b.refresh_from_db()
+    assert b.status == JobStatus.RUNNING
+
+
+def test_broker_back_resends_what_was_sent_before_it_went_away_once(owner, monkeypatch):
+    sent = []
+    monkeypatch.setattr(bulk, "send_chunk", lambda pk: sent.append(pk) or True)
+    before = make_job(owner, 3)
+    lost_at = timezone.now()
+    after = make_job(owner, 2)  # sent to the new broker
+    claim_and_store()  # one of `before` is done: nothing to resend for it
+    expected = set(
+        BulkChunk.objects.filter(job=before, status=JobStatus.QUEUED).values_list("pk", flat=True)
+    )
+    assert len(expected) == 2
+    assert bulk.resend_sent_before(lost_at) == 2 and set(sent) == expected
+    # A second worker reconnecting after the same loss finds them sent already.
+    assert bulk.resend_sent_before(lost_at) == 0 and len(sent) == 2
+    assert not set(sent) & set(BulkChunk.objects.filter(job=after).values_list("pk", flat=True))
+
+
+def test_a_resend_stops_at_the_first_refusal_of_a_broker_down_again(owner, monkeypatch):
+    refused = []
+    monkeypatch.setattr(bulk, "send_chunk", lambda pk: refused.append(pk) and False)
+    make_job(owner, 3)
+    assert bulk.resend_sent_before(timezone.now()) == 0 and len(refused) == 1
