@@ -78,6 +78,8 @@ def create_job(
         BulkChunk.objects.bulk_create(pending)
         if stored != total:
             raise ValueError(f"job declared {total} queries but {stored} were given")
+        # Its first turn: when it becomes visible to workers, not when its chunks began to load.
+        BulkJob.objects.filter(pk=job.pk).update(turn=timezone.now())
         transaction.on_commit(lambda: dispatch_job(job.pk))
     log.info(
         "bulk job %s: %d queries in %d chunks of %d",

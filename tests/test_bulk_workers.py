@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +374,7 @@ def test_a_2000_query_job_keeps_its_turn_while_small_jobs_stream_in(stack, workl
     big_picks = np.concatenate([picks, picks])
     big = submit(s, workload, body_of(workload, big_picks))
     small: dict[str, np.ndarray] = {}
+    visible: dict[str, datetime] = {}  # when each small job's POST had returned (it was stored)
     waiting: list[str] = []
     deadline = time.monotonic() + 300
     while s.job(big)["status"] in ("queued", "running"):
@@ -381,6 +383,7 @@ def test_a_2000_query_job_keeps_its_turn_while_small_jobs_stream_in(stack, workl
         while len(waiting) < 2:
             rows = picks[8 * len(small) % QUERIES :][:8]
             job_id = submit(s, workload, body_of(workload, rows))
+            visible[job_id] = datetime.now(UTC).replace(tzinfo=None)
             small[job_id] = rows
             waiting.append(job_id)
         time.sleep(0.05)
@@ -389,21 +392,19 @@ def test_a_2000_query_job_keeps_its_turn_while_small_jobs_stream_in(stack, workl
         check_answers(s, job_id, rows, answers)
 
     with sqlite3.connect(s.db) as db:
-        made = db.execute("select created, 'made', id from queries_bulkjob").fetchall()
-        claims = db.execute(
-            "select claimed, 'claim', job_id, attempts from queries_bulkchunk"
-        ).fetchall()
-    assert {row[3] for row in claims} == {1}  # nothing was redone, so `claimed` is each claim
-    events = sorted(made + [row[:3] for row in claims])
+        rows = db.execute("select claimed, job_id, attempts from queries_bulkchunk").fetchall()
+    assert {row[2] for row in rows} == {1}  # nothing was redone, so `claimed` is each claim
+    claims = sorted((datetime.fromisoformat(at), uuid.UUID(job).hex) for at, job, _ in rows)
     big_hex = uuid.UUID(big).hex
-    a_claims = [i for i, (_, kind, job) in enumerate(events) if kind == "claim" and job == big_hex]
+    a_claims = [at for at, job in claims if job == big_hex]
     # The stream really ran beside A: many small jobs were claimed between A's first and last.
-    during = {job for _, kind, job in events[a_claims[0] : a_claims[-1]] if job != big_hex}
+    during = {job for at, job in claims if a_claims[0] < at < a_claims[-1] and job != big_hex}
     assert len(during) >= 10, len(during)
     # At most three jobs have chunks waiting at once (A and two small ones), so from a job's
-    # creation or claim to its next claim, at most two other chunks are claimed.
-    for i, (_, _, job) in enumerate(events):
-        after = [j for j in range(i + 1, len(events)) if events[j][2] == job]
-        if after and events[after[0]][1] == "claim":
-            between = [e for e in events[i + 1 : after[0]] if e[1] == "claim"]
-            assert len(between) <= 2, (events[i], between)
+    # being stored or claimed to its next claim, at most two other chunks are claimed.
+    for job in {job for _, job in claims}:
+        own = [at for at, other in claims if other == job]
+        starts = own[:-1] if job == big_hex else [visible[str(uuid.UUID(job))], *own[:-1]]
+        for start, end in zip(starts, own[len(own) - len(starts) :]):
+            between = [other for at, other in claims if start < at < end]
+            assert len(between) <= 2, (job, start, end, between)
