@@ -44,11 +44,12 @@ class ChunkTask(Task):
 
 @shared_task(base=ChunkTask, bind=True, name="queries.answer_chunk")
 def answer_chunk(self, chunk_id: int) -> str:
-    """Claim the chunk, answer it on this worker's engine (bulk lane), store its answers once."""
+    """Claim the next chunk in turn (chunk_id is a hint: bulk.claim_chunk), answer it on this
+    worker's engine (bulk lane), store its answers once."""
     worker = self.request.hostname or "worker"
     chunk = bulk.claim_chunk(chunk_id, worker)
     if chunk is None:
-        return "skipped"  # done already, held by a live worker, or its job ended
+        return "skipped"  # no chunk is waiting: done, held by live workers, or their jobs ended
     try:
         epoch_id, answers = answer_queries(
             get_engine(),
@@ -57,7 +58,7 @@ def answer_chunk(self, chunk_id: int) -> str:
             heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3,
         )
     except ChunkRejected as exc:
-        bulk.fail_chunk(chunk_id, str(exc))
+        bulk.fail_chunk(chunk.pk, str(exc))
         return "failed"
     except TRANSIENT as exc:
         bulk.release_chunk(chunk, worker, f"{type(exc).__name__}: {exc}")

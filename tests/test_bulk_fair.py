@@ -9,8 +9,10 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from gpu_engine.dpf import gen_keys
 from queries import bulk
 from queries.models import BulkChunk, BulkJob, BulkResult, JobStatus
+from queries.tasks import answer_chunk
 
 pytestmark = pytest.mark.django_db
 KEY = 8  # bytes per fake key: claiming and storing never parse them
@@ -154,3 +156,25 @@ def test_a_resend_stops_at_the_first_refusal_of_a_broker_down_again(owner, monke
     monkeypatch.setattr(bulk, "send_chunk", lambda pk: refused.append(pk) and False)
     make_job(owner, 3)
     assert bulk.resend_sent_before(timezone.now()) == 0 and len(refused) == 1
+
+
+def test_a_task_fails_the_chunk_it_answered_when_that_one_is_rejected(
+    owner, serve_matrix, vector_matrix_path
+):
+    serve_matrix(vector_matrix_path)  # 200 pages: domain_bits 8
+    rng = np.random.default_rng(3)
+
+    def query(d: int) -> bytes:  # three keys of depth d
+        return b"".join(k.to_bytes() for k in [*gen_keys(5, d, rng=rng), gen_keys(6, d, rng=rng)[0]])
+
+    a = bulk.create_job(owner, [query(9)], 1, 9, 1)  # keys of another domain
+    b = bulk.create_job(owner, [query(8)], 1, 8, 1)
+    # The message names B's chunk, but it is A's turn: A's chunk is answered, rejected, failed.
+    assert answer_chunk.apply((BulkChunk.objects.get(job=b).pk,)).get() == "failed"
+    a.refresh_from_db()
+    b.refresh_from_db()
+    assert a.status == JobStatus.FAILED and "domain_bits 9" in a.error
+    assert b.status == JobStatus.QUEUED
+    assert answer_chunk.apply((BulkChunk.objects.get(job=a).pk,)).get() == "stored"
+    b.refresh_from_db()
+    assert b.status == JobStatus.DONE and b.answered == 1
