@@ -165,7 +165,8 @@ def test_a_task_fails_the_chunk_it_answered_when_that_one_is_rejected(
     rng = np.random.default_rng(3)
 
     def query(d: int) -> bytes:  # three keys of depth d
-        return b"".join(k.to_bytes() for k in [*gen_keys(5, d, rng=rng), gen_keys(6, d, rng=rng)[0]])
+        keys = [*gen_keys(5, d, rng=rng), gen_keys(6, d, rng=rng)[0]]
+        return b"".join(k.to_bytes() for k in keys)
 
     a = bulk.create_job(owner, [query(9)], 1, 9, 1)  # keys of another domain
     b = bulk.create_job(owner, [query(8)], 1, 8, 1)
