@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from drf_spectacular.utils import extend_schema_serializer
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from epochs.models import Epoch, RowUpdate, SwitchMode
+from gpu_engine.dpf import MAX_DOMAIN_BITS
+from gpu_engine.matrix import ROW_BYTES
 
 
 class ValidatedModelSerializer(serializers.ModelSerializer):
@@ -28,6 +31,31 @@ class ValidatedModelSerializer(serializers.ModelSerializer):
         return attrs
 
 
+class HexField(serializers.CharField):
+    """`num_bytes` bytes as hex digits, 0x optional; Model.clean() checks it (in the admin's
+    words), this field only tells the schema what clean() accepts."""
+
+    def __init__(self, *, num_bytes: int, **kwargs) -> None:
+        self.num_bytes = num_bytes
+        super().__init__(**kwargs)
+
+
+class HexFieldSchema(OpenApiSerializerFieldExtension):
+    """The pattern and lengths of a HexField, for clients and schema-driven tests."""
+
+    target_class = HexField
+
+    def map_serializer_field(self, auto_schema, direction):
+        digits = 2 * self.target.num_bytes
+        return {"type": "string", "pattern": f"^(0[xX])?[0-9a-fA-F]{{{digits}}}$",
+                "minLength": digits, "maxLength": digits + 2}
+
+
+@extend_schema_field({"type": "integer", "minimum": 1, "maximum": MAX_DOMAIN_BITS})
+class DomainBitsField(serializers.IntegerField):
+    """A DPF depth: documented as 1..MAX_DOMAIN_BITS; Model.clean() checks it against the matrix."""
+
+
 @extend_schema_serializer(component_name="EpochRecord")  # "Epoch" is the protocol's /epoch body
 class EpochSerializer(ValidatedModelSerializer):
     """An epoch record: a matrix file on this server plus the metadata clients see in /epoch."""
@@ -37,6 +65,12 @@ class EpochSerializer(ValidatedModelSerializer):
         min_length=3, max_length=3, required=False,
         help_text="The three cuckoo seeds (u64 each).",
     )
+    state_root = HexField(num_bytes=32, required=False,
+                          help_text="32 bytes as hex (0x optional); default all zero.")
+    domain_bits = DomainBitsField(
+        required=False, allow_null=True,
+        help_text="DPF tree depth; empty = the smallest that covers the matrix's pages.",
+    )
 
     class Meta:
         model = Epoch
@@ -44,6 +78,7 @@ class EpochSerializer(ValidatedModelSerializer):
                   "domain_bits", "pending_updates", "switch_mode", "state", "num_pages",
                   "message", "created", "activated"]
         read_only_fields = ["state", "num_pages", "message", "created", "activated"]
+        extra_kwargs = {"matrix_path": {"min_length": 1}}
         clean_sets = ["num_pages"]
 
 
@@ -60,6 +95,8 @@ class RowUpdateSerializer(ValidatedModelSerializer):
     """A row update: row `row` of the served epoch reads as `data` once this returns 201."""
 
     clean_exclude = ("epoch_id", "first_epoch_id")
+    data = HexField(num_bytes=ROW_BYTES, help_text=f"The row's new {ROW_BYTES} bytes as hex "
+                    "(0x optional).")
 
     class Meta:
         model = RowUpdate

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable, Iterator
 
 from django.conf import settings
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 
 from queries.api.serializers import PageQuerySerializer, json_type
@@ -109,6 +110,17 @@ class BulkQueriesField(serializers.Field):
                 ]
             raise serializers.ValidationError(errors)
         return queries
+
+
+class BulkQueriesFieldSchema(OpenApiSerializerFieldExtension):
+    """The schema of BulkQueriesField: 1 to MORPHO_BULK_MAX_QUERIES queries of the batch's shape."""
+
+    target_class = BulkQueriesField
+
+    def map_serializer_field(self, auto_schema, direction):
+        query = auto_schema.resolve_serializer(PageQuerySerializer, direction)
+        return {"type": "array", "items": query.ref, "minItems": 1,
+                "maxItems": settings.MORPHO_BULK_MAX_QUERIES}
 
 
 class BulkJobCreateSerializer(serializers.Serializer):

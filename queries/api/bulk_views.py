@@ -10,6 +10,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import exceptions, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import BaseParser, MultiPartParser
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
@@ -75,6 +76,22 @@ def result_lines(job: BulkJob) -> Iterator[bytes]:
             yield "".join(lines).encode()
 
 
+class FormatNegotiation(DefaultContentNegotiation):
+    """`?format=` names one of the view's renderers or is absent: an empty or unknown one is a
+    400 (DRF would serve the default for an empty one, as if the client had not asked)."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        name = self.settings.URL_FORMAT_OVERRIDE
+        values = request.query_params.getlist(name) if name else []
+        known = [renderer.format for renderer in renderers]
+        if values and (len(values) > 1 or values[0] not in known):
+            got = repr(values) if len(values) > 1 else repr(values[0])
+            raise exceptions.ValidationError(
+                {name: [f"expected one of {', '.join(known)}, got {got}"]}
+            )
+        return super().select_renderer(request, renderers, format_suffix)
+
+
 class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """`/bulk/jobs`: a user's jobs. POST submits, GET reads, DELETE cancels, `/results` streams."""
 
@@ -84,6 +101,7 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     permission_classes = [IsAuthenticated]
     parser_classes = [StrictJSONParser, NDJSONParser, MultiPartParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
+    content_negotiation_class = FormatNegotiation
 
     def get_queryset(self):
         # Staff see every job (the admin's users); others only their own, so another user's job
