@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Case, Exists, F, Max, OuterRef, Q, When
+from django.db.models import Exists, F, Max, OuterRef, Q
 from django.utils import timezone
 
 from queries.models import ACTIVE, KEYS_PER_QUERY, BulkChunk, BulkJob, BulkResult, JobStatus
@@ -183,7 +183,7 @@ def _next_in_turn(now) -> tuple[object, object, int] | None:
     return None if chunk_id is None else (job[0], job[1], chunk_id)
 
 
-def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
+def claim_chunk(chunk_id: int, worker: str, task_id: str = "") -> BulkChunk | None:
     """Take a chunk for `worker`: the next in round-robin order over jobs; None when none is free.
 
     A task names a chunk, but any task may answer any chunk: a message only says that a chunk
@@ -191,22 +191,22 @@ def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
     whatever order their messages were sent in. The job whose turn is oldest (its creation, then
     its last claim) gives its lowest free chunk, and its turn becomes now; the conditional update
     of the turn lets one worker take each turn, so concurrent workers keep the order strict.
-    The exception: a worker runs one task at a time, so a chunk marked as running on this very
-    worker belongs to an attempt that died (a pool process killed, its task redelivered) and is
-    taken again first."""
+    The exception: a chunk running under this very task id belongs to an attempt that died (a
+    pool process killed, its message redelivered), and is taken again first."""
     for _ in range(CLAIM_TRIES):
         now = timezone.now()
-        own = (
-            BulkChunk.objects.filter(
-                status=JobStatus.RUNNING, worker=worker, job__status__in=ACTIVE
+        own = None
+        if task_id:
+            own = (
+                BulkChunk.objects.filter(
+                    status=JobStatus.RUNNING, task=task_id, job__status__in=ACTIVE
+                )
+                .values_list("pk", "job_id")
+                .first()
             )
-            .order_by(Case(When(pk=chunk_id, then=0), default=1), "claimed")
-            .values_list("pk", "job_id")
-            .first()
-        )
         if own is not None:
             target, job_id = own
-            free = Q(status=JobStatus.RUNNING, worker=worker)
+            free = Q(status=JobStatus.RUNNING, task=task_id)
         else:
             turn = _next_in_turn(now)
             if turn is None:
@@ -218,6 +218,7 @@ def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
         taken = BulkChunk.objects.filter(free, pk=target, job__status__in=ACTIVE).update(
             status=JobStatus.RUNNING,
             worker=worker,
+            task=task_id,
             lease_expires=lease_until(),
             claimed=now,
             attempts=F("attempts") + 1,
@@ -225,7 +226,7 @@ def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
         )
         if taken:
             break
-        if own is None:  # the chunk went to a worker redoing it: give the turn back
+        if own is None:  # the chunk went to an attempt redoing it: give the turn back
             BulkJob.objects.filter(pk=job_id, turn=now).update(turn=job_turn)
     else:
         log.warning("%s: no chunk claimed after %d tries; others took them", worker, CLAIM_TRIES)
@@ -310,15 +311,15 @@ def fail_chunk(chunk_id: int, reason: str) -> None:
     log.error("bulk chunk %s failed: %s", chunk_id, reason)
 
 
-def fail_held(worker: str, reason: str) -> int | None:
-    """A task gave up (retries spent, or a bug): fail the chunk it held, if no one took it since.
-
-    Tasks are not bound to chunks, so the chunk is found as the one this worker claimed last
-    that is neither finished nor claimed again elsewhere (a worker runs one task at a time).
-    Returns its id, or None when there was none (the task failed before claiming)."""
+def fail_held(task_id: str, reason: str) -> int | None:
+    """A task gave up (retries spent, or a bug): fail the chunk it claimed last, if no other
+    task has claimed that chunk since. Tasks are not bound to chunks (claim_chunk), so the chunk
+    is found by the task id it was claimed under. Returns its id, or None when there was none
+    (the task failed before claiming)."""
+    if not task_id:
+        return None
     chunk_id = (
-        BulkChunk.objects.filter(worker=worker, status__in=ACTIVE, job__status__in=ACTIVE)
-        .order_by("-claimed")
+        BulkChunk.objects.filter(task=task_id, status__in=ACTIVE, job__status__in=ACTIVE)
         .values_list("pk", flat=True)
         .first()
     )

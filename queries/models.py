@@ -108,6 +108,9 @@ class BulkChunk(models.Model):
     attempts = models.PositiveIntegerField(default=0, help_text="times a worker claimed it")
     worker = models.CharField(max_length=200, blank=True, help_text="node that claimed it last")
     claimed = models.DateTimeField(null=True, blank=True, help_text="when a worker last took it")
+    # The Celery task id of the attempt that claimed it last: a message redelivered after its
+    # worker process died carries the same id, and takes its chunk back at once.
+    task = models.CharField(max_length=64, blank=True, help_text="task that claimed it last")
     # A running chunk whose lease ran out belongs to a dead worker; the sweeper queues it again.
     lease_expires = models.DateTimeField(null=True, blank=True)
     # When its task was last sent; queued chunks are sent again when no worker has taken any chunk

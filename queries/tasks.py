@@ -37,9 +37,9 @@ class ChunkTask(Task):
 
     def on_failure(self, exc, task_id, args, kwargs, einfo):
         # Retries spent, or a bug: fail the job with the reason rather than leave it running.
-        # The chunk is the one this worker held, not args[0]: a task answers whichever chunk
+        # The chunk is the one this task claimed, not args[0]: a task answers whichever chunk
         # was next in turn (bulk.claim_chunk).
-        bulk.fail_held(self.request.hostname or "worker", f"{type(exc).__name__}: {exc}")
+        bulk.fail_held(task_id, f"{type(exc).__name__}: {exc}")
 
 
 @shared_task(base=ChunkTask, bind=True, name="queries.answer_chunk")
@@ -47,7 +47,7 @@ def answer_chunk(self, chunk_id: int) -> str:
     """Claim the next chunk in turn (chunk_id is a hint: bulk.claim_chunk), answer it on this
     worker's engine (bulk lane), store its answers once."""
     worker = self.request.hostname or "worker"
-    chunk = bulk.claim_chunk(chunk_id, worker)
+    chunk = bulk.claim_chunk(chunk_id, worker, task_id=self.request.id or "")
     if chunk is None:
         return "skipped"  # no chunk is waiting: done, held by live workers, or their jobs ended
     try:

@@ -90,16 +90,18 @@ def waiting_jobs() -> set:
     )
 
 
-def test_a_worker_redoes_its_own_dead_attempt_before_taking_a_new_turn(owner):
+def test_a_redelivered_task_redoes_its_dead_attempt_and_others_are_not_fooled(owner):
     a = make_job(owner, 3)
     b = make_job(owner, 3)
-    first = bulk.claim_chunk(0, "w@h")
+    first = bulk.claim_chunk(0, "w@h", task_id="t1")
     assert first.job_id == a.pk
-    # The pool process died mid-chunk; its task comes back to the same worker.
-    again = bulk.claim_chunk(first.pk, "w@h")
+    # Another process of the same worker node (concurrency 2) takes the next turn, not t1's chunk.
+    second = bulk.claim_chunk(first.pk, "w@h", task_id="t2")
+    assert second.job_id == b.pk
+    # t1's pool process died mid-chunk; its message comes back with the same task id.
+    again = bulk.claim_chunk(0, "w@h", task_id="t1")
     assert again.pk == first.pk and again.attempts == 2
-    # Another worker is not fooled into taking it: it takes B's turn.
-    assert bulk.claim_chunk(first.pk, "other@h").job_id == b.pk
+    assert BulkChunk.objects.get(pk=second.pk).task == "t2"
 
 
 def test_an_expired_lease_is_free_to_take_a_live_one_is_not(owner):
@@ -120,16 +122,16 @@ def test_a_task_that_gives_up_fails_the_chunk_it_held_not_the_one_it_named(owner
     a = make_job(owner, 2)
     b = make_job(owner, 2)
     a_first = BulkChunk.objects.get(job=a, index=0)
-    held = bulk.claim_chunk(a_first.pk, "w@h")  # named A's chunk, took A's turn
-    claim_and_store("other@h")  # B's turn, on another worker
+    held = bulk.claim_chunk(a_first.pk, "w@h", task_id="t1")  # named A's chunk, took A's turn
+    other = bulk.claim_chunk(a_first.pk, "w@h", task_id="t2")  # B's turn, same node
     bulk.release_chunk(held, "w@h", "EngineBusy: overloaded")
-    assert bulk.fail_held("w@h", "EngineBusy: retries spent") == held.pk
+    assert bulk.fail_held("t1", "EngineBusy: retries spent") == held.pk
     a.refresh_from_db()
     b.refresh_from_db()
     assert a.status == JobStatus.FAILED and "retries spent" in a.error
-    assert b.status == JobStatus.RUNNING
-    # A worker that held nothing fails nothing.
-    assert bulk.fail_held("idle@h", "DatabaseError") is None
+    assert b.status == JobStatus.RUNNING and other.job_id == b.pk
+    # A task that claimed nothing fails nothing.
+    assert bulk.fail_held("t3", "DatabaseError") is None and bulk.fail_held("", "x") is None
     b.refresh_from_db()
     assert b.status == JobStatus.RUNNING
 
