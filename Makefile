@@ -20,9 +20,13 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Parties A (127.0.0.1:8001) and B (127.0.0.1:8002) over one generated demo matrix (DEMO_PAGES,
-# default 8192), each with its own SQLite database under var/. Ctrl-C stops both.
+# default 8192), each an engine server, gunicorn and bulk workers with its own SQLite database
+# under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. Ctrl-C stops all.
+PORT_A ?= 8001
+PORT_B ?= 8002
+VAR ?=
 run: $(STAMP)
-	$(PY) -m morphoweb.devserver
+	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
 
 # pytest's exit status 5 means "no tests collected": not a failure of the suite.
 test: $(STAMP)

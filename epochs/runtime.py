@@ -29,7 +29,10 @@ from epochs.models import (
     parse_hex,
 )
 from gpu_engine.backends import BackendUnavailable
-from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
+from gpu_engine.engine import EngineBusy
+from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, load_epoch
+from gpu_engine.remote import RemoteError
+from morphoweb import engine_runtime
 from policies import live
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,9 @@ COMMIT_SLACK_SECONDS = 10.0
 FAILED_SWITCH_BACKOFF = 30.0
 
 WATCH_NAME = "epochs"
+# Seconds a web process waits for the engine server to switch epochs or apply row updates (a
+# switch loads a whole matrix).
+REMOTE_CONTROL_TIMEOUT = 600.0
 
 _lock = threading.RLock()  # one sync at a time: request threads and the watcher thread
 
@@ -73,9 +79,24 @@ _failed: dict[tuple, float] = {}
 
 
 def _local_engine():
-    from morphoweb.engine_runtime import peek_engine
+    """The Engine of this process, if it runs one (None where the engine is remote)."""
+    return engine_runtime.local_engine()
 
-    return peek_engine()
+
+def _served_engine():
+    """Whatever this process reads the served epoch from: its Engine or the engine server."""
+    engine = engine_runtime.peek_engine()
+    if engine is None and engine_runtime.is_remote():
+        engine = engine_runtime.get_engine()
+    return engine
+
+
+def _remote_call(op: str, **args) -> None:
+    """Run `op` in the engine server (where the Engine is); its failure becomes EpochSwitchError."""
+    try:
+        engine_runtime.remote_engine().call(op, timeout=REMOTE_CONTROL_TIMEOUT, **args)
+    except RemoteError as exc:
+        raise EpochSwitchError(str(exc)) from None
 
 
 def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
@@ -83,11 +104,16 @@ def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
     record = Epoch.objects.active() if epoch_id is None else Epoch.objects.filter(epoch_id=epoch_id).first()
     if record is not None and record.num_pages:
         return record.epoch_id, record.num_rows
-    engine = _local_engine()
-    if engine is not None and (epoch_id is None or engine.epoch.epoch_id == epoch_id):
-        return engine.epoch.epoch_id, engine.epoch.matrix.num_rows
-    from gpu_engine.matrix import load_epoch
-
+    engine = _served_engine()
+    if engine is not None:
+        try:
+            served = engine.epoch
+        except EngineBusy as exc:
+            raise LookupError(f"no epoch is being served: {exc.reason}") from None
+        if epoch_id is None or served.epoch_id == epoch_id:
+            return served.epoch_id, served.matrix.num_rows
+        if engine_runtime.is_remote():
+            raise LookupError(f"epoch {epoch_id} is not known to this server")
     try:
         served = load_epoch(settings.MORPHO_MATRIX_PATH, settings.MORPHO_DOMAIN_BITS)
     except (OSError, ValueError) as exc:
@@ -216,6 +242,11 @@ def activate(record: Epoch, stop_the_world: bool | None = None) -> Epoch:
     """
     if stop_the_world is not None:
         record.switch_mode = SwitchMode.STOP_THE_WORLD if stop_the_world else SwitchMode.BESIDE
+    if engine_runtime.is_remote():
+        # The engine server switches its Engine and commits, as below, in its own process.
+        _remote_call("activate", pk=record.pk, switch_mode=record.switch_mode)
+        record.refresh_from_db()
+        return record
     engine = _local_engine()
     with _lock:
         if engine is not None:
@@ -288,6 +319,8 @@ def save_updates(records: Sequence[RowUpdate]) -> None:
                 update.save()
         if engine is not None:
             sync(engine)
+        elif engine_runtime.is_remote():
+            _remote_call("sync")  # acknowledged once the engine server has applied them
 
 
 def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
@@ -311,6 +344,20 @@ def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
             raise ValidationError(errors)
         save_updates(records)
     return records
+
+
+def activate_by_pk(engine, args: dict) -> dict:
+    """The engine server's "activate" control operation: activate() where the Engine is."""
+    record = Epoch.objects.get(pk=args["pk"])
+    record.switch_mode = args.get("switch_mode") or record.switch_mode
+    activate(record)
+    return {"epoch_id": engine.epoch.epoch_id}
+
+
+def sync_now(engine, args: dict) -> dict:
+    """The engine server's "sync" control operation: apply the database's state now."""
+    sync(engine, explicit=bool(args.get("explicit")))
+    return {"epoch_id": engine.epoch.epoch_id}
 
 
 def apply_from_watcher() -> None:

@@ -212,8 +212,68 @@ class KeyBatch:
             final_cw=words([key.final_cw for key in keys]).reshape(k, 4),
         )
 
+    @classmethod
+    def from_bytes(cls, data, domain_bits: int) -> "KeyBatch":
+        """Keys of depth `domain_bits` concatenated in the byte format, parsed in one pass.
+
+        Checks what DpfKey.from_bytes checks; KeyFormatError names the first bad key."""
+        size = key_length(domain_bits)
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if raw.size == 0 or raw.size % size:
+            raise KeyFormatError(f"{raw.size} key bytes are not a whole number of "
+                                 f"{size}-byte keys (domain_bits {domain_bits})")
+        k = raw.size // size
+        rows = raw.reshape(k, size)
+        levels = rows[:, _HEADER:_HEADER + _LEVEL * domain_bits].reshape(k, domain_bits, _LEVEL)
+        if (rows[:, 18] != domain_bits).any():
+            bad = int(np.argmax(rows[:, 18] != domain_bits))
+            raise KeyFormatError(f"key {bad} has domain_bits {rows[bad, 18]}, expected {domain_bits}")
+        bits = np.concatenate([rows[:, 16:18], levels[:, :, 16:18].reshape(k, -1)], axis=1)
+        if (bits > 1).any():
+            bad = int(np.argmax((bits > 1).any(axis=1)))
+            raise KeyFormatError(f"key {bad} has a root_t, party or t_cw byte other than 0 or 1")
+
+        def words(block: np.ndarray, shape) -> np.ndarray:
+            return np.ascontiguousarray(block).view("<u4").astype(np.uint32).reshape(shape)
+
+        final = _HEADER + _LEVEL * domain_bits
+        return cls(
+            domain_bits=domain_bits,
+            root_seed=words(rows[:, :16], (k, 4)),
+            root_t=rows[:, 16].copy(),
+            cw_seed=words(levels[:, :, :16], (k, domain_bits, 4)),
+            cw_t=np.ascontiguousarray(levels[:, :, 16:18]),
+            final_cw=words(rows[:, final:final + 16], (k, 4)),
+        )
+
+    def to_bytes(self) -> bytes:
+        """The keys in the byte format, concatenated (party bytes from root_t: party b has t b)."""
+        k, d = len(self), self.domain_bits
+        rows = np.empty((k, key_length(d)), dtype=np.uint8)
+        rows[:, :16] = self.root_seed.astype("<u4").view(np.uint8).reshape(k, 16)
+        rows[:, 16] = self.root_t
+        rows[:, 17] = self.root_t
+        rows[:, 18] = d
+        levels = rows[:, _HEADER:_HEADER + _LEVEL * d].reshape(k, d, _LEVEL)
+        levels[:, :, :16] = self.cw_seed.astype("<u4").view(np.uint8).reshape(k, d, 16)
+        levels[:, :, 16:18] = self.cw_t
+        rows[:, _HEADER + _LEVEL * d:] = self.final_cw.astype("<u4").view(np.uint8).reshape(k, 16)
+        return rows.tobytes()
+
     def __len__(self) -> int:
         return int(self.root_seed.shape[0])
+
+
+def random_keys(count: int, domain_bits: int, rng: np.random.Generator) -> KeyBatch:
+    """`count` well-formed keys of random content (warm-up launches and benchmarks)."""
+    return KeyBatch(
+        domain_bits=domain_bits,
+        root_seed=rng.integers(0, 1 << 32, size=(count, 4), dtype=np.uint32),
+        root_t=rng.integers(0, 2, size=count, dtype=np.uint8),
+        cw_seed=rng.integers(0, 1 << 32, size=(count, domain_bits, 4), dtype=np.uint32),
+        cw_t=rng.integers(0, 2, size=(count, domain_bits, 2), dtype=np.uint8),
+        final_cw=rng.integers(0, 1 << 32, size=(count, 4), dtype=np.uint32),
+    )
 
 
 def _expand_level(batch: KeyBatch, level: int, seeds: np.ndarray, t: np.ndarray):

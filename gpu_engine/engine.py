@@ -15,11 +15,12 @@ import numpy as np
 
 from gpu_engine.backends.base import Backend, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
-from gpu_engine.dpf import DpfKey, KeyBatch
+from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
+    KEYS_PER_QUERY,
     LANES,
     BatchingPolicy,
     Launch,
@@ -54,25 +55,38 @@ class EngineUnavailable(EngineBusy):
     """The engine is stopped, switching, or its device failed."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchAnswer:
-    """Answers of one submitted request, all against one epoch: pages[query][key] is 4096 bytes."""
+    """Answers of one submitted request, all against one epoch.
+
+    `answers` holds one 4096-byte row per key, in submission order (a view of the launch's
+    answer buffer, which no later launch reuses); `pages[query][key]` slices it into bytes in the
+    caller's thread, so the scheduler thread never copies answers while the device waits."""
 
     epoch_id: int
-    pages: List[List[bytes]]
+    answers: np.ndarray  # (keys, PAGE_BYTES) uint8
+    query_keys: Tuple[int, ...]  # keys per query, in order
+
+    @property
+    def pages(self) -> List[List[bytes]]:
+        pages, row = [], 0
+        for count in self.query_keys:
+            pages.append([self.answers[row + i].tobytes() for i in range(count)])
+            row += count
+        return pages
 
 
 @dataclass
 class _Request:
-    queries: Sequence[Sequence[DpfKey]]
     keys: KeyBatch
+    query_keys: Tuple[int, ...]  # keys per query; their sum is len(keys)
     lane: str
     arrived: float
     future: Future = field(default_factory=Future)
 
     @property
     def size(self) -> int:
-        return len(self.queries)
+        return len(self.query_keys)
 
 
 def _settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
@@ -190,16 +204,24 @@ class Engine:
         """Queue one request (a list of queries, each a list of keys); its answers share one epoch.
 
         Raises EngineOverloaded when the lane already holds its policy's max_queue queries."""
-        if lane not in self._queues:
-            raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
         if not queries or any(not q for q in queries):
             raise ValueError("a request needs at least one query, and each query at least one key")
         keys = KeyBatch.from_keys([key for query in queries for key in query])
+        return self.submit_keys(keys, tuple(len(q) for q in queries), lane)
+
+    def submit_keys(self, keys: KeyBatch, query_keys: Sequence[int],
+                    lane: str = "interactive") -> "Future[BatchAnswer]":
+        """`submit` for keys already packed (the engine server's path): query i has query_keys[i]."""
+        if lane not in self._queues:
+            raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
+        query_keys = tuple(query_keys)
+        if not query_keys or min(query_keys) < 1 or sum(query_keys) != len(keys):
+            raise ValueError(f"{len(keys)} keys do not split into queries of {list(query_keys)} keys")
         if keys.domain_bits != self._epoch.matrix.domain_bits:
             raise ValueError(f"keys have domain_bits {keys.domain_bits}, the epoch has "
                              f"{self._epoch.matrix.domain_bits}")
         policy = self._policy_for(lane)
-        request = _Request(queries, keys, lane, time.monotonic())
+        request = _Request(keys, query_keys, lane, time.monotonic())
         with self._cond:
             if not self._running:
                 raise EngineUnavailable(self.failure or "engine is not running", retry_after=5)
@@ -274,6 +296,30 @@ class Engine:
             raise
         self._epoch = epoch
         log.info("epoch switched to %s (stop the world)", epoch.epoch_id)
+
+    def warm_up(self, max_batch: int = 32, seed: int = 0) -> "Future[None]":
+        """Launch random keys of every batch size a lane may use before any query arrives.
+
+        On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to
+        `max_batch` queries runs once per lane's dispatch shape, then once more, timed, for the
+        cost model; elsewhere one small launch pages the matrix in. Runs between launches."""
+        sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
+
+        def warm() -> None:
+            started = time.perf_counter()
+            rng = np.random.default_rng(seed)
+            dispatches = {policy.dispatch for policy in self.policies().values()}
+            for dispatch in dispatches:
+                for queries in sizes:
+                    keys = random_keys(queries * KEYS_PER_QUERY, self._epoch.matrix.domain_bits, rng)
+                    self._resident.answer(keys, dispatch)
+                    timed = time.perf_counter()
+                    self._resident.answer(keys, dispatch)
+                    self.cost.observe(queries, time.perf_counter() - timed)
+            log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
+                     len(dispatches), time.perf_counter() - started)
+
+        return self._run_between_launches(warm)
 
     def _run_between_launches(self, action: Callable[[], None]) -> "Future[None]":
         future: Future = Future()
@@ -377,13 +423,12 @@ class Engine:
         seconds = time.perf_counter() - started
         row = 0
         for request in batch:
-            pages = []
-            for query in request.queries:
-                pages.append([answers[row + i].tobytes() for i in range(len(query))])
-                row += len(query)
-            _settle(request.future, BatchAnswer(epoch.epoch_id, pages))
+            count = len(request.keys)
+            _settle(request.future,
+                    BatchAnswer(epoch.epoch_id, answers[row:row + count], request.query_keys))
+            row += count
         # The cost model plans with how long a launch keeps the scheduler from the next one:
-        # the device time and handing the answers out (measured ~20% of a launch on the H100).
+        # the device time and handing the answers out (futures' callbacks run here).
         self.cost.observe(queries, time.perf_counter() - started)
         done = time.monotonic()
         # how long the device sat idle with this launch's oldest query waiting: what holding for

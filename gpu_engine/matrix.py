@@ -196,6 +196,35 @@ class Epoch:
         }
 
 
+@dataclass(frozen=True)
+class MatrixShape:
+    """A matrix's shape without its pages: what a process whose engine runs elsewhere knows."""
+
+    num_pages: int
+    domain_bits: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * PAGE_BYTES
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_pages * ROWS_PER_PAGE
+
+
+def epoch_from_description(data: dict) -> Epoch:
+    """The Epoch that `Epoch.describe()` described, with a MatrixShape for its matrix."""
+    root = data["state_root"]
+    pir = data["page_pir"]
+    return Epoch(
+        epoch_id=int(data["epoch_id"]),
+        matrix=MatrixShape(int(pir["num_pages"]), int(pir["domain_bits"])),  # type: ignore[arg-type]
+        block_number=int(data["block_number"]),
+        state_root=bytes.fromhex(root[2:] if root.startswith("0x") else root),
+        seeds=tuple(int(s) for s in data["seeds"]),  # type: ignore[arg-type]
+    )
+
+
 def metadata_path(matrix_path) -> Path:
     return Path(str(matrix_path) + ".epoch.json")
 

@@ -85,6 +85,8 @@ INSTALLED_APPS = [
     "policies",
     "queries",
     "epochs",
+    # The engine server's command (`manage.py serve_engine`) and its control operations.
+    "engine",
     # The OpenAPI schema at /api/schema (the fuzz tests run schemathesis against it).
     "drf_spectacular",
 ]
@@ -223,6 +225,15 @@ MORPHO_GIL_SWITCH_INTERVAL_US = _env_int("MORPHO_GIL_SWITCH_INTERVAL_US", 500, l
 # Start the engine when the WSGI application loads, so a bad matrix or backend fails the boot
 # rather than the first query (bool).
 MORPHO_ENGINE_EAGER = _env_bool("MORPHO_ENGINE_EAGER", True)
+
+# The engine server this process submits to (ipc://path or tcp://host:port); empty = build an
+# engine in this process (tests, runserver). `manage.py serve_engine` binds this address.
+MORPHO_ENGINE_URL = _env("MORPHO_ENGINE_URL", "").strip()
+# Seconds of silence after which a client gives up on the engine server: its requests in flight
+# fail with 503 and new ones are refused until it answers again.
+MORPHO_ENGINE_DEADLINE = _env_float("MORPHO_ENGINE_DEADLINE", 5.0, lo=0.5)
+# Warm the engine up (every batch size on CUDA) before the engine server takes queries (bool).
+MORPHO_ENGINE_WARMUP = _env_bool("MORPHO_ENGINE_WARMUP", True)
 
 # Django's own cap on request.body/POST (bytes): only a backstop, since BodySizeLimitMiddleware
 # already refused every body over its path's limit from the declared Content-Length.

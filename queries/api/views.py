@@ -40,17 +40,16 @@ class PublicAPIView(APIView):
 
 def answer(engine, epoch, queries):
     """Submit to the engine and wait: the answer, or 503 when it cannot come in time."""
-    try:
-        future = engine.submit(queries)
-    except ValueError:
-        # The keys were validated against `epoch`; the engine refuses them only if it switched
-        # to an epoch of another domain since. The client re-reads /epoch and retries.
-        if engine.epoch is epoch:
-            raise
-        raise Unavailable("the epoch changed while the request was validated", 1) from None
     timeout = settings.MORPHO_QUERY_TIMEOUT
     try:
-        return future.result(timeout=timeout)
+        return engine.submit(queries).result(timeout=timeout)
+    except ValueError:
+        # The keys were validated against `epoch`; the engine (here or in the engine server)
+        # refuses them only if it switched to an epoch of another domain since. The client
+        # re-reads /epoch and retries.
+        if engine.epoch.epoch_id == epoch.epoch_id:
+            raise
+        raise Unavailable("the epoch changed while the request was validated", 1) from None
     except FutureTimeout:
         # Not cancelled: the engine resolves every future it dequeued, and the answer is
         # simply dropped when it comes.
@@ -69,19 +68,22 @@ class HealthView(PublicAPIView):
             response.data = {"status": "unavailable", "detail": exc.reason}
             return response
         health = engine.health()
-        epoch = engine.epoch
         # The protocol's fields first, then everything the engine reports (backend, fallback
-        # reason, queue depth per lane, resident bytes, device memory).
-        body = {
-            "status": "ok" if health.get("running", True) else "unavailable",
-            "epoch_id": epoch.epoch_id,
-            "block_number": epoch.block_number,
-            "num_pages": epoch.matrix.num_pages,
-            "domain_bits": epoch.matrix.domain_bits,
-        }
+        # reason, queue depth per lane, resident bytes, device memory; with an engine server
+        # also its address, whether it is reachable, and whether it is still warming up).
+        if health.get("warming"):
+            status = "warming"
+        else:
+            status = "ok" if health.get("running", True) else "unavailable"
+        body = {"status": status}
+        if health.get("reachable", True):
+            epoch = engine.epoch
+            body.update(epoch_id=epoch.epoch_id, block_number=epoch.block_number,
+                        num_pages=epoch.matrix.num_pages, domain_bits=epoch.matrix.domain_bits)
         body.update({key: value for key, value in health.items() if key not in body})
-        if body["status"] != "ok":
-            response = unavailable("engine is not running", settings.MORPHO_ENGINE_RETRY_AFTER)
+        if status != "ok":
+            reason = health.get("failure") or f"engine is {status}"
+            response = unavailable(reason, settings.MORPHO_ENGINE_RETRY_AFTER)
             response.data = body
             return response
         return Response(body)
