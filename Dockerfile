@@ -11,18 +11,19 @@ WORKDIR /app
 ARG MORPHO_EXTRAS=""
 # Dependencies first, so a code change does not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir -p gpu_engine morphoweb queries policies epochs \
+RUN mkdir -p gpu_engine morphoweb queries policies epochs engine \
     && touch gpu_engine/__init__.py morphoweb/__init__.py queries/__init__.py policies/__init__.py \
-       epochs/__init__.py \
+       epochs/__init__.py engine/__init__.py \
     && pip install --no-cache-dir ".${MORPHO_EXTRAS:+[$MORPHO_EXTRAS]}" \
     && pip uninstall --yes morphoweb \
-    && rm -rf gpu_engine morphoweb queries policies epochs
-COPY manage.py ./
+    && rm -rf gpu_engine morphoweb queries policies epochs engine
+COPY manage.py gunicorn.conf.py ./
 COPY gpu_engine gpu_engine
 COPY morphoweb morphoweb
 COPY queries queries
 COPY policies policies
 COPY epochs epochs
+COPY engine engine
 COPY templates templates
 COPY bin bin
 
@@ -34,4 +35,5 @@ USER morpho
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"
-CMD ["sh", "-c", "python manage.py migrate --no-input && exec gunicorn morphoweb.wsgi --bind 0.0.0.0:8000 --workers 1 --threads 8 --timeout 120"]
+# Web processes and threads come from gunicorn.conf.py (MORPHO_WEB_WORKERS, MORPHO_WEB_THREADS).
+CMD ["sh", "-c", "python manage.py migrate --no-input && exec gunicorn morphoweb.wsgi --bind 0.0.0.0:8000"]
