@@ -71,6 +71,10 @@ class EngineCollector:
         engine = self._engine_fn()
         if engine is None:
             return
+        up = GaugeMetricFamily("pir_engine_up", "1 while this process's engine (in process, or the "
+                               "engine server it submits to) takes queries, else 0.")
+        up.add_metric([], 1 if engine.running else 0)
+        yield up
         try:
             snap = engine.snapshot()
         except EngineBusy:  # the engine server is away: /health says so, a scrape still works

@@ -273,6 +273,7 @@ def test_sigkill_of_the_engine_server_gives_prompt_503s_and_recovers_by_itself(p
     assert refused and all(r is not None for _, _, r in refused)  # 503s say when to retry
     assert max(t for _, t, _ in outcomes) < 5.0  # no request waited for the query timeout
     assert outcomes[-1][0] == 200 and recovered < 60
+    assert metric(party.url, "pir_engine_up") == 1.0
     assert party.children("web") == web_pids  # the web tier reconnected; nothing restarted it
 
 
@@ -287,6 +288,7 @@ def test_a_stopped_engine_server_is_noticed_by_its_deadline(party):
         assert waited < DEADLINE_S + 2.0  # the client's deadline, not the 60 s query timeout
         status, _, health = http_json(party.url + "/health")
         assert status == 503 and health["status"] == "unavailable"
+        assert metric(party.url, "pir_engine_up") == 0.0
         assert "did not answer" in health["failure"] or "did not answer" in health.get("detail", "")
     finally:
         os.kill(engine.pid, signal.SIGCONT)
