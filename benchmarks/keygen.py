@@ -46,7 +46,8 @@ def header_lines(args: argparse.Namespace, argv: list[str]) -> list[str]:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return [
         f"# machine: {platform.node()}; {_cpu_model()}; {os.cpu_count()} CPUs; "
-        f"python {platform.python_version()}, numpy {np.__version__}; load average {load} at the end",
+        f"python {platform.python_version()}, numpy {np.__version__}; "
+        f"load average {load} at the end",
         f"# shape: domain_bits={','.join(map(str, args.domain_bits))}, keys={args.keys} "
         f"(a {args.keys // 3}-query batch, 3 key pairs a query), repeats={args.repeats} "
         f"(gen_keys: {args.python_repeats}); targets uniform over [0, 2**d)",
@@ -69,7 +70,8 @@ def measure(method: str, d: int, keys: int, repeats: int, rng: np.random.Generat
     if method == "gen_keys":
         def make():
             pairs = [gen_keys(t, d) for t in targets]
-            return [k0.to_bytes().hex() for k0, _ in pairs], [k1.to_bytes().hex() for _, k1 in pairs]
+            return ([k0.to_bytes().hex() for k0, _ in pairs],
+                    [k1.to_bytes().hex() for _, k1 in pairs])
     else:
         def make():
             pairs = gen_key_pairs(targets, d)

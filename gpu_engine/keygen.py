@@ -1,4 +1,4 @@
-"""DPF key generation for many targets at once: every key pair of a batch made level by level in NumPy."""
+"""DPF key generation for many targets at once: all key pairs of a batch level by level in NumPy."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 # The byte layout's offsets live in dpf.py, the one home of PROTOCOL.md section 3's format.
-from gpu_engine.dpf import _HEADER, _LEVEL, MAX_DOMAIN_BITS, SEED_BYTES, DpfKey, KeyBatch, key_length
+from gpu_engine.dpf import (
+    _HEADER,
+    _LEVEL,
+    MAX_DOMAIN_BITS,
+    SEED_BYTES,
+    DpfKey,
+    KeyBatch,
+    key_length,
+)
 from gpu_engine.prg import expand
 
 
@@ -108,7 +116,9 @@ def gen_key_pairs(
     else:
         roots = np.asarray(root_seeds, dtype=np.uint8)
         if roots.shape != (k, 2, SEED_BYTES):
-            raise ValueError(f"root_seeds must have shape ({k}, 2, {SEED_BYTES}), got {roots.shape}")
+            raise ValueError(
+                f"root_seeds must have shape ({k}, 2, {SEED_BYTES}), got {roots.shape}"
+            )
     d = domain_bits
     # Rows 0..k-1 are party 0's nodes, rows k..2k-1 party 1's: one expand call per level for both.
     seeds = np.ascontiguousarray(roots.transpose(1, 0, 2)).view("<u4").astype(np.uint32)

@@ -93,7 +93,8 @@ def test_benchmark_script_writes_its_csv(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     lines = out.read_text().splitlines()
-    assert [line.split(":")[0] for line in lines[:4]] == ["# machine", "# shape", "# command", "# date"]
+    assert [line.split(":")[0] for line in lines[:4]] == [
+        "# machine", "# shape", "# command", "# date"]
     assert lines[2] == ("# command: python benchmarks/keygen.py --domain-bits 3 --keys 6 "
                         f"--repeats 2 --python-repeats 1 --out {out}")
     rows = list(csv.DictReader(lines[4:]))
