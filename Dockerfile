@@ -1,4 +1,7 @@
-# One image for both parties (and, later, their Celery workers); CPU backend unless CuPy is added.
+# One image for both parties' web servers and Celery workers (README: docker compose). The CUDA
+# backend comes with a CUDA extra: CuPy and, from its [ctk] extra, the CUDA toolkit's wheels
+# (NVRTC among them, which compiles the kernels at start); the NVIDIA driver comes from the host
+# through the NVIDIA container toolkit. Without an extra the image runs the CPU backend only.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -7,7 +10,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MORPHO_MATRIX_PATH=/data/matrix.bin
 
 WORKDIR /app
-# Optional extras of pyproject.toml to install, e.g. "cuda" (CuPy) for the GPU services.
+# Extras of pyproject.toml to install: "cuda13" (CuPy and the CUDA 13 toolkit wheels), "cuda12"
+# (the same for CUDA 12, for hosts whose driver predates CUDA 13), or "" (CPU only, no CuPy).
+# tests/test_docker_image.py installs the same requirement string into a clean venv.
 ARG MORPHO_EXTRAS=""
 # Dependencies first, so a code change does not reinstall them.
 COPY pyproject.toml README.md ./
@@ -16,7 +21,7 @@ RUN mkdir -p gpu_engine morphoweb queries policies epochs engine \
        epochs/__init__.py engine/__init__.py \
     && pip install --no-cache-dir ".${MORPHO_EXTRAS:+[$MORPHO_EXTRAS]}" \
     && pip uninstall --yes morphoweb \
-    && rm -rf gpu_engine morphoweb queries policies epochs engine
+    && rm -rf gpu_engine morphoweb queries policies epochs engine build morphoweb.egg-info
 COPY manage.py gunicorn.conf.py ./
 COPY gpu_engine gpu_engine
 COPY morphoweb morphoweb

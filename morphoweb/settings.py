@@ -72,6 +72,9 @@ DEBUG = _env_bool("DEBUG", False)
 ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
 
 INSTALLED_APPS = [
+    # First: its createsuperuser, changepassword and drf_create_token (morphoweb/management)
+    # take the place of Django's and DRF's, and refuse a missing or unmigrated database.
+    "morphoweb",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",

@@ -2,22 +2,30 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import os
 import secrets
 import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
 
-from gpu_engine.dpf import gen_keys
+from gpu_engine.keygen import gen_key_pairs
+from queries.client_plan import (KEYS_PER_QUERY, BulkState, StateError, choose_pages,
+                                 parse_result_line, read_rows_file)
 
 PAGE_BYTES = 4096
 ROW_BYTES = 256
 ROWS_PER_PAGE = 16
-KEYS_PER_QUERY = 3
 MAX_BATCH = 32  # queries per batch request, PROTOCOL.md section 5
+NDJSON = "application/x-ndjson"
+TOKEN_ENV = ("MORPHO_TOKEN_A", "MORPHO_TOKEN_B")  # bulk job tokens when none is passed
 
 
 class PirError(Exception):
@@ -81,31 +89,27 @@ class PlannedQuery:
     keys_b: tuple[str, str, str]  # hex keys of party 1, for server B
 
 
+def plan_queries(pages: Sequence[int], num_pages: int, domain_bits: int,
+                 rand: Optional[secrets.SystemRandom] = None) -> list[PlannedQuery]:
+    """For each page, key pairs for it and two other pages drawn at random, in random order.
+
+    The keys of all the queries are made in one vectorised batch (gpu_engine.keygen)."""
+    rand = rand or secrets.SystemRandom()
+    chosen = [choose_pages(page, num_pages, rand) for page in pages]
+    pairs = gen_key_pairs([p for candidates, _ in chosen for p in candidates], domain_bits)
+    keys_a, keys_b = pairs.key_hex(0), pairs.key_hex(1)
+    plans = []
+    for index, (candidates, slot) in enumerate(chosen):
+        at = slice(KEYS_PER_QUERY * index, KEYS_PER_QUERY * (index + 1))
+        plans.append(PlannedQuery(pages=tuple(candidates), target_slot=slot,
+                                  keys_a=tuple(keys_a[at]), keys_b=tuple(keys_b[at])))
+    return plans
+
+
 def plan_query(page: int, num_pages: int, domain_bits: int,
                rand: Optional[secrets.SystemRandom] = None) -> PlannedQuery:
     """Key pairs for `page` and two other pages drawn at random, in random order."""
-    if not 0 <= page < num_pages:
-        raise ValueError(f"page {page} is outside [0, {num_pages})")
-    rand = rand or secrets.SystemRandom()
-    if num_pages >= KEYS_PER_QUERY:
-        decoys: list[int] = []
-        while len(decoys) < KEYS_PER_QUERY - 1:
-            candidate = rand.randrange(num_pages)
-            if candidate != page and candidate not in decoys:
-                decoys.append(candidate)
-    else:
-        # Fewer than three pages exist: repeat the other page so a query still has three keys.
-        others = [p for p in range(num_pages) if p != page] or [page]
-        decoys = [rand.choice(others) for _ in range(KEYS_PER_QUERY - 1)]
-    pages = [page] + decoys
-    rand.shuffle(pages)
-    pairs = [gen_keys(p, domain_bits) for p in pages]
-    return PlannedQuery(
-        pages=tuple(pages),
-        target_slot=pages.index(page),
-        keys_a=tuple(k0.to_bytes().hex() for k0, _ in pairs),
-        keys_b=tuple(k1.to_bytes().hex() for _, k1 in pairs),
-    )
+    return plan_queries([page], num_pages, domain_bits, rand)[0]
 
 
 def _unhex(text, what: str) -> bytes:
@@ -125,6 +129,40 @@ def _xor(a: bytes, b: bytes) -> bytes:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
 
 
+class SameServer(PirError, ValueError):
+    """Both party URLs name one server: it would see both keys of every pair."""
+
+
+def server_address(url: str) -> tuple[str, int]:
+    """(host, port) a party URL reaches: scheme's default port, case, loopback names folded."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r}: expected an http:// or https:// URL with a host")
+    host = parts.hostname.lower().rstrip(".")
+    try:
+        address = ipaddress.ip_address(host)
+        host = "localhost" if address.is_loopback else address.compressed
+    except ValueError:
+        if host == "localhost" or host.endswith(".localhost"):
+            host = "localhost"
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        raise ValueError(f"{url!r}: the port is not a number in 0..65535") from None
+    return host, port
+
+
+def check_distinct_servers(server_a: str, server_b: str) -> None:
+    """Refuse one server named twice: the privacy of a fetch rests on two servers."""
+    host_a, port_a = server_address(server_a)
+    if (host_a, port_a) == server_address(server_b):
+        raise SameServer(
+            f"party A ({server_a}) and party B ({server_b}) are the same server "
+            f"({host_a}:{port_a}): it would see both keys of every pair and learn which rows "
+            "are read; give the URLs of two parties run by different operators"
+        )
+
+
 class PirClient:
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys."""
 
@@ -132,6 +170,7 @@ class PirClient:
                  max_batch: int = MAX_BATCH) -> None:
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {max_batch}")
+        check_distinct_servers(server_a, server_b)
         self.servers = (server_a.rstrip("/"), server_b.rstrip("/"))
         self.timeout = timeout
         self.max_batch = max_batch
@@ -212,8 +251,8 @@ class PirClient:
         step = self.max_batch if batch else 1
         for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
-            plans = [plan_query(r // ROWS_PER_PAGE, info.num_pages, info.domain_bits)
-                     for r in chunk]
+            plans = plan_queries([r // ROWS_PER_PAGE for r in chunk], info.num_pages,
+                                 info.domain_bits)
             pages = self._ask(plans, batch)
             for row, page in zip(chunk, pages):
                 offset = (row % ROWS_PER_PAGE) * ROW_BYTES
@@ -253,6 +292,144 @@ class PirClient:
             pages.append(_xor(*halves))
         return pages
 
+    # -- bulk jobs (README "Bulk jobs"): one job per party, resumable through a state file -------
+    def fetch_rows_bulk(self, rows: Sequence[int], tokens: Sequence[Optional[str]] = (None, None),
+                        state_path=None, progress: Optional[Callable] = None,
+                        poll_interval: float = 2.0) -> list[bytes]:
+        """The 256-byte rows, through one bulk job at each party; see iter_rows_bulk."""
+        return [data for _, data in self.iter_rows_bulk(rows, tokens, state_path, progress,
+                                                        poll_interval)]
+
+    def iter_rows_bulk(self, rows: Sequence[int], tokens: Sequence[Optional[str]] = (None, None),
+                       state_path=None, progress: Optional[Callable] = None,
+                       poll_interval: float = 2.0) -> Iterator[tuple[int, bytes]]:
+        """(row, 256 bytes) in the order asked, from one bulk job at each party.
+
+        `tokens` are the parties' DRF tokens (default: $MORPHO_TOKEN_A, $MORPHO_TOKEN_B). With a
+        `state_path`, the plan (pages and key seeds) and each job id are written there before
+        and after each submission, so a rerun after a crash resumes the same jobs; the file is
+        removed once every row was read. `progress(job_a, job_b)` gets each polled job body.
+        Answers of one query from two different epochs are refused (EpochMismatch).
+        """
+        rows = [int(r) for r in rows]
+        if not rows:
+            raise ValueError("expected at least one row")
+        tokens = _bulk_tokens(tokens)
+        path = Path(state_path) if state_path is not None else None
+        state = None
+        if path is not None and path.exists():
+            state = BulkState.load(path)
+            state.check_resumes(self.servers, rows, path)
+        if state is None or None in state.jobs:
+            info = self.epoch()
+            for row in rows:
+                if not 0 <= row < info.num_rows:
+                    raise ValueError(f"row {row} is outside [0, {info.num_rows})")
+            if state is None:
+                state = BulkState.plan(self.servers, info.epoch_id, info.num_pages,
+                                       info.domain_bits, rows, [r // ROWS_PER_PAGE for r in rows])
+                if path is not None:
+                    state.save(path)
+            elif info.domain_bits != state.domain_bits:
+                raise StateError(
+                    f"{path}: its keys are for domain_bits {state.domain_bits}, the parties now "
+                    f"serve domain_bits {info.domain_bits}; remove it to plan the fetch anew"
+                )
+        for side, base in enumerate(self.servers):
+            if state.jobs[side] is None:
+                state.jobs[side] = self._bulk_submit(base, tokens[side], state, side)
+                if path is not None:
+                    state.save(path)
+        self._bulk_wait(state, tokens, progress, poll_interval, path)
+        yield from self._bulk_rows(state, tokens, path)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def _bulk_open(self, base: str, path: str, token: str, data=None, method: str = "GET",
+                   headers: Optional[dict] = None):
+        url = base + path
+        request = urllib.request.Request(url, data=data, method=method, headers={
+            "Authorization": f"Token {token}", "Accept": f"application/json, {NDJSON}",
+            **(headers or {})})
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode("utf-8", "replace")
+            try:
+                detail = json.loads(text).get("detail", text)
+            except (ValueError, AttributeError):
+                detail = text
+            raise ServerError(f"{url}: HTTP {exc.code}: {detail}", exc.code, text) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ServerError(f"{url}: cannot reach the server ({exc})") from None
+
+    def _bulk_json(self, base: str, path: str, token: str, **kwargs) -> dict:
+        with self._bulk_open(base, path, token, **kwargs) as response:
+            try:
+                return json.loads(response.read())
+            except ValueError:
+                raise ServerError(f"{base}{path}: the response is not JSON") from None
+
+    def _bulk_submit(self, base: str, token: str, state: BulkState, side: int) -> str:
+        """POST party `side`'s keys as an NDJSON body streamed as it is made; the job id."""
+        job = self._bulk_json(base, "/bulk/jobs", token, data=state.ndjson_lines(side),
+                              method="POST", headers={"Content-Type": NDJSON,
+                                                      "Content-Length": str(state.ndjson_length())})
+        if not isinstance(job, dict) or not isinstance(job.get("id"), (str, int)):
+            raise ServerError(f"{base}/bulk/jobs: expected a job with an id, got {job!r:.80}")
+        return str(job["id"])
+
+    def _bulk_wait(self, state: BulkState, tokens, progress, poll_interval: float,
+                   path: Optional[Path]) -> None:
+        """Poll both jobs until both are done; a failed or cancelled job ends the fetch."""
+        while True:
+            jobs = [self._bulk_json(base, f"/bulk/jobs/{job_id}", token)
+                    for base, job_id, token in zip(self.servers, state.jobs, tokens)]
+            if progress is not None:
+                progress(*jobs)
+            for base, job in zip(self.servers, jobs):
+                if job.get("status") in ("failed", "cancelled"):
+                    again = f"; remove {path} to submit new jobs" if path is not None else ""
+                    raise ServerError(f"{base}: bulk job {job.get('id')} is {job['status']} "
+                                      f"({job.get('errors')!r:.200}){again}")
+            if all(job.get("status") == "done" for job in jobs):
+                return
+            time.sleep(poll_interval)
+
+    def _bulk_rows(self, state: BulkState, tokens,
+                   path: Optional[Path]) -> Iterator[tuple[int, bytes]]:
+        """Both jobs' NDJSON results read side by side: XOR of the row's page, line by line."""
+        streams = [self._bulk_open(base, f"/bulk/jobs/{job_id}/results", token)
+                   for base, job_id, token in zip(self.servers, state.jobs, tokens)]
+        try:
+            lines = zip(*(iter(stream.readline, b"") for stream in streams))
+            count = 0
+            for index, (row, slot, raw) in enumerate(zip(state.rows, state.slots.tolist(), lines)):
+                got = []
+                for text, base in zip(raw, self.servers):
+                    try:
+                        got.append(parse_result_line(text, index, PAGE_BYTES))
+                    except ValueError as exc:
+                        raise ServerError(f"{base}: {exc}") from None
+                if got[0]["epoch_id"] != got[1]["epoch_id"]:
+                    again = f"; remove {path} to submit new jobs" if path is not None else ""
+                    raise EpochMismatch(
+                        f"query {index} (row {row}) was answered from epoch {got[0]['epoch_id']} "
+                        f"by A and epoch {got[1]['epoch_id']} by B: the jobs ran across an epoch "
+                        f"switch and their answers cannot be combined{again}"
+                    )
+                offset = 2 + 2 * (row % ROWS_PER_PAGE) * ROW_BYTES  # past "0x", in hex digits
+                halves = [bytes.fromhex(g["pages"][slot][offset:offset + 2 * ROW_BYTES])
+                          for g in got]
+                count += 1
+                yield row, _xor(*halves)
+            if count != len(state.rows):
+                raise ServerError(f"expected {len(state.rows)} result lines from each party, "
+                                  f"got {count}")
+        finally:
+            for stream in streams:
+                stream.close()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
@@ -263,6 +440,71 @@ class PirClient:
         self.close()
 
 
+def _bulk_tokens(tokens: Sequence[Optional[str]]) -> tuple[str, str]:
+    chosen = tuple(token or os.environ.get(env, "") for token, env in zip(tokens, TOKEN_ENV))
+    missing = [party for party, token in zip("AB", chosen) if not token]
+    if missing:
+        raise PirError(
+            f"bulk jobs need a DRF token for each party; none for {' and '.join(missing)}: "
+            f"pass --token-a/--token-b or set {TOKEN_ENV[0]}/{TOKEN_ENV[1]} "
+            "(`make superuser` prints one per party)"
+        )
+    return chosen
+
+
+def _print_progress(job_a: dict, job_b: dict) -> None:
+    print("  ".join(f"{name}: job {job.get('id')} {job.get('status')} "
+                    f"{job.get('answered')}/{job.get('total')}"
+                    for name, job in (("A", job_a), ("B", job_b))), file=sys.stderr, flush=True)
+
+
+def add_bulk_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("bulk jobs (README: Bulk jobs)")
+    group.add_argument("--bulk", metavar="FILE",
+                       help="fetch the rows listed in FILE, one per line, through one bulk job "
+                            "per party; rerun the same command to resume after a crash")
+    group.add_argument("--out", help="write the rows there (row N: 0x...) instead of stdout")
+    group.add_argument("--state", help="state file of the fetch (default FILE.state.json): the "
+                                       "planned keys' seeds and each party's job id")
+    group.add_argument("--token-a", help=f"party A's DRF token (default ${TOKEN_ENV[0]})")
+    group.add_argument("--token-b", help=f"party B's DRF token (default ${TOKEN_ENV[1]})")
+    group.add_argument("--poll", type=float, default=2.0, help="seconds between progress polls")
+
+
+def bulk_main(args, client: PirClient, out: Callable[[str], None]) -> int:
+    """`--bulk FILE`: every row of FILE through one bulk job per party, to --out or stdout."""
+    rows = read_rows_file(args.bulk)
+    state = args.state or f"{args.bulk}.state.json"
+    last = {}
+
+    def progress(job_a, job_b):
+        figures = [(j.get("status"), j.get("answered")) for j in (job_a, job_b)]
+        if figures != last.get("figures"):
+            last["figures"] = figures
+            _print_progress(job_a, job_b)
+
+    results = client.iter_rows_bulk(rows, (args.token_a, args.token_b), state, progress,
+                                    args.poll)
+    try:
+        if args.out is None:
+            for row, data in results:
+                out(f"row {row}: 0x{data.hex()}")
+            return 0
+        # Written beside --out and renamed at the end: a crash never leaves a partial file there.
+        target = Path(args.out)
+        tmp = target.with_name(target.name + ".partial")
+        with open(tmp, "w") as fh:
+            for row, data in results:
+                fh.write(f"row {row}: 0x{data.hex()}\n")
+        os.replace(tmp, target)
+    except KeyboardInterrupt:
+        print(f"interrupted: the jobs go on; run the same command again to resume ({state})",
+              file=sys.stderr)
+        return 130
+    print(f"wrote {len(rows)} rows to {target}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m queries.client",
@@ -270,14 +512,19 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
     )
     parser.add_argument("--server-a", required=True, help="base URL of party A, e.g. http://127.0.0.1:8001")
     parser.add_argument("--server-b", required=True, help="base URL of party B, e.g. http://127.0.0.1:8002")
-    parser.add_argument("--row", type=int, action="append", required=True,
+    parser.add_argument("--row", type=int, action="append",
                         help="row to fetch (256 bytes); repeat for several")
     parser.add_argument("--batch", action="store_true",
                         help=f"send the rows through the batch endpoint, {MAX_BATCH} per request")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request")
+    add_bulk_arguments(parser)
     args = parser.parse_args(argv)
+    if (args.row is None) == (args.bulk is None):
+        parser.error("give the rows with --row (repeatable) or --bulk FILE, one of the two")
     try:
         with PirClient(args.server_a, args.server_b, timeout=args.timeout) as client:
+            if args.bulk is not None:
+                return bulk_main(args, client, out)
             rows = client.fetch_rows(args.row, batch=args.batch)
     except (PirError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -28,7 +28,8 @@ def env_example() -> dict:
 
 
 def interpolate(node, env: dict):
-    """Compose's variable substitution: ${X}, ${X:-default}, ${X:?error}, $$ for a literal $."""
+    """Compose's variable substitution: ${X}, ${X:-default} (unset or empty), ${X-default}
+    (unset only), ${X:?error} (unset or empty), ${X?error} (unset only), $$ for a literal $."""
     if isinstance(node, dict):
         return {key: interpolate(value, env) for key, value in node.items()}
     if isinstance(node, list):
@@ -41,9 +42,10 @@ def interpolate(node, env: dict):
             return "$"
         name, op, arg = match.groups()
         value = env.get(name)
-        if op in (":?", "?") and not value:
+        missing = value is None if op in ("-", "?") else not value
+        if op in (":?", "?") and missing:
             raise KeyError(f"{name}: {arg}")
-        if op in (":-", "-") and not value:
+        if op in (":-", "-") and missing:
             return arg
         return value or ""
 
