@@ -34,7 +34,7 @@ run: $(STAMP)
 # A user that exists is kept; each party's token is printed (the same one on a second run).
 SUPERUSER ?= admin
 SUPERUSER_EMAIL ?= $(SUPERUSER)@localhost
-PARTY_DB_DIR ?= $(or $(MORPHO_VAR_DIR),var)
+PARTY_DB_DIR ?= $(or $(VAR),$(MORPHO_VAR_DIR),var)
 superuser: $(STAMP)
 	@for party in a b; do \
 		export DATABASE_URL="sqlite:///$(abspath $(PARTY_DB_DIR))/party-$$party.sqlite3"; \
