@@ -152,10 +152,7 @@ def _switch(engine, record: Epoch, stop_the_world: bool) -> None:
     for row, data in rows.items():
         epoch.matrix.write_row(row, data)  # copy-on-write: the file is never touched
     try:
-        if stop_the_world:
-            engine.switch_epoch(epoch, stop_the_world=True).result()
-        else:
-            engine.switch_epoch(epoch).result()
+        engine.switch_epoch(epoch, stop_the_world=stop_the_world, written=rows).result()
     except Exception as exc:
         if stop_the_world:
             # The engine reloaded its current epoch from the matrix file, without its updates: the

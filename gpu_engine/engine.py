@@ -18,6 +18,7 @@ from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
+from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
     KEYS_PER_QUERY,
@@ -66,6 +67,7 @@ class BatchAnswer:
     epoch_id: int
     answers: np.ndarray  # (keys, PAGE_BYTES) uint8
     query_keys: Tuple[int, ...]  # keys per query, in order
+    state: ServedState  # the epoch and written rows every answer of the request comes from
 
     @property
     def pages(self) -> List[List[bytes]]:
@@ -112,6 +114,7 @@ class Engine:
         self._policy = policy or static_policy(BatchingPolicy())
         self._last_policies: Dict[str, BatchingPolicy] = {lane: BatchingPolicy() for lane in LANES}
         self._epoch = epoch
+        self._rows = RowDigest()  # rows written over the epoch's file since it was loaded
         self._resident: ResidentMatrix = backend.load(epoch.matrix)
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
         self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
@@ -263,39 +266,54 @@ class Engine:
 
     def write_rows(self, rows: Mapping[int, bytes]) -> "Future[None]":
         """Overwrite rows between launches; the future resolves once answers include them."""
+        rows = dict(rows)
         for index, data in rows.items():
             self._epoch.matrix.check_row(index, data)
-        return self._run_between_launches(lambda: self._resident.write_rows(dict(rows)))
 
-    def switch_epoch(self, epoch: Epoch, stop_the_world: bool = False) -> "Future[None]":
+        def write() -> None:
+            self._resident.write_rows(rows)
+            self._rows.write(rows)
+
+        return self._run_between_launches(write)
+
+    def switch_epoch(self, epoch: Epoch, stop_the_world: bool = False,
+                     written: Optional[Mapping[int, bytes]] = None) -> "Future[None]":
         """Make `epoch` resident beside the current one, then swap between launches.
 
-        stop_the_world: for a device that cannot hold both matrices, free the current one and
-        load `epoch` on the scheduler thread; queries wait meanwhile. If that load fails, the
-        current epoch is loaded again (without rows written since its load) and the future fails.
+        written: rows already written over `epoch`'s matrix (pending updates it absorbs), which its
+        state's digest counts. stop_the_world: for a device that cannot hold both matrices, free
+        the current one and load `epoch` on the scheduler thread; queries wait meanwhile. If that
+        load fails, the current epoch is loaded again (without rows written since its load) and
+        the future fails.
         """
         if stop_the_world:
-            return self._run_between_launches(lambda: self._reload(epoch))
+            return self._run_between_launches(lambda: self._reload(epoch, written))
         resident = self.backend.load(epoch.matrix)
 
         def swap() -> None:
             old = self._resident
-            self._epoch, self._resident = epoch, resident
+            self._epoch, self._resident, self._rows = epoch, resident, RowDigest(written)
             old.release()
             log.info("epoch switched to %s", epoch.epoch_id)
 
         return self._run_between_launches(swap)
 
-    def _reload(self, epoch: Epoch) -> None:
+    def _reload(self, epoch: Epoch, written: Optional[Mapping[int, bytes]]) -> None:
         current = self._epoch
         self._resident.release()
         try:
             self._resident = self.backend.load(epoch.matrix)
         except Exception:
             self._resident = self.backend.load(current.matrix)
+            self._rows = RowDigest()
             raise
-        self._epoch = epoch
+        self._epoch, self._rows = epoch, RowDigest(written)
         log.info("epoch switched to %s (stop the world)", epoch.epoch_id)
+
+    @property
+    def state(self) -> ServedState:
+        """The state answers launched now come from (read between launches by the scheduler)."""
+        return self._rows.state(self._epoch.epoch_id)
 
     def warm_up(self, max_batch: int = 32, seed: int = 0) -> "Future[None]":
         """Launch random keys of every batch size a lane may use before any query arrives.
@@ -407,7 +425,7 @@ class Engine:
                 self._inflight = []
 
     def _launch(self, decision: Launch, batch: List[_Request]) -> None:
-        epoch = self._epoch
+        epoch, state = self._epoch, self.state
         keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
         queries = sum(r.size for r in batch)
         started_mono = time.monotonic()
@@ -425,7 +443,7 @@ class Engine:
         for request in batch:
             count = len(request.keys)
             _settle(request.future,
-                    BatchAnswer(epoch.epoch_id, answers[row:row + count], request.query_keys))
+                    BatchAnswer(epoch.epoch_id, answers[row:row + count], request.query_keys, state))
             row += count
         # The cost model plans with how long a launch keeps the scheduler from the next one:
         # the device time and handing the answers out (futures' callbacks run here).
@@ -447,6 +465,7 @@ class Engine:
             "running": self.running,
             "failure": self.failure,
             "epoch_id": self._epoch.epoch_id,
+            "state": self.state.describe(),
             "queue_depth": depth,
             "resident_bytes": self._resident.nbytes,
             **self.backend.describe(),

@@ -29,6 +29,7 @@ from gpu_engine.dpf import DpfKey, KeyBatch
 from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, _settle
 from gpu_engine.matrix import Epoch, epoch_from_description
 from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.state import ServedState
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,12 @@ class RemoteEngine:
         self._check_up(allow_warming=True)
         assert self._epoch is not None
         return self._epoch
+
+    @property
+    def state(self) -> ServedState:
+        """The engine server's state as of its last PONG (answers carry their own)."""
+        self._check_up(allow_warming=True)
+        return ServedState.from_description(self._status["state"])
 
     def policies(self) -> Dict[str, BatchingPolicy]:
         self._check_up(allow_warming=True)
@@ -315,9 +322,9 @@ class RemoteEngine:
         future, query_keys = entry
         if kind == wire.ANSWER:
             answers = frames[3].buffer
-            epoch_id, keys = wire.unpack_answer(frames[2].bytes, len(answers))
+            state, keys = wire.unpack_answer(frames[2].bytes, len(answers))
             array = np.frombuffer(answers, dtype=np.uint8).reshape(keys, PAGE_BYTES)
-            _settle(future, BatchAnswer(epoch_id, array, query_keys))
+            _settle(future, BatchAnswer(state.epoch_id, array, query_keys, state))
         elif kind == wire.RESULT:
             _settle(future, wire.loads(frames[2].bytes))
         elif kind == wire.ERROR:

@@ -90,7 +90,8 @@ class EngineServer:
     def status(self) -> dict:
         """What every PONG carries: enough for a client to validate keys and pick batch sizes."""
         engine = self.engine
-        return {"epoch": engine.epoch.describe(), "running": engine.running,
+        return {"epoch": engine.epoch.describe(), "state": engine.state.describe(),
+                "running": engine.running,
                 "failure": engine.failure, "warming": self.warming,
                 "policies": wire.policies_to_json(engine.policies())}
 
@@ -109,7 +110,7 @@ class EngineServer:
         except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the client
             self._post([peer, wire.ERROR, rid, _error_body(exc)])
             return
-        self._post([peer, wire.ANSWER, rid, wire.pack_answer(result.epoch_id, len(result.answers)),
+        self._post([peer, wire.ANSWER, rid, wire.pack_answer(result.state, len(result.answers)),
                     memoryview(result.answers).cast("B")])
 
     def _control(self, peer: bytes, rid: bytes, body) -> None:

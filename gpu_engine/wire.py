@@ -7,11 +7,11 @@ query path. Control messages (health, metrics, epoch switches) carry small JSON 
 | kind | direction | frames after [kind, id] |
 |---|---|---|
 | QUERY  | client -> server | header `<BBBI` (lane index, domain_bits, keys per query, queries), keys |
-| ANSWER | server -> client | header `<QI` (epoch_id, keys), answers (4096 bytes per key, in order) |
+| ANSWER | server -> client | header `<QIQ32s` (epoch_id, keys, rows written, their digest: the served state), answers (4096 bytes per key, in order) |
 | ERROR  | server -> client | JSON {"kind": overloaded/unavailable/invalid, "reason", "retry_after"} |
 | CONTROL | client -> server | JSON {"op", "args"} |
 | RESULT | server -> client | JSON {"result"} or {"error", "kind"} |
-| PING / PONG | both | - / JSON status: epoch, running, warming, failure, policies |
+| PING / PONG | both | - / JSON status: epoch, state, running, warming, failure, policies |
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 from gpu_engine.backends.base import PAGE_BYTES
 from gpu_engine.scheduler import LANES, BatchingPolicy
+from gpu_engine.state import ServedState
 
 QUERY = b"Q"
 ANSWER = b"A"
@@ -32,7 +33,7 @@ PING = b"P"
 PONG = b"O"
 
 _QUERY_HEADER = struct.Struct("<BBBI")
-_ANSWER_HEADER = struct.Struct("<QI")
+_ANSWER_HEADER = struct.Struct("<QIQ32s")
 _ID = struct.Struct("<Q")
 
 # ERROR kinds, mapped to the engine's exceptions on the client side
@@ -74,15 +75,15 @@ def unpack_query(header: bytes, keys_len: int, key_length) -> Tuple[str, int, Tu
     return LANES[lane_index], domain_bits, (per_query,) * queries
 
 
-def pack_answer(epoch_id: int, keys: int) -> bytes:
-    return _ANSWER_HEADER.pack(epoch_id, keys)
+def pack_answer(state: ServedState, keys: int) -> bytes:
+    return _ANSWER_HEADER.pack(state.epoch_id, keys, state.updates, state.digest)
 
 
-def unpack_answer(header: bytes, answers_len: int) -> Tuple[int, int]:
-    epoch_id, keys = _ANSWER_HEADER.unpack(header)
+def unpack_answer(header: bytes, answers_len: int) -> Tuple[ServedState, int]:
+    epoch_id, keys, updates, digest = _ANSWER_HEADER.unpack(header)
     if answers_len != keys * PAGE_BYTES:
         raise WireError(f"{answers_len} answer bytes for {keys} keys of {PAGE_BYTES} bytes")
-    return epoch_id, keys
+    return ServedState(epoch_id, updates, digest), keys
 
 
 def dumps(value: Any) -> bytes:

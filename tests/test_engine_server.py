@@ -71,7 +71,7 @@ def test_remote_answers_are_the_engines_bytes(served):
         k0, k1 = gen_keys(target, d)
         remote = client.answer([[k0, k1, k0], [k1, k0, k1]], timeout=30)
         local = engine.answer([[k0, k1, k0], [k1, k0, k1]], timeout=30)
-        assert remote.epoch_id == local.epoch_id == 1
+        assert remote.epoch_id == local.epoch_id == 1 and remote.state == local.state
         assert remote.pages == local.pages  # byte for byte, query by query
         assert _xor(remote.pages[0][0], remote.pages[0][1]) == matrix.page(target)
 
@@ -89,8 +89,9 @@ def test_a_policy_change_and_an_epoch_switch_reach_the_client_within_a_second(se
     engine, _, client, policies = served()
     policies.current["interactive"] = BatchingPolicy(name="changed", mode="adaptive")
     engine.switch_epoch(Epoch(2, random_matrix(PAGES * 2, seed=6))).result(30)
+    engine.write_rows({3: bytes(256)}).result(30)
     changed = time.monotonic()
-    while (client.policies()["interactive"].name, client.epoch.epoch_id) != ("changed", 2):
+    while (client.policies()["interactive"].name, client.state) != ("changed", engine.state):
         assert time.monotonic() - changed < 1.0, "the client still sees the old policy or epoch"
         time.sleep(0.02)
     assert client.epoch.matrix.num_pages == PAGES * 2
