@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.template.defaultfilters import pluralize
 from django.utils.html import format_html
 
 from queries import bulk
@@ -102,7 +103,9 @@ class BulkJobAdmin(admin.ModelAdmin):
             except bulk.JobFinished as exc:
                 finished.append(f"{exc.job.pk} ({exc.job.status})")
         if cancelled:
-            self.message_user(request, f"Cancelled {cancelled} job(s).", messages.SUCCESS)
+            self.message_user(
+                request, f"Cancelled {cancelled} job{pluralize(cancelled)}.", messages.SUCCESS
+            )
         if finished:
             self.message_user(
                 request,

@@ -10,6 +10,7 @@ from celery import Task, shared_task
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
+from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from gpu_engine.engine import EngineBusy
@@ -82,7 +83,8 @@ def _sweep_forever(worker: str) -> None:
         freed = forget_own_leases(worker)
         if freed:
             log.warning(
-                "%s: %d chunk(s) held by this worker's previous run are free again", worker, freed
+                "%s: %d chunk%s held by this worker's previous run %s free again",
+                worker, freed, pluralize(freed), pluralize(freed, "is,are"),
             )
     except DatabaseError:
         log.exception("could not release this worker's old leases")
