@@ -25,6 +25,8 @@ COPY policies policies
 COPY epochs epochs
 COPY templates templates
 COPY bin bin
+# The admin's and the API docs' static files, served by WhiteNoise from STATIC_ROOT (/app/staticfiles).
+RUN python manage.py collectstatic --no-input -v0
 
 RUN useradd --create-home --uid 1000 morpho \
     && mkdir -p /data /app/var \

@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Parties A (127.0.0.1:8001) and B (127.0.0.1:8002) over one generated demo matrix (DEMO_PAGES,
-# default 8192), each with its own SQLite database under var/. Ctrl-C stops both.
+# default 8192), each with its own SQLite database under var/. Ctrl-C stops both. The admin's and
+# the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them from there.
 run: $(STAMP)
+	$(PY) manage.py collectstatic --no-input -v0
 	$(PY) -m morphoweb.devserver
 
 # pytest's exit status 5 means "no tests collected": not a failure of the suite.

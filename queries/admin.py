@@ -18,6 +18,7 @@ class BulkChunkInline(admin.TabularInline):
         "index",
         "first",
         "count",
+        "answered",
         "status",
         "attempts",
         "worker",
@@ -77,13 +78,14 @@ class BulkJobAdmin(admin.ModelAdmin):
 
     @admin.display(description="progress")
     def progress_bar(self, job: BulkJob) -> str:
+        answered = job.answered_so_far()  # launch by launch, running chunks included
         return format_html(
             '<progress value="{}" max="{}"></progress> {} / {} ({}%)',
-            job.answered,
+            answered,
             job.total,
-            job.answered,
+            answered,
             job.total,
-            round(100 * job.progress, 1),
+            round(100 * answered / max(1, job.total), 1),
         )
 
     @admin.display(description="epochs answered against")

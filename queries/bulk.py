@@ -170,6 +170,7 @@ def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
         lease_expires=lease_until(),
         claimed=now,
         attempts=F("attempts") + 1,
+        answered=0,
         error="",
     )
     if not taken:
