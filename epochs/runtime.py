@@ -1,7 +1,8 @@
 """Keeps this process's engine on the active epoch, with every pending row update applied.
 
-The database is the truth: the active Epoch record (or, when there is none, the matrix file the
-process was started with) plus the pending RowUpdates of that epoch. `sync(engine)` brings an
+The database is the truth: the active Epoch record (when there is none, the epoch of the matrix
+file the process was started with is recorded as the active one) plus the pending RowUpdates of
+that epoch. `sync(engine)` brings an
 engine there; it runs when this process changes the state (before the change is acknowledged),
 right after an engine starts, and from the policies watcher when another process changed it.
 """

@@ -69,9 +69,11 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
     for field, (lo, hi, unit) in POLICY_BOUNDS.items():
         value = values.get(field)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors[field] = f"{field} must be a number in {plain_number(lo)}..{plain_number(hi)} {unit}, got {value!r}"
+            errors[field] = (f"{field} must be a number in {plain_number(lo)}..{plain_number(hi)} "
+                             f"{unit}, got {value!r}")
         elif not lo <= value <= hi or (isinstance(value, float) and math.isnan(value)):
-            errors[field] = f"{field} must be in {plain_number(lo)}..{plain_number(hi)} {unit}, got {plain_number(value)}"
+            errors[field] = (f"{field} must be in {plain_number(lo)}..{plain_number(hi)} {unit}, "
+                             f"got {plain_number(value)}")
     if errors:
         return errors  # cross-field checks assume every field is in range
     if mode == "adaptive" and values["adaptive_threshold"] > values["max_batch"]:

@@ -21,11 +21,8 @@ def body_limit(path: str) -> tuple[int, str]:
 
 def header_error(status: int, field: str, code: str, message: str) -> JsonResponse:
     """An error about the request as a whole, in the shape of the API's other errors."""
-    return JsonResponse(
-        {"detail": f"{field}: {message}",
-         "errors": [{"field": field, "query": None, "key": None, "code": code, "message": message}]},
-        status=status,
-    )
+    error = {"field": field, "query": None, "key": None, "code": code, "message": message}
+    return JsonResponse({"detail": f"{field}: {message}", "errors": [error]}, status=status)
 
 
 class BodySizeLimitMiddleware:

@@ -10,7 +10,8 @@ urlpatterns = [
     # What a person opening the server (or the admin's "View site") finds: where to go next.
     path("", TemplateView.as_view(template_name="index.html"), name="home"),
     # Browsers ask every site for one; a 404 here would be an error in every page's console.
-    path("favicon.ico", TemplateView.as_view(template_name="favicon.svg", content_type="image/svg+xml")),
+    path("favicon.ico",
+         TemplateView.as_view(template_name="favicon.svg", content_type="image/svg+xml")),
     path("", include("queries.api.urls")),
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),

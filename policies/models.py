@@ -6,7 +6,8 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, BatchingPolicy as EnginePolicy, plain_number
+from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, plain_number
+from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
 
 
 def _help(field: str, text: str) -> str:
