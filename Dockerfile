@@ -31,6 +31,8 @@ COPY epochs epochs
 COPY engine engine
 COPY templates templates
 COPY bin bin
+# The admin's and the API docs' static files, served by WhiteNoise from STATIC_ROOT (/app/staticfiles).
+RUN python manage.py collectstatic --no-input -v0
 
 RUN useradd --create-home --uid 1000 morpho \
     && mkdir -p /data /app/var \

@@ -1,13 +1,15 @@
 """Keeps this process's engine on the active epoch, with every pending row update applied.
 
-The database is the truth: the active Epoch record (or, when there is none, the matrix file the
-process was started with) plus the pending RowUpdates of that epoch. `sync(engine)` brings an
+The database is the truth: the active Epoch record (when there is none, the epoch of the matrix
+file the process was started with is recorded as the active one) plus the pending RowUpdates of
+that epoch. `sync(engine)` brings an
 engine there; it runs when this process changes the state (before the change is acknowledged),
 right after an engine starts, and from the policies watcher when another process changed it.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -15,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
-from django.db.models import Count, Max
+from django.db import DatabaseError, IntegrityError, transaction
+from django.db.models import Count, Max, Q
 from django.utils import timezone
 
 from epochs.models import (
@@ -218,9 +220,43 @@ def sync(engine, explicit: bool = False) -> None:
         _apply_new_updates(engine)
 
 
+def record_served_epoch(engine) -> Epoch | None:
+    """Record the epoch an engine serves from its matrix file when the database has no active one.
+
+    A fresh party (the demo matrix of `make run`, a new deployment) then lists the epoch it serves
+    in the admin and /api/epochs/, and activating another one starts from it. Returns the record
+    made, or None when there was nothing to record."""
+    served = engine.epoch
+    if served.matrix.source is None:
+        return None  # a matrix built in memory: no file for other processes to load
+    with transaction.atomic():
+        if Epoch.objects.filter(Q(state=EpochState.ACTIVE) | Q(epoch_id=served.epoch_id)).exists():
+            return None
+        record = Epoch(
+            epoch_id=served.epoch_id,
+            matrix_path=os.path.abspath(served.matrix.source),
+            block_number=served.block_number,
+            state_root="0x" + served.state_root.hex(),
+            seeds=list(served.seeds),
+            domain_bits=settings.MORPHO_DOMAIN_BITS,
+            num_pages=served.matrix.num_pages,
+            state=EpochState.ACTIVE,
+            activated=timezone.now(),
+        )
+        try:
+            with transaction.atomic():
+                record.save()
+        except IntegrityError:
+            return None  # another process of this party recorded it first
+    log.info("recorded the served epoch %s (%s) as the active epoch", record.epoch_id,
+             record.matrix_path)
+    return record
+
+
 def adopt(engine) -> None:
     """Called once an engine has started: serve the database's epoch and updates before any query."""
     try:
+        record_served_epoch(engine)
         sync(engine)
     except (DatabaseError, RuntimeError) as exc:
         # A server may start before `migrate` ran (or, in tests, without database access); it

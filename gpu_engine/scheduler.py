@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -42,8 +43,18 @@ class PolicyError(ValueError):
         self.errors = dict(errors)
 
 
-def _number(value: float) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+def plain_number(value: float) -> str:
+    """A bound or value as a person writes it: 1000000, 0.1, 60000 (never 1e+06 or 60000.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value.is_integer():
+            return str(int(value))
+        return format(Decimal(repr(value)), "f")
+    return str(value)
+
 
 
 def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
@@ -58,9 +69,11 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
     for field, (lo, hi, unit) in POLICY_BOUNDS.items():
         value = values.get(field)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors[field] = f"{field} must be a number in {_number(lo)}..{_number(hi)} {unit}, got {value!r}"
+            errors[field] = (f"{field} must be a number in {plain_number(lo)}..{plain_number(hi)} "
+                             f"{unit}, got {value!r}")
         elif not lo <= value <= hi or (isinstance(value, float) and math.isnan(value)):
-            errors[field] = f"{field} must be in {_number(lo)}..{_number(hi)} {unit}, got {_number(value)}"
+            errors[field] = (f"{field} must be in {plain_number(lo)}..{plain_number(hi)} {unit}, "
+                             f"got {plain_number(value)}")
     if errors:
         return errors  # cross-field checks assume every field is in range
     if mode == "adaptive" and values["adaptive_threshold"] > values["max_batch"]:
@@ -77,7 +90,7 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
     if mode == "slo" and values["p95_target_ms"] > values["queue_timeout_ms"]:
         errors["p95_target_ms"] = (
             f"p95_target_ms must be at most queue_timeout_ms ({values['queue_timeout_ms']} ms), "
-            f"got {_number(values['p95_target_ms'])}")
+            f"got {plain_number(values['p95_target_ms'])}")
     return errors
 
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F, Max, Q
+from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from queries.models import ACTIVE, KEYS_PER_QUERY, BulkChunk, BulkJob, BulkResult, JobStatus
@@ -73,11 +74,14 @@ def create_job(
         if stored != total:
             raise ValueError(f"job declared {total} queries but {stored} were given")
         transaction.on_commit(lambda: dispatch_job(job.pk))
+    chunks = index + (1 if count else 0)
     log.info(
-        "bulk job %s: %d queries in %d chunks of %d",
+        "bulk job %s: %d quer%s in %d chunk%s of %d",
         job.pk,
         total,
-        index + (1 if count else 0),
+        pluralize(total, "y,ies"),
+        chunks,
+        pluralize(chunks),
         chunk_size,
     )
     return job
@@ -166,6 +170,7 @@ def claim_chunk(chunk_id: int, worker: str) -> BulkChunk | None:
         lease_expires=lease_until(),
         claimed=now,
         attempts=F("attempts") + 1,
+        answered=0,
         error="",
     )
     if not taken:

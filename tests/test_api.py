@@ -225,7 +225,7 @@ def test_body_over_the_limit_is_a_413(api, settings):
     response = post(api, BATCH, body)
     assert response.status_code == 413
     assert response.json()["errors"] == [{
-        "field": "body",
+        "field": "body", "query": None, "key": None, "code": "too_large",
         "message": f"expected at most 4096 bytes (MORPHO_MAX_BODY_BYTES), got {len(body)}",
     }]
     # The same limit lets a smaller request through.
@@ -287,7 +287,8 @@ def test_malformed_content_length_is_a_400(api):
     response = post(api, SINGLE, {"keys": [GOOD] * 3}, CONTENT_LENGTH="12x")
     assert response.status_code == 400
     assert response.json()["errors"] == [
-        {"field": "Content-Length", "message": "expected a non-negative integer, got '12x'"}]
+        {"field": "Content-Length", "query": None, "key": None, "code": "content_length",
+         "message": "expected a non-negative integer, got '12x'"}]
 
 
 def test_chunked_body_without_length_is_a_411(api):

@@ -5,7 +5,6 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
-from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.exceptions import APIException
 from rest_framework.permissions import DjangoModelPermissions
 from rest_framework.response import Response
@@ -30,18 +29,11 @@ class SwitchConflict(APIException):
     default_code = "switch_failed"
 
 
-class OperatorPagination(LimitOffsetPagination):
-    # Row updates pile up between epochs: a listing is paged, newest first.
-    default_limit = 100
-    max_limit = 1000
-
-
 class OperatorViewSet(viewsets.GenericViewSet):
     """Operators sign in with a DRF token (`manage.py drf_create_token USER`) or an admin session."""
 
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [OperatorPermissions]
-    pagination_class = OperatorPagination
 
 
 class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,

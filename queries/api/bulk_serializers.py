@@ -171,7 +171,10 @@ class BulkJobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_progress(self, job: BulkJob) -> dict:
-        return {"answered": job.answered, "total": job.total, "fraction": round(job.progress, 6)}
+        # Counted launch by launch, running chunks included; "answered" counts stored answers.
+        answered = job.answered_so_far()
+        return {"answered": answered, "total": job.total,
+                "fraction": round(answered / job.total if job.total else 0.0, 6)}
 
     def get_epoch_ids(self, job: BulkJob) -> list[int]:
         return job.epoch_ids()

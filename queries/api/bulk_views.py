@@ -47,11 +47,14 @@ class NDJSONRenderer(JSONRenderer):
     format = "ndjson"
 
 
-def result_lines(job: BulkJob) -> Iterator[bytes]:
-    """The job's answers in query order, one chunk row in memory at a time."""
-    chunk_ids = list(
-        BulkResult.objects.filter(job=job).order_by("index").values_list("pk", flat=True)
-    )
+def stored_chunks(job: BulkJob) -> tuple[list[int], int]:
+    """(ids of the job's stored result rows in query order, how many queries they answer)."""
+    rows = list(BulkResult.objects.filter(job=job).order_by("index").values_list("pk", "count"))
+    return [pk for pk, _ in rows], sum(count for _, count in rows)
+
+
+def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
+    """The answers of these result rows in query order, one chunk row in memory at a time."""
     size = KEYS_PER_QUERY * PAGE
     for pk in chunk_ids:
         first, epoch_id, answers = BulkResult.objects.values_list(
@@ -161,22 +164,29 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     @extend_schema(
         responses={
             (200, NDJSON): OpenApiTypes.STR,
-            409: OpenApiResponse(description="the job is not done yet"),
+            409: OpenApiResponse(description="the job is still queued or running"),
         }
     )
     @action(detail=True, methods=["get"])
     def results(self, request, pk=None):
-        """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`."""
+        """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`.
+
+        A cancelled or failed job serves the queries it answered (their `index` says which),
+        marked `X-Bulk-Partial: true` with their count in `X-Bulk-Answered`."""
         job = self.get_object()
-        if job.status != JobStatus.DONE:
+        if job.is_active:
             return Response(
                 {
                     "detail": f"job {job.pk} is {job.status} ({job.answered} of {job.total} "
-                    "queries answered); results are served once it is done",
+                    "queries answered); results are served once it is done, cancelled or failed",
                     "status": job.status,
                 },
                 status=status.HTTP_409_CONFLICT,
             )
-        response = StreamingHttpResponse(result_lines(job), content_type=NDJSON)
+        # Read once: a chunk that was running at a cancel may still store its answers meanwhile.
+        chunk_ids, answered = stored_chunks(job)
+        response = StreamingHttpResponse(result_lines(chunk_ids), content_type=NDJSON)
         response["X-Bulk-Total"] = str(job.total)
+        response["X-Bulk-Answered"] = str(answered)
+        response["X-Bulk-Partial"] = "true" if answered < job.total else "false"
         return response

@@ -119,6 +119,13 @@ class KeyListField(serializers.ListField):
 class JsonObjectSerializer(serializers.Serializer):
     """A serializer whose body must be a JSON object; anything else is named in the error."""
 
+    def validate_empty_values(self, data):
+        if data is None:  # else DRF's own words: "This field may not be null." / "No data provided"
+            raise serializers.ValidationError(
+                {"non_field_errors": [serializers.ErrorDetail("expected a JSON object, got null",
+                                                              code="null")]})
+        return super().validate_empty_values(data)
+
     def to_internal_value(self, data):
         if not isinstance(data, dict):
             raise serializers.ValidationError(
