@@ -42,7 +42,8 @@ class Party:
             CELERY_FILESYSTEM_BROKER_DIR=folder / "broker", MORPHO_ENGINE_URL=f"ipc://{folder}/e.sock",
             MORPHO_ENGINE_DEADLINE=DEADLINE_S, MORPHO_WEB_WORKERS=3, MORPHO_WEB_THREADS=4,
             MORPHO_QUERY_THROTTLE="off", MORPHO_BULK_CHUNK=32, MORPHO_BULK_LEASE_SECONDS=3,
-            MORPHO_BULK_SWEEP_SECONDS=0.5, MORPHO_BULK_QUEUE="engine-server-test",
+            MORPHO_BULK_SWEEP_SECONDS=0.5, MORPHO_BULK_REQUEUE_SECONDS=8,
+            MORPHO_BULK_QUEUE="engine-server-test",
             CUDA_VISIBLE_DEVICES="")
         self.manage("migrate", "--no-input", "-v0")
         self.token = self.manage(
@@ -311,7 +312,7 @@ def test_a_bulk_job_survives_sigkill_of_the_engine_server(party):
     party.start_engine()
     deadline = time.monotonic() + 240
     while job["status"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
+        assert time.monotonic() < deadline, f"{job}\n{party.log('workers')}"
         time.sleep(0.5)
         job = party.request("GET", f"/bulk/jobs/{job['id']}")
     assert job["status"] == "done" and job["answered"] == 600, job
