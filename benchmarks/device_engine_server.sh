@@ -16,5 +16,5 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 timeout 500 python3 benchmarks/http_vs_engine.py --backend cuda --pages "$PAGES" --out "$OUT/http_vs_engine.csv" --folder /tmp/hve "$@" \
     2>&1 | tee "$OUT/bench.log"
-for f in /tmp/hve/party-*/party.log; do [ -f "$f" ] && tail -30 "$f"; done > "$OUT/party_tail.log" 2>/dev/null
+for f in /tmp/hve/party-*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }; done > "$OUT/party_tail.log" 2>/dev/null
 cat "$OUT/http_vs_engine.csv"

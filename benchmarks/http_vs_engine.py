@@ -92,7 +92,7 @@ def check_answers(party: Party, expected: dict) -> None:
     keys = list(expected)
     for i in range(0, len(keys), KEYS):
         group = keys[i:i + KEYS]
-        body = party.json("POST", "/query/page/gpu", json.dumps({"keys": group}).encode())
+        body = party.json("POST", "/query/page/gpu", {"keys": group})
         for key, page in zip(group, body["pages"]):
             if bytes.fromhex(page[2:]) != expected[key]:
                 raise SystemExit("an HTTP answer differs from the backend's answer for the same key")
@@ -136,8 +136,7 @@ def bulk_job(party: Party, d: int, queries: int, rng, wait: bool = True) -> tupl
     raw = random_keys(queries * KEYS, d, rng).to_bytes()
     size = len(raw) // (queries * KEYS)
     hexes = [raw[i * size:(i + 1) * size].hex() for i in range(queries * KEYS)]
-    body = json.dumps({"queries": [{"keys": hexes[i * KEYS:(i + 1) * KEYS]}
-                                   for i in range(queries)]}).encode()
+    body = {"queries": [{"keys": hexes[i * KEYS:(i + 1) * KEYS]} for i in range(queries)]}
     started = time.perf_counter()
     job = party.json("POST", "/bulk/jobs", body)
     while wait and job["status"] in ("queued", "running"):
@@ -156,8 +155,8 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
     log(f"  engine alone: {capacity:,.0f} q/s in 32-query batches, one query {single_ms:.2f} ms")
     rows = [row(pages, d, "engine_batch32", engine=capacity, http=capacity,
                 note=f"one query alone {single_ms:.3f} ms")]
-    party = Party(matrix, folder / f"party-{pages}", args.port, args.backend, args.web_workers,
-                  bulk_workers=args.bulk)
+    party = Party(matrix, folder / f"party-{pages}", args.backend, args.web_workers,
+                  bulk_workers=args.bulk, port=args.port)
     try:
         log(f"  party ready in {party.ready_s:.1f} s (engine server start to /health 200)")
         check_answers(party, expected)

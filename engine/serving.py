@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any, Callable, Dict
 
-from django.conf import settings
 from django.db import close_old_connections
 
 from gpu_engine.server import EngineServer

@@ -91,7 +91,7 @@ class _Request:
         return len(self.query_keys)
 
 
-def _settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
+def settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
     """Resolve a future unless it is already done: a caller may cancel what it waits for."""
     try:
         if error is not None:
@@ -166,9 +166,9 @@ class Engine:
         for request in pending:
             if not request.future.done():
                 self.stats.refuse(request.lane, "stopped", request.size)
-            _settle(request.future, error=EngineUnavailable(reason, retry_after=5))
+            settle(request.future, error=EngineUnavailable(reason, retry_after=5))
         for future in control:  # row writes and epoch switches that never ran
-            _settle(future, error=EngineUnavailable(reason, retry_after=5))
+            settle(future, error=EngineUnavailable(reason, retry_after=5))
 
     @property
     def running(self) -> bool:
@@ -353,9 +353,9 @@ class Engine:
         try:
             action()
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
-            _settle(future, error=exc)
+            settle(future, error=exc)
         else:
-            _settle(future, None)
+            settle(future, None)
 
     # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
     def _snapshot(self, now: float) -> List[LaneQueue]:
@@ -414,7 +414,7 @@ class Engine:
             for request in expired:
                 timeout = self._last_policies[request.lane].queue_timeout_ms
                 self.stats.refuse(request.lane, "deadline", request.size)
-                _settle(request.future, error=EngineOverloaded(
+                settle(request.future, error=EngineOverloaded(
                     f"{request.lane} query not started within the policy's queue_timeout_ms of "
                     f"{timeout} ms", retry_after=1))
             for action, future in control:
@@ -436,13 +436,13 @@ class Engine:
             log.exception("launch of %d requests failed", len(batch))
             self.stats.failure(decision.lane, queries)
             for request in batch:
-                _settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
+                settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
             return
         seconds = time.perf_counter() - started
         row = 0
         for request in batch:
             count = len(request.keys)
-            _settle(request.future,
+            settle(request.future,
                     BatchAnswer(epoch.epoch_id, answers[row:row + count], request.query_keys, state))
             row += count
         # The cost model plans with how long a launch keeps the scheduler from the next one:

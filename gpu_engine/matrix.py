@@ -33,7 +33,21 @@ def domain_bits_for(num_pages: int, configured: Optional[int] = None) -> int:
     return configured
 
 
-class PageMatrix:
+class _Shape:
+    """What follows from num_pages: the sizes every holder of a matrix (or of its shape) reports."""
+
+    num_pages: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * PAGE_BYTES
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_pages * ROWS_PER_PAGE
+
+
+class PageMatrix(_Shape):
     """num_pages pages of 4096 bytes as u32 words; the body may be a copy-on-write memmap.
 
     A file whose length is not a multiple of 4096 keeps its full pages mapped and its last,
@@ -61,14 +75,6 @@ class PageMatrix:
         self.num_pages = body.shape[0] + (0 if tail is None else 1)
         self.domain_bits = domain_bits_for(self.num_pages, domain_bits)
         self.source = source  # file path, or None for a generated matrix
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_pages * PAGE_BYTES
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_pages * ROWS_PER_PAGE
 
     def block(self, start: int, stop: int) -> np.ndarray:
         """Pages [start, stop) as a (n, 1024) u32 array: a view where it can be, else a copy."""
@@ -197,19 +203,11 @@ class Epoch:
 
 
 @dataclass(frozen=True)
-class MatrixShape:
+class MatrixShape(_Shape):
     """A matrix's shape without its pages: what a process whose engine runs elsewhere knows."""
 
     num_pages: int
     domain_bits: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_pages * PAGE_BYTES
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_pages * ROWS_PER_PAGE
 
 
 def epoch_from_description(data: dict) -> Epoch:

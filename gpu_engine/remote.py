@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gpu_engine import wire
 from gpu_engine.backends.base import PAGE_BYTES
 from gpu_engine.dpf import DpfKey, KeyBatch
-from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, _settle
+from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
 from gpu_engine.matrix import Epoch, epoch_from_description
 from gpu_engine.scheduler import BatchingPolicy
 from gpu_engine.state import ServedState
@@ -199,7 +199,7 @@ class RemoteEngine:
             self._pending.clear()
             self._outbox.clear()
         for future, _ in pending:
-            _settle(future, error=EngineUnavailable(reason, retry_after=2))
+            settle(future, error=EngineUnavailable(reason, retry_after=2))
 
     def _mark_down(self, reason: str) -> None:
         if self._down_reason is None:
@@ -236,11 +236,7 @@ class RemoteEngine:
                     self._on_monitor(monitor, dealer)
                     last_ping = 0.0 if self._connected else last_ping
                 if wake in events:
-                    while True:
-                        try:
-                            wake.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                    wire.drain(wake)
                 while self._outbox:
                     try:
                         frames = self._outbox.popleft()
@@ -277,7 +273,7 @@ class RemoteEngine:
         with self._lock:
             entry = self._pending.pop(wire.unpack_id(rid_frame), None)
         if entry is not None:
-            _settle(entry[0], error=EngineUnavailable(reason, retry_after=2))
+            settle(entry[0], error=EngineUnavailable(reason, retry_after=2))
 
     def _on_monitor(self, monitor: zmq.Socket, dealer: zmq.Socket) -> None:
         while True:
@@ -324,14 +320,14 @@ class RemoteEngine:
             answers = frames[3].buffer
             state, keys = wire.unpack_answer(frames[2].bytes, len(answers))
             array = np.frombuffer(answers, dtype=np.uint8).reshape(keys, PAGE_BYTES)
-            _settle(future, BatchAnswer(state.epoch_id, array, query_keys, state))
+            settle(future, BatchAnswer(state.epoch_id, array, query_keys, state))
         elif kind == wire.RESULT:
-            _settle(future, wire.loads(frames[2].bytes))
+            settle(future, wire.loads(frames[2].bytes))
         elif kind == wire.ERROR:
             body = wire.loads(frames[2].bytes)
-            _settle(future, error=_error(body))
+            settle(future, error=_error(body))
         else:
-            _settle(future, error=EngineUnavailable(f"engine server sent message kind {kind!r}"))
+            settle(future, error=EngineUnavailable(f"engine server sent message kind {kind!r}"))
 
 
 def _error(body: dict) -> Exception:

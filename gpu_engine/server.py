@@ -151,11 +151,7 @@ class EngineServer:
             while not self._stop.is_set():
                 events = dict(poller.poll(POLL_MS))
                 if wake in events:
-                    while True:
-                        try:
-                            wake.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                    wire.drain(wake)
                 while self._outbox:
                     router.send_multipart(self._outbox.popleft(), copy=False)
                 if router in events:

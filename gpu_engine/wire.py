@@ -20,6 +20,8 @@ import struct
 from dataclasses import asdict
 from typing import Any, Dict, Mapping, Tuple
 
+import zmq
+
 from gpu_engine.backends.base import PAGE_BYTES
 from gpu_engine.scheduler import LANES, BatchingPolicy
 from gpu_engine.state import ServedState
@@ -42,6 +44,15 @@ OVERLOADED, UNAVAILABLE, INVALID = "overloaded", "unavailable", "invalid"
 
 class WireError(ValueError):
     """A message that does not follow this protocol (a bug or a foreign peer), not a user error."""
+
+
+def drain(sock: zmq.Socket) -> None:
+    """Read every pending wake-up from `sock` (empty messages that say "the outbox has frames")."""
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 def pack_id(request_id: int) -> bytes:

@@ -9,8 +9,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,110 +21,23 @@ import pytest
 from gpu_engine.backends.cpu import reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
-from tests.conftest import REPO, free_port, http_json, server_env
+from benchmarks.stack import Party
+from tests.conftest import http_json
 from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX
 
 DEADLINE_S = 1.5  # MORPHO_ENGINE_DEADLINE of the party: silence after which clients give up
 
 
-class Party:
-    """The processes of one party over a temporary folder; the test is the engine's supervisor."""
-
-    def __init__(self, folder: Path, matrix: Path) -> None:
-        self.folder, self.matrix = folder, matrix
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = server_env(
-            MORPHO_MATRIX_PATH=matrix, MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=folder,
-            DATABASE_URL=f"sqlite:///{folder / 'db.sqlite3'}", CELERY_BROKER_URL="filesystem://",
-            CELERY_FILESYSTEM_BROKER_DIR=folder / "broker", MORPHO_ENGINE_URL=f"ipc://{folder}/e.sock",
-            MORPHO_ENGINE_DEADLINE=DEADLINE_S, MORPHO_WEB_WORKERS=3, MORPHO_WEB_THREADS=4,
-            MORPHO_QUERY_THROTTLE="off", MORPHO_BULK_CHUNK=32, MORPHO_BULK_LEASE_SECONDS=3,
-            MORPHO_BULK_SWEEP_SECONDS=0.5, MORPHO_BULK_REQUEUE_SECONDS=8,
-            MORPHO_BULK_QUEUE="engine-server-test",
-            CUDA_VISIBLE_DEVICES="")
-        self.manage("migrate", "--no-input", "-v0")
-        self.token = self.manage(
-            "shell", "-v0", "-c",
-            "from django.contrib.auth.models import User\n"
-            "from rest_framework.authtoken.models import Token\n"
-            "print(Token.objects.create(user=User.objects.create_user('bulk')).key)").strip()
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.start_engine()
-        self.start("web", [sys.executable, "-m", "gunicorn", "morphoweb.wsgi",
-                           "--bind", f"127.0.0.1:{self.port}"])
-        self.start("workers", [sys.executable, "bin/gpu-workers"])
-        self.wait_ok(120)
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.folder / f"{name}.log", "ab")  # noqa: SIM115 - the child writes to it
-        self.procs[name] = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        return self.procs[name]
-
-    def start_engine(self) -> subprocess.Popen:
-        return self.start("engine", [sys.executable, "manage.py", "serve_engine"])
-
-    def log(self, name: str) -> str:
-        return (self.folder / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env=self.env,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    def wait_ok(self, timeout: float) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            try:
-                status, _, body = http_json(self.url + "/health", timeout=5)
-                if status == 200 and body["status"] == "ok":
-                    return time.monotonic() - started
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"party not healthy in {timeout} s:\n{self.log('engine')}\n{self.log('web')}")
-
-    def request(self, method: str, path: str, body=None):
-        req = urllib.request.Request(self.url + path, data=None if body is None else json.dumps(body).encode(),
-                                     method=method, headers={"Authorization": f"Token {self.token}",
-                                                             "Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as response:
-            return json.loads(response.read())
-
-    def children(self, name: str) -> list[int]:
-        root = self.procs[name].pid
-        found, frontier = [root], [root]
-        while frontier:
-            parent = frontier.pop()
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    except (OSError, ValueError, IndexError):
-                        continue
-                    if ppid == parent:
-                        found.append(int(entry.name))
-                        frontier.append(int(entry.name))
-        return found
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 @pytest.fixture(scope="module")
 def party(tmp_path_factory, vector_matrix_path):
+    """Three web processes, a bulk worker and the engine server; the test is its supervisor."""
     folder = tmp_path_factory.mktemp("p")  # short: an ipc:// path must fit a Unix socket address
-    made = Party(folder, Path(vector_matrix_path))
+    made = Party(Path(vector_matrix_path), folder, backend="cpu", web_workers=3, threads=4,
+                 bulk_workers=True, extra_env=dict(
+                     MORPHO_ENGINE_DEADLINE=DEADLINE_S, MORPHO_BULK_CHUNK=32,
+                     MORPHO_BULK_LEASE_SECONDS=3, MORPHO_BULK_SWEEP_SECONDS=0.5,
+                     MORPHO_BULK_REQUEUE_SECONDS=8, MORPHO_BULK_QUEUE="engine-server-test",
+                     MORPHO_LOG_LEVEL="INFO", CUDA_VISIBLE_DEVICES=""))
     yield made
     made.stop()
 
@@ -175,7 +86,7 @@ def test_only_the_engine_server_maps_the_matrix(party):
         except OSError:
             return False
 
-    web, workers = party.children("web"), party.children("workers")
+    web, workers = party.pids("web"), party.pids("workers")
     assert len(web) >= 4 and len(workers) >= 2  # gunicorn master + 3 workers; supervisor + Celery
     assert [pid for pid in web + workers if maps(pid)] == []
     assert maps(party.procs["engine"].pid)
@@ -223,16 +134,14 @@ def test_a_bulk_job_runs_through_the_engine_server(party):
     keys = [k for t in targets for k in gen_keys(int(t), matrix.domain_bits, rng=rng)]  # 60 keys
     queries = [{"keys": [k.to_bytes().hex() for k in keys[i:i + 3]]} for i in range(0, 60, 3)]
     queries = (queries * 4)[:64]  # 20 distinct queries, repeated
-    job = party.request("POST", "/bulk/jobs", {"queries": queries})
+    job = party.json("POST", "/bulk/jobs", {"queries": queries})
     deadline = time.monotonic() + 120
     while job["status"] in ("queued", "running"):
         assert time.monotonic() < deadline, job
         time.sleep(0.3)
-        job = party.request("GET", f"/bulk/jobs/{job['id']}")
+        job = party.json("GET", f"/bulk/jobs/{job['id']}")
     assert job["status"] == "done", job
-    req = urllib.request.Request(party.url + f"/bulk/jobs/{job['id']}/results",
-                                 headers={"Authorization": f"Token {party.token}"})
-    with urllib.request.urlopen(req, timeout=60) as response:
+    with party.request("GET", f"/bulk/jobs/{job['id']}/results") as response:
         lines = [json.loads(line) for line in response.read().splitlines()]
     assert len(lines) == 64
     flat = KeyBatch.from_keys(keys)
@@ -253,7 +162,7 @@ def _hammer(url: str, stop: threading.Event, outcomes: list) -> None:
 
 
 def test_sigkill_of_the_engine_server_gives_prompt_503s_and_recovers_by_itself(party):
-    web_pids = party.children("web")
+    web_pids = party.pids("web")
     stop, outcomes = threading.Event(), []
     threads = [threading.Thread(target=_hammer, args=(party.url, stop, outcomes)) for _ in range(4)]
     for thread in threads:
@@ -263,7 +172,7 @@ def test_sigkill_of_the_engine_server_gives_prompt_503s_and_recovers_by_itself(p
     party.procs["engine"].wait(10)
     time.sleep(2.0)
     party.start_engine()  # what make run, gpu-workers' supervisor or compose's restart: does
-    recovered = party.wait_ok(120)
+    recovered = party.wait_healthy(120)
     time.sleep(1.0)
     stop.set()
     for thread in threads:
@@ -275,7 +184,7 @@ def test_sigkill_of_the_engine_server_gives_prompt_503s_and_recovers_by_itself(p
     assert max(t for _, t, _ in outcomes) < 5.0  # no request waited for the query timeout
     assert outcomes[-1][0] == 200 and recovered < 60
     assert metric(party.url, "pir_engine_up") == 1.0
-    assert party.children("web") == web_pids  # the web tier reconnected; nothing restarted it
+    assert party.pids("web") == web_pids  # the web tier reconnected; nothing restarted it
 
 
 def test_a_stopped_engine_server_is_noticed_by_its_deadline(party):
@@ -293,7 +202,7 @@ def test_a_stopped_engine_server_is_noticed_by_its_deadline(party):
         assert "did not answer" in health["failure"] or "did not answer" in health.get("detail", "")
     finally:
         os.kill(engine.pid, signal.SIGCONT)
-    assert party.wait_ok(30) < 10
+    assert party.wait_healthy(30) < 10
 
 
 def test_a_bulk_job_survives_sigkill_of_the_engine_server(party):
@@ -301,9 +210,9 @@ def test_a_bulk_job_survives_sigkill_of_the_engine_server(party):
     key_rows = [gen_keys(t % matrix.num_pages, matrix.domain_bits) for t in range(3)]
     keys = [key_rows[0][0], key_rows[1][0], key_rows[2][1]]
     expected = reference_answers(matrix, KeyBatch.from_keys(keys))
-    job = party.request("POST", "/bulk/jobs", {"queries": [{"keys": [k.to_bytes().hex() for k in keys]}] * 600})
+    job = party.json("POST", "/bulk/jobs", {"queries": [{"keys": [k.to_bytes().hex() for k in keys]}] * 600})
     deadline = time.monotonic() + 60
-    while party.request("GET", f"/bulk/jobs/{job['id']}")["answered"] == 0:
+    while party.json("GET", f"/bulk/jobs/{job['id']}")["answered"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(party.procs["engine"].pid, signal.SIGKILL)
@@ -314,11 +223,9 @@ def test_a_bulk_job_survives_sigkill_of_the_engine_server(party):
     while job["status"] in ("queued", "running"):
         assert time.monotonic() < deadline, f"{job}\n{party.log('workers')}"
         time.sleep(0.5)
-        job = party.request("GET", f"/bulk/jobs/{job['id']}")
+        job = party.json("GET", f"/bulk/jobs/{job['id']}")
     assert job["status"] == "done" and job["answered"] == 600, job
-    req = urllib.request.Request(party.url + f"/bulk/jobs/{job['id']}/results",
-                                 headers={"Authorization": f"Token {party.token}"})
-    with urllib.request.urlopen(req, timeout=60) as response:
+    with party.request("GET", f"/bulk/jobs/{job['id']}/results") as response:
         lines = [json.loads(line) for line in response.read().splitlines()]
     assert sorted(line["index"] for line in lines) == list(range(600))  # each once
     assert all([bytes.fromhex(p[2:]) for p in line["pages"]] == [e.tobytes() for e in expected]
