@@ -112,33 +112,27 @@ def answer_queries(
                 reported = answered
                 progress(answered)
 
-        for index, request in enumerate(requests):
-            # Keep IN_FLIGHT requests queued: submit the next as soon as an earlier one resolves.
-            while sum(1 for f in futures if not f.done()) >= IN_FLIGHT:
-                wait(
-                    [f for f in futures if not f.done()],
-                    timeout=heartbeat_every,
-                    return_when=FIRST_COMPLETED,
-                )
-                report()
-                if time.monotonic() - last_beat >= heartbeat_every:
-                    heartbeat()
-                    last_beat = time.monotonic()
-            futures.append(_submit(engine, request, futures, heartbeat))
-        while not all(f.done() for f in futures):
-            wait(
-                [f for f in futures if not f.done()],
-                timeout=heartbeat_every,
-                return_when=FIRST_COMPLETED,
-            )
+        def wait_for_one() -> None:
+            """Until one of our requests resolves: progress and the lease's heartbeat meanwhile."""
+            nonlocal last_beat
+            wait([f for f in futures if not f.done()], timeout=heartbeat_every,
+                 return_when=FIRST_COMPLETED)
             report()
             if time.monotonic() - last_beat >= heartbeat_every:
                 heartbeat()
                 last_beat = time.monotonic()
+
+        for request in requests:
+            # Keep IN_FLIGHT requests queued: submit the next as soon as an earlier one resolves.
+            while sum(1 for f in futures if not f.done()) >= IN_FLIGHT:
+                wait_for_one()
+            futures.append(_submit(engine, request, futures, heartbeat))
+        while not all(f.done() for f in futures):
+            wait_for_one()
         results = [f.result() for f in futures]  # raises the engine's refusal, if any
         epochs = {r.epoch_id for r in results}
         if len(epochs) == 1:
-            answers = b"".join(page for r in results for pages in r.pages for page in pages)
+            answers = b"".join(r.answers.tobytes() for r in results)
             return results[0].epoch_id, answers
         log.warning(
             "chunk answered across epochs %s (attempt %d); answering it again",
