@@ -181,7 +181,7 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "morphoweb",
-    "DESCRIPTION": "Two-server private page queries (PROTOCOL.md) and their operations API.",
+    "DESCRIPTION": "Two-server private page queries (docs/PROTOCOL.md) and their operations API.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
     # Every operation's error responses (400, 401/403 or 429/503, ...) with their JSON body.
