@@ -199,7 +199,7 @@ def answered_queries(response) -> int:
     return len(response.data["results"])
 
 
-class BinaryEncodingMixin:
+class JSONErrorsMixin:
     """For views that speak both encodings: errors are JSON even where binary answers were asked."""
 
     def finalize_response(self, request, response, *args, **kwargs):

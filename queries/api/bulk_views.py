@@ -23,7 +23,7 @@ from queries.api.binary import (
     EPOCH_RANGES_HEADER,
     OCTET_STREAM,
     QUERIES_HEADER,
-    BinaryEncodingMixin,
+    JSONErrorsMixin,
     OctetStreamParser,
     OctetStreamRenderer,
     QualityNegotiation,
@@ -116,7 +116,7 @@ def epoch_ranges(job: BulkJob) -> str:
     return ",".join(f"{first}-{last}={epoch_id}" for first, last, epoch_id in runs)
 
 
-class BulkJobViewSet(BinaryEncodingMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                      viewsets.GenericViewSet):
     """`/bulk/jobs`: a user's jobs. POST submits, GET reads, DELETE cancels, `/results` streams."""
 

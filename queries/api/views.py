@@ -5,11 +5,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.conf import settings
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from drf_spectacular.utils import extend_schema
-from rest_framework.renderers import JSONRenderer
 
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
 from morphoweb.openapi import (
@@ -24,7 +24,7 @@ from morphoweb.openapi import (
 from policies.metrics import observe_query
 from queries.api.binary import (
     BinaryBatchQuerySerializer,
-    BinaryEncodingMixin,
+    JSONErrorsMixin,
     BinaryPageQuerySerializer,
     OctetStreamParser,
     OctetStreamRenderer,
@@ -59,7 +59,7 @@ class PublicAPIView(APIView):
         return engine, epoch, serializer.validated_data
 
     def serializer_class_for(self, request):
-        """The serializer of this request's body (BinaryEncodingMixin picks by Content-Type)."""
+        """The serializer of this request's body (QueryAPIView picks one by Content-Type)."""
         return self.serializer_class
 
 
@@ -122,7 +122,7 @@ class EpochView(PublicAPIView):
         return Response(self.serializer_class(get_engine().epoch).data)
 
 
-class QueryAPIView(BinaryEncodingMixin, PublicAPIView):
+class QueryAPIView(JSONErrorsMixin, PublicAPIView):
     """A query endpoint: JSON (hex) or binary bodies in, JSON or binary answers out."""
 
     parser_classes = [StrictJSONParser, OctetStreamParser]
