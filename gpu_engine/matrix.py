@@ -1,4 +1,4 @@
-"""The page matrix (PROTOCOL.md section 1) and epochs: load, generate, metadata, row writes."""
+"""The page matrix (docs/PROTOCOL.md section 1) and epochs: load, generate, metadata, row writes."""
 from __future__ import annotations
 
 import json
@@ -169,7 +169,7 @@ def write_matrix_file(path, num_pages: int, seed: int = 0, progress=None) -> Pat
 
 @dataclass(frozen=True)
 class Epoch:
-    """One immutable matrix and its metadata (PROTOCOL.md section 6)."""
+    """One immutable matrix and its metadata (docs/PROTOCOL.md section 6)."""
 
     epoch_id: int
     matrix: PageMatrix = field(compare=False)
@@ -186,7 +186,7 @@ class Epoch:
             raise ValueError(f"seeds must be three u64 values, got {self.seeds!r}")
 
     def describe(self) -> dict:
-        """The JSON of GET /epoch (PROTOCOL.md section 5)."""
+        """The JSON of GET /epoch (docs/PROTOCOL.md section 5)."""
         return {
             "epoch_id": self.epoch_id,
             "num_rows": self.matrix.num_rows,

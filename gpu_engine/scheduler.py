@@ -11,7 +11,7 @@ from gpu_engine.costmodel import CostFit
 
 LANES = ("interactive", "bulk")  # in priority order
 MODES = ("latency", "throughput", "adaptive", "slo")
-KEYS_PER_QUERY = 3  # a protocol query carries three keys (PROTOCOL.md section 4)
+KEYS_PER_QUERY = 3  # a protocol query carries three keys (docs/PROTOCOL.md section 4)
 # slo keeps the planned utilisation of the device below this, so that queues do not grow
 # without bound when the arrival rate fluctuates around the capacity of a batch size.
 SLO_MAX_UTILISATION = 0.8

@@ -204,7 +204,7 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "morphoweb",
-    "DESCRIPTION": "Two-server private page queries (PROTOCOL.md) and their operations API.",
+    "DESCRIPTION": "Two-server private page queries (docs/PROTOCOL.md) and their operations API.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
     # /api/docs takes Swagger UI from the drf-spectacular-sidecar package, not from a CDN.

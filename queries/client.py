@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import os
@@ -23,9 +24,12 @@ from queries.client_plan import (KEYS_PER_QUERY, BulkState, StateError, choose_p
 PAGE_BYTES = 4096
 ROW_BYTES = 256
 ROWS_PER_PAGE = 16
-MAX_BATCH = 32  # queries per batch request, PROTOCOL.md section 5
+MAX_BATCH = 32  # queries per batch request, docs/PROTOCOL.md section 5
 NDJSON = "application/x-ndjson"
 TOKEN_ENV = ("MORPHO_TOKEN_A", "MORPHO_TOKEN_B")  # bulk job tokens when none is passed
+OCTET_STREAM = "application/octet-stream"  # the binary encoding (docs/PROTOCOL.md section 5.3)
+EPOCH_HEADER = "X-Morpho-Epoch-Id"
+ENCODINGS = ("auto", "json", "binary")  # auto: binary where /epoch advertises it, else JSON
 
 
 class PirError(Exception):
@@ -55,6 +59,7 @@ class EpochInfo:
     domain_bits: int
     block_number: int
     state_root: str
+    encodings: tuple[str, ...] = ("json",)  # what the party's query endpoints speak
 
     @classmethod
     def from_json(cls, body: dict, url: str) -> "EpochInfo":
@@ -69,8 +74,9 @@ class EpochInfo:
                 state_root=str(body["state_root"]),
             )
             page_size, rows_per_page = int(pir["page_size_bytes"]), int(pir["rows_per_page"])
+            info = _with_encodings(info, body.get("encodings", ["json"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ServerError(f"{url}/epoch: not a PROTOCOL.md /epoch body ({exc!r})") from None
+            raise ServerError(f"{url}/epoch: not a protocol /epoch body ({exc!r})") from None
         if (page_size, rows_per_page) != (PAGE_BYTES, ROWS_PER_PAGE):
             raise ServerError(
                 f"{url}/epoch: expected pages of {PAGE_BYTES} bytes and {ROWS_PER_PAGE} rows, "
@@ -125,6 +131,29 @@ def _unhex(text, what: str) -> bytes:
     return raw
 
 
+def _with_encodings(info: EpochInfo, encodings) -> EpochInfo:
+    # A server older than the binary encoding does not list its encodings: it speaks JSON.
+    if not isinstance(encodings, list) or not all(isinstance(e, str) for e in encodings):
+        raise TypeError(f"encodings: expected an array of strings, got {encodings!r:.60}")
+    return dataclasses.replace(info, encodings=tuple(encodings))
+
+
+def _key_bytes(key) -> bytes:
+    return bytes(key) if isinstance(key, (bytes, bytearray)) else bytes.fromhex(key)
+
+
+def _http_error(url: str, exc: urllib.error.HTTPError) -> ServerError:
+    """A party's error status as a ServerError quoting its JSON `detail` and Retry-After."""
+    text = exc.read().decode("utf-8", "replace")
+    try:
+        detail = json.loads(text).get("detail", text)
+    except (ValueError, AttributeError):
+        detail = text
+    retry = exc.headers.get("Retry-After")
+    hint = f" (retry after {retry} s)" if retry else ""
+    return ServerError(f"{url}: HTTP {exc.code}: {detail}{hint}", exc.code, text)
+
+
 def _xor(a: bytes, b: bytes) -> bytes:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
 
@@ -167,10 +196,15 @@ class PirClient:
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys."""
 
     def __init__(self, server_a: str, server_b: str, timeout: float = 120.0,
-                 max_batch: int = MAX_BATCH) -> None:
+                 max_batch: int = MAX_BATCH, encoding: str = "auto") -> None:
         if not 1 <= max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+        self.encoding = encoding
+        self._advertised: tuple = (("json",), ("json",))  # per party, from its /epoch
+        self._used: list = [None, None]  # per party, the encoding of its last query request
         self.servers = (server_a.rstrip("/"), server_b.rstrip("/"))
         self.timeout = timeout
         self.max_batch = max_batch
@@ -215,6 +249,7 @@ class PirClient:
         infos = [EpochInfo.from_json(body, base)
                  for body, base in zip(self._both("/epoch"), self.servers)]
         a, b = infos
+        self._advertised = (a.encodings, b.encodings)
         if a.epoch_id != b.epoch_id:
             raise EpochMismatch(
                 f"the servers serve different epochs: A ({self.servers[0]}) epoch {a.epoch_id}, "
@@ -261,36 +296,84 @@ class PirClient:
 
     def _ask(self, plans: list[PlannedQuery], batch: bool) -> list[bytes]:
         """Send the plans to both parties and XOR the answers: the wanted page of each plan."""
-        if batch:
-            bodies = [{"queries": [{"keys": list(p.keys_a)} for p in plans]},
-                      {"queries": [{"keys": list(p.keys_b)} for p in plans]}]
-            replies = self._both("/query/page/gpu/batch", bodies)
-            answers = []
-            for reply, base in zip(replies, self.servers):
-                results = reply.get("results")
-                if not isinstance(results, list) or len(results) != len(plans):
-                    raise ServerError(f"{base}: expected {len(plans)} results, got {results!r:.80}")
-                answers.append([r.get("pages") if isinstance(r, dict) else None for r in results])
-        else:
-            (plan,) = plans
-            replies = self._both("/query/page/gpu",
-                                 [{"keys": list(plan.keys_a)}, {"keys": list(plan.keys_b)}])
-            answers = [[reply.get("pages")] for reply in replies]
-        epochs = [reply.get("epoch_id") for reply in replies]
-        if epochs[0] != epochs[1]:
+        # Both parties work at the same time: the latency is the slower one, not the sum.
+        futures = [self._pool.submit(self._ask_party, side, plans, batch) for side in (0, 1)]
+        (epoch_a, halves_a), (epoch_b, halves_b) = [future.result() for future in futures]
+        if epoch_a != epoch_b:
             raise EpochMismatch(
-                f"the servers answered from different epochs: {epochs[0]} and {epochs[1]}"
+                f"the servers answered from different epochs: {epoch_a} and {epoch_b}"
             )
-        pages = []
-        for index, plan in enumerate(plans):
-            halves = []
-            for side, base in enumerate(self.servers):
-                got = answers[side][index]
-                if not isinstance(got, list) or len(got) != KEYS_PER_QUERY:
-                    raise ServerError(f"{base}: query {index}: expected {KEYS_PER_QUERY} pages")
-                halves.append(_unhex(got[plan.target_slot], f"{base}: query {index}"))
-            pages.append(_xor(*halves))
-        return pages
+        return [_xor(a, b) for a, b in zip(halves_a, halves_b)]
+
+    # -- encodings (docs/PROTOCOL.md section 5.3) -----------------------------------------------
+    @property
+    def last_encodings(self) -> tuple:
+        """(party A's, party B's) encoding of the last query request; None before any."""
+        return tuple(self._used)
+
+    def encoding_for(self, side: int) -> str:
+        """"json" or "binary": the forced encoding, else binary where the party advertises it."""
+        if self.encoding != "auto":
+            return self.encoding
+        return "binary" if "binary" in self._advertised[side] else "json"
+
+    def _ask_party(self, side: int, plans: list[PlannedQuery], batch: bool):
+        """(epoch_id, the answer at each plan's target slot) from one party, in its encoding."""
+        base = self.servers[side]
+        path = "/query/page/gpu/batch" if batch else "/query/page/gpu"
+        keys = [plan.keys_b if side else plan.keys_a for plan in plans]
+        encoding = self.encoding_for(side)
+        self._used[side] = encoding  # one item per party's thread: no lost update
+        if encoding == "binary":
+            body = b"".join(_key_bytes(key) for query in keys for key in query)
+            epoch_id, payload = self._call_binary(base, path, body, len(plans))
+            size = KEYS_PER_QUERY * PAGE_BYTES
+            return epoch_id, [
+                payload[i * size + plan.target_slot * PAGE_BYTES:][:PAGE_BYTES]
+                for i, plan in enumerate(plans)
+            ]
+        as_hex = [[_key_bytes(key).hex() for key in query] for query in keys]
+        if batch:
+            reply = self._call(base, path, {"queries": [{"keys": q} for q in as_hex]})
+            results = reply.get("results")
+            if not isinstance(results, list) or len(results) != len(plans):
+                raise ServerError(f"{base}: expected {len(plans)} results, got {results!r:.80}")
+            answers = [r.get("pages") if isinstance(r, dict) else None for r in results]
+        else:
+            reply = self._call(base, path, {"keys": as_hex[0]})
+            answers = [reply.get("pages")]
+        halves = []
+        for index, (plan, got) in enumerate(zip(plans, answers)):
+            if not isinstance(got, list) or len(got) != KEYS_PER_QUERY:
+                raise ServerError(f"{base}: query {index}: expected {KEYS_PER_QUERY} pages")
+            halves.append(_unhex(got[plan.target_slot], f"{base}: query {index}"))
+        return reply.get("epoch_id"), halves
+
+    def _call_binary(self, base: str, path: str, body: bytes, queries: int) -> tuple[int, bytes]:
+        """POST raw keys, read raw answers: (epoch_id, queries x 3 x 4096 bytes)."""
+        url = base + path
+        request = urllib.request.Request(
+            url, data=body, method="POST",
+            headers={"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload, headers = response.read(), response.headers
+        except urllib.error.HTTPError as exc:
+            raise _http_error(url, exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ServerError(f"{url}: cannot reach the server ({exc})") from None
+        if headers.get_content_type() != OCTET_STREAM:
+            raise ServerError(f"{url}: expected {OCTET_STREAM} answers, got "
+                              f"{headers.get_content_type()}")
+        expected = queries * KEYS_PER_QUERY * PAGE_BYTES
+        if len(payload) != expected:
+            raise ServerError(f"{url}: expected {expected} bytes of answers, got {len(payload)}")
+        try:
+            return int(headers.get(EPOCH_HEADER, "")), payload
+        except ValueError:
+            raise ServerError(f"{url}: expected the epoch in {EPOCH_HEADER}, got "
+                              f"{headers.get(EPOCH_HEADER)!r}") from None
 
     # -- bulk jobs (README "Bulk jobs"): one job per party, resumable through a state file -------
     def fetch_rows_bulk(self, rows: Sequence[int], tokens: Sequence[Optional[str]] = (None, None),
@@ -505,6 +588,14 @@ def bulk_main(args, client: PirClient, out: Callable[[str], None]) -> int:
     return 0
 
 
+def describe_encodings(client: PirClient) -> str:
+    """`encoding: binary`, or each party's when they differ (the -v line)."""
+    a, b = client.last_encodings
+    if a == b:
+        return f"encoding: {a} (requested {client.encoding})"
+    return f"encoding: {a} with A, {b} with B (requested {client.encoding})"
+
+
 def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m queries.client",
@@ -517,15 +608,23 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
     parser.add_argument("--batch", action="store_true",
                         help=f"send the rows through the batch endpoint, {MAX_BATCH} per request")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request")
+    parser.add_argument("--encoding", choices=ENCODINGS, default="auto",
+                        help="wire encoding of the queries: binary where the server advertises "
+                        "it (auto, the default), or force json or binary")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="say on stderr which encoding each party was spoken to in")
     add_bulk_arguments(parser)
     args = parser.parse_args(argv)
     if (args.row is None) == (args.bulk is None):
         parser.error("give the rows with --row (repeatable) or --bulk FILE, one of the two")
     try:
-        with PirClient(args.server_a, args.server_b, timeout=args.timeout) as client:
+        with PirClient(args.server_a, args.server_b, timeout=args.timeout,
+                       encoding=args.encoding) as client:
             if args.bulk is not None:
                 return bulk_main(args, client, out)
             rows = client.fetch_rows(args.row, batch=args.batch)
+            if args.verbose:
+                print(describe_encodings(client), file=sys.stderr)
     except (PirError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

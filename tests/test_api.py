@@ -1,4 +1,4 @@
-"""The HTTP API against PROTOCOL.md: byte-exact answers, field-named 400s, 413, 503 + Retry-After."""
+"""The HTTP API against docs/PROTOCOL.md: exact answers, field-named 400s, 413, 503, Retry-After."""
 from __future__ import annotations
 
 import hashlib
@@ -79,6 +79,7 @@ def test_epoch_is_the_protocol_shape(api):
         "state_root": "0x" + bytes(range(32)).hex(),
         "page_pir": {"domain_bits": 8, "rows_per_page": 16, "num_pages": 200,
                      "page_size_bytes": 4096},
+        "encodings": ["json", "binary"],
     }
 
 
@@ -236,7 +237,8 @@ def test_wrong_content_type_and_method_are_json_4xx(api):
     response = post(api, SINGLE, "keys=1", content_type="application/x-www-form-urlencoded")
     assert response.status_code == 415
     assert response.json()["errors"][0]["field"] == "Content-Type"
-    assert "expected application/json, got application/x-www-form-urlencoded" in response.json()["detail"]
+    assert ("expected application/json or application/octet-stream, got "
+            "application/x-www-form-urlencoded") in response.json()["detail"]
     response = api.get(SINGLE)
     assert response.status_code == 405 and "GET" in response.json()["detail"]
     response = api.get("/no/such/endpoint")

@@ -31,7 +31,7 @@ HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answer
 # (batch size, dispatch) entries whose buffers and graphs are kept: warm-up makes 32, the bulk
 # lane one more
 MAX_CACHED_SHAPES = 48
-MAX_BATCH_KEYS = 96  # 32 queries x 3 keys: PROTOCOL.md's largest batch
+MAX_BATCH_KEYS = 96  # 32 queries x 3 keys: docs/PROTOCOL.md's largest batch
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 

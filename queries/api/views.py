@@ -5,15 +5,36 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.conf import settings
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from drf_spectacular.utils import extend_schema
 
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
-from morphoweb.openapi import BATCH_RESPONSE, EPOCH_RESPONSE, HEALTH_RESPONSE, PAGE_RESPONSE
+from morphoweb.openapi import (
+    BATCH_REQUEST,
+    BATCH_RESPONSE,
+    EPOCH_RESPONSE,
+    HEALTH_RESPONSE,
+    PAGE_REQUEST,
+    PAGE_RESPONSE,
+    binary_answer_headers,
+)
 from policies.metrics import observe_query
-from queries.api.errors import Unavailable, unavailable
+from queries.api.binary import (
+    BinaryBatchQuerySerializer,
+    JSONErrorsMixin,
+    BinaryPageQuerySerializer,
+    OctetStreamParser,
+    OctetStreamRenderer,
+    QualityNegotiation,
+    answered_queries,
+    binary_answer,
+    sent_binary,
+    wants_binary,
+)
+from queries.api.errors import StrictJSONParser, Unavailable, unavailable
 from queries.api.serializers import (
     BatchQuerySerializer,
     EpochSerializer,
@@ -31,11 +52,15 @@ class PublicAPIView(APIView):
         """(engine, the epoch the keys were checked against, validated data) or a 400."""
         engine = get_engine()
         epoch = engine.epoch
-        serializer = self.serializer_class(
+        serializer = self.serializer_class_for(request)(
             data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
         )
         serializer.is_valid(raise_exception=True)
         return engine, epoch, serializer.validated_data
+
+    def serializer_class_for(self, request):
+        """The serializer of this request's body (QueryAPIView picks one by Content-Type)."""
+        return self.serializer_class
 
 
 def answer(engine, epoch, queries):
@@ -99,33 +124,54 @@ class EpochView(PublicAPIView):
         return Response(self.serializer_class(get_engine().epoch).data)
 
 
-class PageQueryView(PublicAPIView):
+class QueryAPIView(JSONErrorsMixin, PublicAPIView):
+    """A query endpoint: JSON (hex) or binary bodies in, JSON or binary answers out."""
+
+    parser_classes = [StrictJSONParser, OctetStreamParser]
+    renderer_classes = [JSONRenderer, OctetStreamRenderer]  # JSON unless Accept asks for binary
+    content_negotiation_class = QualityNegotiation
+    accepted_content_types = "application/json or application/octet-stream"
+    binary_serializer_class: type
+
+    def serializer_class_for(self, request):
+        return self.binary_serializer_class if sent_binary(request) else self.serializer_class
+
+
+class PageQueryView(QueryAPIView):
     """`POST /query/page/gpu`: one query of three keys, three 4096-byte answers."""
 
     serializer_class = PageQuerySerializer
+    binary_serializer_class = BinaryPageQuerySerializer
     single_query = True  # errors name query 0
 
-    @extend_schema(responses=PAGE_RESPONSE)
+    @extend_schema(request=PAGE_REQUEST, responses=PAGE_RESPONSE,
+                   parameters=binary_answer_headers())
     @observe_query("/query/page/gpu")
     def post(self, request):
         engine, epoch, data = self.validated(request)
         result = answer(engine, epoch, [data["keys"]])
+        if wants_binary(request):
+            return binary_answer(result.epoch_id, result.pages)
         body = {"epoch_id": result.epoch_id}
         body.update(PageAnswerSerializer(result.pages[0]).data)
         return Response(body)
 
 
-class BatchPageQueryView(PublicAPIView):
+class BatchPageQueryView(QueryAPIView):
     """`POST /query/page/gpu/batch`: 1..MORPHO_MAX_BATCH queries answered in order, one epoch."""
 
     serializer_class = BatchQuerySerializer
+    binary_serializer_class = BinaryBatchQuerySerializer
 
-    @extend_schema(responses=BATCH_RESPONSE)
-    @observe_query("/query/page/gpu/batch", queries=lambda response: len(response.data["results"]))
+    @extend_schema(request=BATCH_REQUEST, responses=BATCH_RESPONSE,
+                   parameters=binary_answer_headers())
+    @observe_query("/query/page/gpu/batch", queries=answered_queries)
     def post(self, request):
         engine, epoch, data = self.validated(request)
         queries = [query["keys"] for query in data["queries"]]
         result = answer(engine, epoch, queries)
+        if wants_binary(request):
+            return binary_answer(result.epoch_id, result.pages)
         return Response(
             {
                 "epoch_id": result.epoch_id,
