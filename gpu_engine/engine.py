@@ -119,6 +119,7 @@ class Engine:
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
         self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
         self._rates: Dict[str, RateMeter] = {lane: RateMeter() for lane in LANES}
+        self._last_launch_end: Dict[str, float] = {}  # lane -> monotonic end of its last launch
         # operations run between launches, each with the future its caller waits on
         self._control: Deque[Tuple[Callable[[], None], Future]] = deque()
         self._cond = threading.Condition()
@@ -360,7 +361,8 @@ class Engine:
     # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
     def _snapshot(self, now: float) -> List[LaneQueue]:
         return [LaneQueue(lane, tuple(r.size for r in itertools.islice(q, HEAD_REQUESTS)),
-                          q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now))
+                          q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now),
+                          self._last_launch_end.get(lane))
                 for lane, q in self._queues.items()]
 
     def _dequeue(self, lane: str, count: int) -> List[_Request]:
@@ -449,6 +451,7 @@ class Engine:
         # the device time and handing the answers out (futures' callbacks run here).
         self.cost.observe(queries, time.perf_counter() - started)
         done = time.monotonic()
+        self._last_launch_end[decision.lane] = done
         # how long the device sat idle with this launch's oldest query waiting: what holding for
         # a fuller batch cost (near zero for a policy that launches at once)
         held = max(0.0, started_mono - max(self._idle_since, batch[0].arrived))

@@ -138,6 +138,16 @@ class LaneQueue:
     oldest_arrival: Optional[float]  # monotonic seconds, None when empty
     queued: int = 0  # queries queued in all (0: the sum of request_sizes)
     arrival_rate: float = 0.0  # queries per second, recent average
+    last_launch_end: Optional[float] = None  # monotonic seconds this lane's last launch ended
+
+    @property
+    def starved_since(self) -> Optional[float]:
+        """Since when the lane has waited for the device: its oldest query's arrival, or the end
+        of its own last launch if that came later (a lane that just had the device is not starved,
+        however long its backlog)."""
+        if self.oldest_arrival is None or self.last_launch_end is None:
+            return self.oldest_arrival
+        return max(self.oldest_arrival, self.last_launch_end)
 
     @property
     def depth(self) -> int:
@@ -304,8 +314,9 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
            cost: Optional[CostFit], now: float) -> Decision:
     """What the engine does next.
 
-    Lanes go in LANES order: a lane launches only when no higher lane holds work, unless its
-    oldest query has waited past its starvation bound, or the cost model predicts its launch
+    Lanes go in LANES order: a lane launches only when no higher lane holds work, unless it has
+    waited for the device past its starvation bound (since its oldest query arrived or its own
+    last launch ended, whichever is later), or the cost model predicts its launch
     ends before the waiting higher lane wants the device. Otherwise wait for the earliest
     instant at which any of that changes (a window closing, a starvation bound, a deadline)."""
     order = {lane: i for i, lane in enumerate(LANES)}
@@ -314,7 +325,7 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
         return Wait(None)
     for queue in busy[1:]:
         policy = policies[queue.lane]
-        if now - queue.oldest_arrival >= policy.max_starvation_ms / 1000:
+        if now - queue.starved_since >= policy.max_starvation_ms / 1000:
             return launch(queue, policy, "starvation")
     wakeups = []
     higher_wait: Optional[float] = None  # how long the higher lanes still hold the device free
@@ -330,6 +341,6 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
             wakeups.append(decision.seconds)
             higher_wait = decision.seconds if higher_wait is None else min(higher_wait, decision.seconds)
         if queue is not busy[0]:
-            wakeups.append(queue.oldest_arrival + policy.max_starvation_ms / 1000 - now)
+            wakeups.append(queue.starved_since + policy.max_starvation_ms / 1000 - now)
         wakeups.append(queue.oldest_arrival + policy.queue_timeout_ms / 1000 - now)
     return Wait(max(0.0, min(wakeups)))
