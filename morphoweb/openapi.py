@@ -7,12 +7,21 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, inline_serializer
 from rest_framework import serializers
 
-from queries.api.binary import ANSWER_BYTES, EPOCH_HEADER, OCTET_STREAM, QUERIES_HEADER
+from queries.api.binary import (ANSWER_BYTES, DIGEST_HEADER, EPOCH_HEADER, OCTET_STREAM,
+                                QUERIES_HEADER, UPDATES_HEADER)
 from queries.api.serializers import BatchQuerySerializer, PageQuerySerializer
 
 _HEX_PAGE = serializers.CharField(help_text="One 4096-byte answer as 0x-prefixed lower-case hex.")
 _PAGES = serializers.ListField(child=_HEX_PAGE, min_length=1,
                                help_text="One answer per key of the query, in key order.")
+
+STATE = inline_serializer("ServedState", {
+    "epoch_id": serializers.IntegerField(),
+    "updates": serializers.IntegerField(min_value=0, help_text="Rows written over the epoch's file."),
+    "digest": serializers.CharField(help_text="32 bytes as 0x hex: XOR over the written rows of "
+                                    "SHA-256(row as u64 LE || its 256 bytes)."),
+}, help_text="What the answers come from (docs/PROTOCOL.md section 6): a client XORs only answers "
+             "of equal states.")
 
 HEALTH_RESPONSE = inline_serializer("Health", {
     "status": serializers.CharField(help_text='"ok", or "unavailable" with a 503'),
@@ -38,6 +47,7 @@ EPOCH_RESPONSE = inline_serializer("EpochInfo", {
         child=serializers.ChoiceField(choices=["json", "binary"]),
         help_text='The encodings the query endpoints speak: "json" (hex) and "binary" '
                   f"({OCTET_STREAM})."),
+    "state": STATE,
 })
 
 PAGE_RESPONSE = inline_serializer("PageAnswer", {
@@ -74,12 +84,18 @@ BATCH_RESPONSE = {(200, "application/json"): OpenApiResponse(BATCH_RESPONSE, des
                   (200, OCTET_STREAM): _BINARY_ANSWERS}
 
 def binary_answer_headers() -> list:
-    """The response headers of a binary answer (a JSON answer carries the epoch in its body)."""
+    """The response headers of an answer: the served state in both encodings, the epoch and count
+    in binary ones (a JSON answer carries those in its body)."""
     return [
         OpenApiParameter(EPOCH_HEADER, int, OpenApiParameter.HEADER, response=[200],
                          description="Binary answers: the epoch all answers were computed on."),
         OpenApiParameter(QUERIES_HEADER, int, OpenApiParameter.HEADER, response=[200],
                          description="Binary answers: the number of queries answered."),
+        OpenApiParameter(UPDATES_HEADER, int, OpenApiParameter.HEADER, response=[200],
+                         description="Both encodings: rows written over the epoch (served state)."),
+        OpenApiParameter(DIGEST_HEADER, str, OpenApiParameter.HEADER, response=[200],
+                         description="Both encodings: the written rows' digest, 0x hex (served "
+                                     "state, docs/PROTOCOL.md section 6)."),
     ]
 
 ERROR_SCHEMA = {

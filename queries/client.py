@@ -29,6 +29,12 @@ NDJSON = "application/x-ndjson"
 TOKEN_ENV = ("MORPHO_TOKEN_A", "MORPHO_TOKEN_B")  # bulk job tokens when none is passed
 OCTET_STREAM = "application/octet-stream"  # the binary encoding (docs/PROTOCOL.md section 5.3)
 EPOCH_HEADER = "X-Morpho-Epoch-Id"
+# the served state of every answer (docs/PROTOCOL.md section 6): two parties' answers are XORed
+# only when they agree
+UPDATES_HEADER = "X-Morpho-State-Updates"
+DIGEST_HEADER = "X-Morpho-State-Digest"
+MISMATCH_ATTEMPTS = 3  # tries of a fetch whose parties answered from different epochs or states
+MISMATCH_RETRY_S = 0.5  # pause before the next try: parties follow a change within a second
 ENCODINGS = ("auto", "json", "binary")  # auto: binary where /epoch advertises it, else JSON
 
 
@@ -38,6 +44,11 @@ class PirError(Exception):
 
 class EpochMismatch(PirError):
     """The two parties serve different epochs or shapes; their answers cannot be combined."""
+
+
+class StateMismatch(EpochMismatch):
+    """The parties answered from one epoch but different row updates (docs/PROTOCOL.md section
+    6): XORing would give a wrong row, so the client retries, then raises this."""
 
 
 class ServerError(PirError):
@@ -154,6 +165,14 @@ def _http_error(url: str, exc: urllib.error.HTTPError) -> ServerError:
     return ServerError(f"{url}: HTTP {exc.code}: {detail}{hint}", exc.code, text)
 
 
+def _served_state(headers) -> Optional[tuple[int, str]]:
+    """(rows written, digest) of an answer's state headers; None where the server sends none."""
+    updates, digest = headers.get(UPDATES_HEADER), headers.get(DIGEST_HEADER)
+    if updates is None or digest is None:
+        return None
+    return int(updates), digest.lower()
+
+
 def _xor(a: bytes, b: bytes) -> bytes:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
 
@@ -212,6 +231,10 @@ class PirClient:
 
     # -- transport ----------------------------------------------------------------------------
     def _call(self, base: str, path: str, body: Optional[dict] = None) -> dict:
+        return self._request(base, path, body)[0]
+
+    def _request(self, base: str, path: str, body: Optional[dict] = None):
+        """(parsed JSON, response headers) of one JSON request; ServerError on any failure."""
         url = base + path
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
@@ -220,20 +243,13 @@ class PirClient:
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = response.read()
+                payload, headers = response.read(), response.headers
         except urllib.error.HTTPError as exc:
-            text = exc.read().decode("utf-8", "replace")
-            try:
-                detail = json.loads(text).get("detail", text)
-            except (ValueError, AttributeError):
-                detail = text
-            retry = exc.headers.get("Retry-After")
-            hint = f" (retry after {retry} s)" if retry else ""
-            raise ServerError(f"{url}: HTTP {exc.code}: {detail}{hint}", exc.code, text) from None
+            raise _http_error(url, exc) from None
         except (urllib.error.URLError, OSError) as exc:
             raise ServerError(f"{url}: cannot reach the server ({exc})") from None
         try:
-            return json.loads(payload)
+            return json.loads(payload), headers
         except ValueError:
             raise ServerError(f"{url}: the response is not JSON") from None
 
@@ -266,7 +282,7 @@ class PirClient:
     def fetch_rows(self, rows: Sequence[int], batch: bool = True) -> list[bytes]:
         """The 256-byte rows, in the order asked; one batch request per max_batch rows."""
         rows = [int(r) for r in rows]
-        for attempt in range(2):  # one retry when the parties answered from different epochs
+        for attempt in range(MISMATCH_ATTEMPTS):
             info = self.epoch()
             for row in rows:
                 if not 0 <= row < info.num_rows:
@@ -274,8 +290,10 @@ class PirClient:
             try:
                 return self._fetch(rows, info, batch)
             except EpochMismatch:
-                if attempt:
+                # the parties may be a moment apart in following a switch or an update
+                if attempt == MISMATCH_ATTEMPTS - 1:
                     raise
+                time.sleep(MISMATCH_RETRY_S)
         raise AssertionError("unreachable")
 
     def fetch_row(self, row: int) -> bytes:
@@ -298,11 +316,18 @@ class PirClient:
         """Send the plans to both parties and XOR the answers: the wanted page of each plan."""
         # Both parties work at the same time: the latency is the slower one, not the sum.
         futures = [self._pool.submit(self._ask_party, side, plans, batch) for side in (0, 1)]
-        (epoch_a, halves_a), (epoch_b, halves_b) = [future.result() for future in futures]
+        (epoch_a, state_a, halves_a), (epoch_b, state_b, halves_b) = [f.result() for f in futures]
         if epoch_a != epoch_b:
             raise EpochMismatch(
                 f"the servers answered from different epochs: {epoch_a} and {epoch_b}"
             )
+        if state_a is not None and state_b is not None and state_a != state_b:
+            described = [f"{name} ({base}) epoch {epoch_a} with {updates} row update"
+                         f"{'' if updates == 1 else 's'} (digest {digest})"
+                         for name, base, (updates, digest) in zip("AB", self.servers,
+                                                                 (state_a, state_b))]
+            raise StateMismatch(f"the servers answered from different states: {described[0]}, "
+                                f"{described[1]}; their answers cannot be combined")
         return [_xor(a, b) for a, b in zip(halves_a, halves_b)]
 
     # -- encodings (docs/PROTOCOL.md section 5.3) -----------------------------------------------
@@ -318,7 +343,9 @@ class PirClient:
         return "binary" if "binary" in self._advertised[side] else "json"
 
     def _ask_party(self, side: int, plans: list[PlannedQuery], batch: bool):
-        """(epoch_id, the answer at each plan's target slot) from one party, in its encoding."""
+        """(epoch_id, served state, the answer at each plan's target slot) from one party, in its
+        encoding; the state is (updates, digest) from the answer's headers, None where a server
+        does not send it."""
         base = self.servers[side]
         path = "/query/page/gpu/batch" if batch else "/query/page/gpu"
         keys = [plan.keys_b if side else plan.keys_a for plan in plans]
@@ -326,31 +353,31 @@ class PirClient:
         self._used[side] = encoding  # one item per party's thread: no lost update
         if encoding == "binary":
             body = b"".join(_key_bytes(key) for query in keys for key in query)
-            epoch_id, payload = self._call_binary(base, path, body, len(plans))
+            epoch_id, state, payload = self._call_binary(base, path, body, len(plans))
             size = KEYS_PER_QUERY * PAGE_BYTES
-            return epoch_id, [
+            return epoch_id, state, [
                 payload[i * size + plan.target_slot * PAGE_BYTES:][:PAGE_BYTES]
                 for i, plan in enumerate(plans)
             ]
         as_hex = [[_key_bytes(key).hex() for key in query] for query in keys]
         if batch:
-            reply = self._call(base, path, {"queries": [{"keys": q} for q in as_hex]})
+            reply, headers = self._request(base, path, {"queries": [{"keys": q} for q in as_hex]})
             results = reply.get("results")
             if not isinstance(results, list) or len(results) != len(plans):
                 raise ServerError(f"{base}: expected {len(plans)} results, got {results!r:.80}")
             answers = [r.get("pages") if isinstance(r, dict) else None for r in results]
         else:
-            reply = self._call(base, path, {"keys": as_hex[0]})
+            reply, headers = self._request(base, path, {"keys": as_hex[0]})
             answers = [reply.get("pages")]
         halves = []
         for index, (plan, got) in enumerate(zip(plans, answers)):
             if not isinstance(got, list) or len(got) != KEYS_PER_QUERY:
                 raise ServerError(f"{base}: query {index}: expected {KEYS_PER_QUERY} pages")
             halves.append(_unhex(got[plan.target_slot], f"{base}: query {index}"))
-        return reply.get("epoch_id"), halves
+        return reply.get("epoch_id"), _served_state(headers), halves
 
-    def _call_binary(self, base: str, path: str, body: bytes, queries: int) -> tuple[int, bytes]:
-        """POST raw keys, read raw answers: (epoch_id, queries x 3 x 4096 bytes)."""
+    def _call_binary(self, base: str, path: str, body: bytes, queries: int):
+        """POST raw keys, read raw answers: (epoch_id, served state, queries x 3 x 4096 bytes)."""
         url = base + path
         request = urllib.request.Request(
             url, data=body, method="POST",
@@ -370,7 +397,7 @@ class PirClient:
         if len(payload) != expected:
             raise ServerError(f"{url}: expected {expected} bytes of answers, got {len(payload)}")
         try:
-            return int(headers.get(EPOCH_HEADER, "")), payload
+            return int(headers.get(EPOCH_HEADER, "")), _served_state(headers), payload
         except ValueError:
             raise ServerError(f"{url}: expected the epoch in {EPOCH_HEADER}, got "
                               f"{headers.get(EPOCH_HEADER)!r}") from None

@@ -297,7 +297,8 @@ def test_the_schema_describes_both_encodings(api):
         assert operation["requestBody"]["content"][BIN]["schema"]["format"] == "binary"
         ok = operation["responses"]["200"]
         assert set(ok["content"]) == {"application/json", BIN}
-        assert set(ok["headers"]) == {"X-Morpho-Epoch-Id", "X-Morpho-Queries"}
+        assert set(ok["headers"]) == {"X-Morpho-Epoch-Id", "X-Morpho-Queries", "X-Morpho-State-Updates",
+                                      "X-Morpho-State-Digest"}
         # Errors are JSON only, whatever the client asked for.
         assert set(operation["responses"]["400"]["content"]) == {"application/json"}
     assert BIN in schema["paths"]["/bulk/jobs"]["post"]["requestBody"]["content"]

@@ -20,6 +20,10 @@ from queries.api.serializers import KEYS_PER_QUERY, key_from_bytes
 OCTET_STREAM = "application/octet-stream"
 EPOCH_HEADER = "X-Morpho-Epoch-Id"  # the epoch all answers of a binary response were computed on
 QUERIES_HEADER = "X-Morpho-Queries"  # how many queries a binary response answers
+# the served state of an answer, JSON or binary (docs/PROTOCOL.md section 6): rows written over the
+# epoch and their digest, which a client compares between the two parties before it XORs
+UPDATES_HEADER = "X-Morpho-State-Updates"
+DIGEST_HEADER = "X-Morpho-State-Digest"
 # Bulk results may span epochs (each chunk is answered within one): all of them, and which
 # queries each answered as `first-last=epoch_id`, comma-separated.
 EPOCH_IDS_HEADER = "X-Morpho-Epoch-Ids"
@@ -185,11 +189,17 @@ class BinaryBatchQuerySerializer(serializers.BaseSerializer):
         return {"queries": [{"keys": keys} for keys in queries]}
 
 
-def binary_answer(epoch_id: int, pages) -> Response:
-    """A binary response: every query's three 4096-byte answers concatenated in request order."""
-    body = b"".join(bytes(page) for query in pages for page in query)
-    return Response(body, content_type=OCTET_STREAM, headers={
-        EPOCH_HEADER: str(epoch_id), QUERIES_HEADER: str(len(pages))})
+def state_headers(state) -> dict:
+    """The served state of an answer as headers, in either encoding (a JSON body stays as it was)."""
+    return {UPDATES_HEADER: str(state.updates), DIGEST_HEADER: "0x" + state.digest.hex()}
+
+
+def binary_answer(result) -> Response:
+    """A binary response: every query's three 4096-byte answers concatenated in request order,
+    the epoch, count and served state in headers (result: the engine's BatchAnswer)."""
+    return Response(result.answers.tobytes(), content_type=OCTET_STREAM, headers={
+        EPOCH_HEADER: str(result.epoch_id), QUERIES_HEADER: str(len(result.query_keys)),
+        **state_headers(result.state)})
 
 
 def answered_queries(response) -> int:

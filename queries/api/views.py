@@ -32,6 +32,7 @@ from queries.api.binary import (
     answered_queries,
     binary_answer,
     sent_binary,
+    state_headers,
     wants_binary,
 )
 from queries.api.errors import StrictJSONParser, Unavailable, unavailable
@@ -121,7 +122,10 @@ class EpochView(PublicAPIView):
 
     @extend_schema(responses=EPOCH_RESPONSE)
     def get(self, request):
-        return Response(self.serializer_class(get_engine().epoch).data)
+        engine = get_engine()
+        # the served state beside the epoch: a client compares it between the two parties
+        return Response({**self.serializer_class(engine.epoch).data,
+                         "state": engine.state.describe()})
 
 
 class QueryAPIView(JSONErrorsMixin, PublicAPIView):
@@ -151,10 +155,10 @@ class PageQueryView(QueryAPIView):
         engine, epoch, data = self.validated(request)
         result = answer(engine, epoch, [data["keys"]])
         if wants_binary(request):
-            return binary_answer(result.epoch_id, result.pages)
+            return binary_answer(result)
         body = {"epoch_id": result.epoch_id}
         body.update(PageAnswerSerializer(result.pages[0]).data)
-        return Response(body)
+        return Response(body, headers=state_headers(result.state))
 
 
 class BatchPageQueryView(QueryAPIView):
@@ -171,10 +175,11 @@ class BatchPageQueryView(QueryAPIView):
         queries = [query["keys"] for query in data["queries"]]
         result = answer(engine, epoch, queries)
         if wants_binary(request):
-            return binary_answer(result.epoch_id, result.pages)
+            return binary_answer(result)
         return Response(
             {
                 "epoch_id": result.epoch_id,
                 "results": [PageAnswerSerializer(pages).data for pages in result.pages],
-            }
+            },
+            headers=state_headers(result.state),
         )
