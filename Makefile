@@ -8,7 +8,7 @@ SERVER_A ?= http://127.0.0.1:8001
 SERVER_B ?= http://127.0.0.1:8002
 BENCH_PAGES ?= 65536
 
-.PHONY: venv run test bench-http clean-var gpu-workers bench-bulk bench-policy-http
+.PHONY: venv run test bench-http clean-var gpu-workers bench-bulk bench-policy-http superuser
 
 # The virtualenv is (re)built when pyproject.toml changes; `pip install -e` keeps the tree live.
 $(STAMP): pyproject.toml
@@ -20,9 +20,32 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Parties A (127.0.0.1:8001) and B (127.0.0.1:8002) over one generated demo matrix (DEMO_PAGES,
-# default 8192), each with its own SQLite database under var/. Ctrl-C stops both.
+# default 8192), each an engine server, gunicorn and bulk workers with its own SQLite database
+# under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. Ctrl-C stops all. The
+# admin's and the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them.
+PORT_A ?= 8001
+PORT_B ?= 8002
+VAR ?=
 run: $(STAMP)
-	$(PY) -m morphoweb.devserver
+	$(PY) manage.py collectstatic --no-input -v0
+	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
+
+# An admin user and its DRF token on both parties of `make run` (their databases
+# $(PARTY_DB_DIR)/party-a.sqlite3 and party-b.sqlite3, migrated first): SUPERUSER (default admin)
+# with a password asked for each party, or DJANGO_SUPERUSER_PASSWORD for both without asking.
+# A user that exists is kept; each party's token is printed (the same one on a second run).
+SUPERUSER ?= admin
+SUPERUSER_EMAIL ?= $(SUPERUSER)@localhost
+PARTY_DB_DIR ?= $(or $(VAR),$(MORPHO_VAR_DIR),var)
+superuser: $(STAMP)
+	@for party in a b; do \
+		export DATABASE_URL="sqlite:///$(abspath $(PARTY_DB_DIR))/party-$$party.sqlite3"; \
+		echo "party $$party: $(abspath $(PARTY_DB_DIR))/party-$$party.sqlite3"; \
+		$(PY) manage.py migrate --no-input -v0 && \
+		$(PY) manage.py createsuperuser --if-missing --username '$(SUPERUSER)' \
+			--email '$(SUPERUSER_EMAIL)' $(if $(DJANGO_SUPERUSER_PASSWORD),--no-input) && \
+		$(PY) manage.py drf_create_token '$(SUPERUSER)' || exit 1; \
+	done
 
 # pytest's exit status 5 means "no tests collected": not a failure of the suite.
 test: $(STAMP)

@@ -1,4 +1,4 @@
-"""App configuration for epochs: registers the production settings check and the engine watcher."""
+"""App configuration for epochs: the production settings check, metrics, engine server controls."""
 from django.apps import AppConfig
 
 
@@ -16,3 +16,10 @@ class EpochsConfig(AppConfig):
         from epochs.metrics import register_collector
 
         register_collector()
+        # Epoch switches and row updates happen where the Engine is: in the engine server when
+        # web and worker processes use one.
+        from engine.serving import register_control
+        from epochs.runtime import activate_by_pk, sync_now
+
+        register_control("activate", activate_by_pk)
+        register_control("sync", sync_now)

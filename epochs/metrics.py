@@ -5,6 +5,7 @@ import logging
 import threading
 from collections.abc import Iterable
 
+from gpu_engine.engine import EngineBusy
 from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
@@ -20,7 +21,10 @@ class EpochCollector:
         engine = peek_engine()
         if engine is None:
             return
-        epoch = engine.epoch
+        try:
+            epoch = engine.epoch
+        except EngineBusy:  # the engine server is away; /health says why
+            return
         info = InfoMetricFamily("pir_epoch", "The epoch this process's engine serves.")
         info.add_metric([], {"epoch_id": str(epoch.epoch_id), "block_number": str(epoch.block_number),
                              "num_pages": str(epoch.matrix.num_pages),

@@ -58,7 +58,7 @@ class EpochQuerySet(models.QuerySet):
 
 
 class Epoch(models.Model):
-    """One immutable matrix file and the metadata a client needs (PROTOCOL.md section 6)."""
+    """One immutable matrix file and the metadata a client needs (docs/PROTOCOL.md section 6)."""
 
     epoch_id = models.PositiveBigIntegerField(
         unique=True, help_text="The epoch_id clients see in /epoch and in every answer."

@@ -1,13 +1,15 @@
 """Keeps this process's engine on the active epoch, with every pending row update applied.
 
-The database is the truth: the active Epoch record (or, when there is none, the matrix file the
-process was started with) plus the pending RowUpdates of that epoch. `sync(engine)` brings an
+The database is the truth: the active Epoch record (when there is none, the epoch of the matrix
+file the process was started with is recorded as the active one) plus the pending RowUpdates of
+that epoch. `sync(engine)` brings an
 engine there; it runs when this process changes the state (before the change is acknowledged),
 right after an engine starts, and from the policies watcher when another process changed it.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -15,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
-from django.db.models import Count, Max
+from django.db import DatabaseError, IntegrityError, transaction
+from django.db.models import Count, Max, Q
 from django.utils import timezone
 
 from epochs.models import (
@@ -29,7 +31,10 @@ from epochs.models import (
     parse_hex,
 )
 from gpu_engine.backends import BackendUnavailable
-from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
+from gpu_engine.engine import EngineBusy
+from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, load_epoch
+from gpu_engine.remote import RemoteError
+from morphoweb import engine_runtime
 from policies import live
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,9 @@ COMMIT_SLACK_SECONDS = 10.0
 FAILED_SWITCH_BACKOFF = 30.0
 
 WATCH_NAME = "epochs"
+# Seconds a web process waits for the engine server to switch epochs or apply row updates (a
+# switch loads a whole matrix).
+REMOTE_CONTROL_TIMEOUT = 600.0
 
 _lock = threading.RLock()  # one sync at a time: request threads and the watcher thread
 
@@ -73,9 +81,24 @@ _failed: dict[tuple, float] = {}
 
 
 def _local_engine():
-    from morphoweb.engine_runtime import peek_engine
+    """The Engine of this process, if it runs one (None where the engine is remote)."""
+    return engine_runtime.local_engine()
 
-    return peek_engine()
+
+def _served_engine():
+    """Whatever this process reads the served epoch from: its Engine or the engine server."""
+    engine = engine_runtime.peek_engine()
+    if engine is None and engine_runtime.is_remote():
+        engine = engine_runtime.get_engine()
+    return engine
+
+
+def _remote_call(op: str, **args) -> None:
+    """Run `op` in the engine server (where the Engine is); its failure becomes EpochSwitchError."""
+    try:
+        engine_runtime.remote_engine().call(op, timeout=REMOTE_CONTROL_TIMEOUT, **args)
+    except RemoteError as exc:
+        raise EpochSwitchError(str(exc)) from None
 
 
 def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
@@ -83,11 +106,16 @@ def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
     record = Epoch.objects.active() if epoch_id is None else Epoch.objects.filter(epoch_id=epoch_id).first()
     if record is not None and record.num_pages:
         return record.epoch_id, record.num_rows
-    engine = _local_engine()
-    if engine is not None and (epoch_id is None or engine.epoch.epoch_id == epoch_id):
-        return engine.epoch.epoch_id, engine.epoch.matrix.num_rows
-    from gpu_engine.matrix import load_epoch
-
+    engine = _served_engine()
+    if engine is not None:
+        try:
+            served = engine.epoch
+        except EngineBusy as exc:
+            raise LookupError(f"no epoch is being served: {exc.reason}") from None
+        if epoch_id is None or served.epoch_id == epoch_id:
+            return served.epoch_id, served.matrix.num_rows
+        if engine_runtime.is_remote():
+            raise LookupError(f"epoch {epoch_id} is not known to this server")
     try:
         served = load_epoch(settings.MORPHO_MATRIX_PATH, settings.MORPHO_DOMAIN_BITS)
     except (OSError, ValueError) as exc:
@@ -126,10 +154,7 @@ def _switch(engine, record: Epoch, stop_the_world: bool) -> None:
     for row, data in rows.items():
         epoch.matrix.write_row(row, data)  # copy-on-write: the file is never touched
     try:
-        if stop_the_world:
-            engine.switch_epoch(epoch, stop_the_world=True).result()
-        else:
-            engine.switch_epoch(epoch).result()
+        engine.switch_epoch(epoch, stop_the_world=stop_the_world, written=rows).result()
     except Exception as exc:
         if stop_the_world:
             # The engine reloaded its current epoch from the matrix file, without its updates: the
@@ -195,9 +220,43 @@ def sync(engine, explicit: bool = False) -> None:
         _apply_new_updates(engine)
 
 
+def record_served_epoch(engine) -> Epoch | None:
+    """Record the epoch an engine serves from its matrix file when the database has no active one.
+
+    A fresh party (the demo matrix of `make run`, a new deployment) then lists the epoch it serves
+    in the admin and /api/epochs/, and activating another one starts from it. Returns the record
+    made, or None when there was nothing to record."""
+    served = engine.epoch
+    if served.matrix.source is None:
+        return None  # a matrix built in memory: no file for other processes to load
+    with transaction.atomic():
+        if Epoch.objects.filter(Q(state=EpochState.ACTIVE) | Q(epoch_id=served.epoch_id)).exists():
+            return None
+        record = Epoch(
+            epoch_id=served.epoch_id,
+            matrix_path=os.path.abspath(served.matrix.source),
+            block_number=served.block_number,
+            state_root="0x" + served.state_root.hex(),
+            seeds=list(served.seeds),
+            domain_bits=settings.MORPHO_DOMAIN_BITS,
+            num_pages=served.matrix.num_pages,
+            state=EpochState.ACTIVE,
+            activated=timezone.now(),
+        )
+        try:
+            with transaction.atomic():
+                record.save()
+        except IntegrityError:
+            return None  # another process of this party recorded it first
+    log.info("recorded the served epoch %s (%s) as the active epoch", record.epoch_id,
+             record.matrix_path)
+    return record
+
+
 def adopt(engine) -> None:
     """Called once an engine has started: serve the database's epoch and updates before any query."""
     try:
+        record_served_epoch(engine)
         sync(engine)
     except (DatabaseError, RuntimeError) as exc:
         # A server may start before `migrate` ran (or, in tests, without database access); it
@@ -216,6 +275,11 @@ def activate(record: Epoch, stop_the_world: bool | None = None) -> Epoch:
     """
     if stop_the_world is not None:
         record.switch_mode = SwitchMode.STOP_THE_WORLD if stop_the_world else SwitchMode.BESIDE
+    if engine_runtime.is_remote():
+        # The engine server switches its Engine and commits, as below, in its own process.
+        _remote_call("activate", pk=record.pk, switch_mode=record.switch_mode)
+        record.refresh_from_db()
+        return record
     engine = _local_engine()
     with _lock:
         if engine is not None:
@@ -288,6 +352,8 @@ def save_updates(records: Sequence[RowUpdate]) -> None:
                 update.save()
         if engine is not None:
             sync(engine)
+        elif engine_runtime.is_remote():
+            _remote_call("sync")  # acknowledged once the engine server has applied them
 
 
 def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
@@ -311,6 +377,20 @@ def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
             raise ValidationError(errors)
         save_updates(records)
     return records
+
+
+def activate_by_pk(engine, args: dict) -> dict:
+    """The engine server's "activate" control operation: activate() where the Engine is."""
+    record = Epoch.objects.get(pk=args["pk"])
+    record.switch_mode = args.get("switch_mode") or record.switch_mode
+    activate(record)
+    return {"epoch_id": engine.epoch.epoch_id}
+
+
+def sync_now(engine, args: dict) -> dict:
+    """The engine server's "sync" control operation: apply the database's state now."""
+    sync(engine, explicit=bool(args.get("explicit")))
+    return {"epoch_id": engine.epoch.epoch_id}
 
 
 def apply_from_watcher() -> None:

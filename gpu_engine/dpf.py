@@ -1,4 +1,4 @@
-"""DPF keys of PROTOCOL.md section 3: byte format, generation, point and full-domain evaluation."""
+"""DPF keys of docs/PROTOCOL.md section 3: byte format, generation, point and full-domain eval."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ _ALL_ONES = b"\xff" * SEED_BYTES
 
 
 class KeyFormatError(ValueError):
-    """A key's bytes do not follow PROTOCOL.md section 3; the message says what is wrong."""
+    """A key's bytes do not follow docs/PROTOCOL.md section 3; the message says what is wrong."""
 
 
 def key_length(domain_bits: int) -> int:
@@ -72,24 +72,24 @@ class DpfKey:
         for name, offset in (("root_t", 16), ("party", 17)):
             if data[offset] not in (0, 1):
                 raise KeyFormatError(f"{name} byte is {data[offset]}, expected 0 or 1")
-        levels = []
-        for level in range(d):
-            off = _HEADER + _LEVEL * level
-            for side, pos in (("t_cw_left", off + 16), ("t_cw_right", off + 17)):
-                if data[pos] not in (0, 1):
-                    raise KeyFormatError(
-                        f"level {level} {side} byte is {data[pos]}, expected 0 or 1"
-                    )
-            levels.append((data[off : off + 16], data[off + 16], data[off + 17]))
+        # The t bytes of every level at once (strided slices): the web tier parses every key of
+        # every request, so this check runs per key; the loop below only words a failure.
+        lefts = bytes(data[_HEADER + 16 : _HEADER + _LEVEL * d : _LEVEL])
+        rights = bytes(data[_HEADER + 17 : _HEADER + _LEVEL * d : _LEVEL])
+        if max(lefts) > 1 or max(rights) > 1:
+            for level in range(d):
+                for side, value in (("t_cw_left", lefts[level]), ("t_cw_right", rights[level])):
+                    if value not in (0, 1):
+                        raise KeyFormatError(f"level {level} {side} byte is {value}, expected 0 or 1")
         final = _HEADER + _LEVEL * d
         return cls(
             root_seed=bytes(data[:16]),
             root_t=data[16],
             party=data[17],
             domain_bits=d,
-            cw_seed=tuple(bytes(s) for s, _, _ in levels),
-            cw_t_left=tuple(tl for _, tl, _ in levels),
-            cw_t_right=tuple(tr for _, _, tr in levels),
+            cw_seed=tuple(bytes(data[off : off + 16]) for off in range(_HEADER, final, _LEVEL)),
+            cw_t_left=tuple(lefts),
+            cw_t_right=tuple(rights),
             final_cw=bytes(data[final : final + 16]),
         )
 
@@ -114,7 +114,7 @@ def gen_keys(
     rng: Optional[np.random.Generator] = None,
     root_seeds: Optional[Tuple[bytes, bytes]] = None,
 ) -> Tuple[DpfKey, DpfKey]:
-    """Client-side key generation for a point function at `target` (PROTOCOL.md section 3)."""
+    """Client-side key generation for a point function at `target` (docs/PROTOCOL.md section 3)."""
     if not 1 <= domain_bits <= MAX_DOMAIN_BITS:
         raise ValueError(f"domain_bits must be in 1..{MAX_DOMAIN_BITS}, got {domain_bits}")
     if not 0 <= target < (1 << domain_bits):
@@ -212,8 +212,68 @@ class KeyBatch:
             final_cw=words([key.final_cw for key in keys]).reshape(k, 4),
         )
 
+    @classmethod
+    def from_bytes(cls, data, domain_bits: int) -> "KeyBatch":
+        """Keys of depth `domain_bits` concatenated in the byte format, parsed in one pass.
+
+        Checks what DpfKey.from_bytes checks; KeyFormatError names the first bad key."""
+        size = key_length(domain_bits)
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if raw.size == 0 or raw.size % size:
+            raise KeyFormatError(f"{raw.size} key bytes are not a whole number of "
+                                 f"{size}-byte keys (domain_bits {domain_bits})")
+        k = raw.size // size
+        rows = raw.reshape(k, size)
+        levels = rows[:, _HEADER:_HEADER + _LEVEL * domain_bits].reshape(k, domain_bits, _LEVEL)
+        if (rows[:, 18] != domain_bits).any():
+            bad = int(np.argmax(rows[:, 18] != domain_bits))
+            raise KeyFormatError(f"key {bad} has domain_bits {rows[bad, 18]}, expected {domain_bits}")
+        bits = np.concatenate([rows[:, 16:18], levels[:, :, 16:18].reshape(k, -1)], axis=1)
+        if (bits > 1).any():
+            bad = int(np.argmax((bits > 1).any(axis=1)))
+            raise KeyFormatError(f"key {bad} has a root_t, party or t_cw byte other than 0 or 1")
+
+        def words(block: np.ndarray, shape) -> np.ndarray:
+            return np.ascontiguousarray(block).view("<u4").astype(np.uint32).reshape(shape)
+
+        final = _HEADER + _LEVEL * domain_bits
+        return cls(
+            domain_bits=domain_bits,
+            root_seed=words(rows[:, :16], (k, 4)),
+            root_t=rows[:, 16].copy(),
+            cw_seed=words(levels[:, :, :16], (k, domain_bits, 4)),
+            cw_t=np.ascontiguousarray(levels[:, :, 16:18]),
+            final_cw=words(rows[:, final:final + 16], (k, 4)),
+        )
+
+    def to_bytes(self) -> bytes:
+        """The keys in the byte format, concatenated (party bytes from root_t: party b has t b)."""
+        k, d = len(self), self.domain_bits
+        rows = np.empty((k, key_length(d)), dtype=np.uint8)
+        rows[:, :16] = self.root_seed.astype("<u4").view(np.uint8).reshape(k, 16)
+        rows[:, 16] = self.root_t
+        rows[:, 17] = self.root_t
+        rows[:, 18] = d
+        levels = rows[:, _HEADER:_HEADER + _LEVEL * d].reshape(k, d, _LEVEL)
+        levels[:, :, :16] = self.cw_seed.astype("<u4").view(np.uint8).reshape(k, d, 16)
+        levels[:, :, 16:18] = self.cw_t
+        rows[:, _HEADER + _LEVEL * d:] = self.final_cw.astype("<u4").view(np.uint8).reshape(k, 16)
+        return rows.tobytes()
+
     def __len__(self) -> int:
         return int(self.root_seed.shape[0])
+
+
+def random_keys(count: int, domain_bits: int, rng: np.random.Generator) -> KeyBatch:
+    """`count` well-formed keys of random content (warm-up launches and benchmarks)."""
+    return KeyBatch(
+        domain_bits=domain_bits,
+        root_seed=rng.integers(0, 1 << 32, size=(count, 4), dtype=np.uint32),
+        root_t=rng.integers(0, 2, size=count, dtype=np.uint8),
+        cw_seed=rng.integers(0, 1 << 32, size=(count, domain_bits, 4), dtype=np.uint32),
+        cw_t=rng.integers(0, 2, size=(count, domain_bits, 2), dtype=np.uint8),
+        final_cw=rng.integers(0, 1 << 32, size=(count, 4), dtype=np.uint32),
+    )
 
 
 def _expand_level(batch: KeyBatch, level: int, seeds: np.ndarray, t: np.ndarray):

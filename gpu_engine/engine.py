@@ -15,11 +15,13 @@ import numpy as np
 
 from gpu_engine.backends.base import Backend, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
-from gpu_engine.dpf import DpfKey, KeyBatch
+from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
+from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
+    KEYS_PER_QUERY,
     LANES,
     BatchingPolicy,
     Launch,
@@ -54,28 +56,42 @@ class EngineUnavailable(EngineBusy):
     """The engine is stopped, switching, or its device failed."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchAnswer:
-    """Answers of one submitted request, all against one epoch: pages[query][key] is 4096 bytes."""
+    """Answers of one submitted request, all against one epoch.
+
+    `answers` holds one 4096-byte row per key, in submission order (a view of the launch's
+    answer buffer, which no later launch reuses); `pages[query][key]` slices it into bytes in the
+    caller's thread, so the scheduler thread never copies answers while the device waits."""
 
     epoch_id: int
-    pages: List[List[bytes]]
+    answers: np.ndarray  # (keys, PAGE_BYTES) uint8
+    query_keys: Tuple[int, ...]  # keys per query, in order
+    state: ServedState  # the epoch and written rows every answer of the request comes from
+
+    @property
+    def pages(self) -> List[List[bytes]]:
+        pages, row = [], 0
+        for count in self.query_keys:
+            pages.append([self.answers[row + i].tobytes() for i in range(count)])
+            row += count
+        return pages
 
 
 @dataclass
 class _Request:
-    queries: Sequence[Sequence[DpfKey]]
     keys: KeyBatch
+    query_keys: Tuple[int, ...]  # keys per query; their sum is len(keys)
     lane: str
     arrived: float
     future: Future = field(default_factory=Future)
 
     @property
     def size(self) -> int:
-        return len(self.queries)
+        return len(self.query_keys)
 
 
-def _settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
+def settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
     """Resolve a future unless it is already done: a caller may cancel what it waits for."""
     try:
         if error is not None:
@@ -98,10 +114,12 @@ class Engine:
         self._policy = policy or static_policy(BatchingPolicy())
         self._last_policies: Dict[str, BatchingPolicy] = {lane: BatchingPolicy() for lane in LANES}
         self._epoch = epoch
+        self._rows = RowDigest()  # rows written over the epoch's file since it was loaded
         self._resident: ResidentMatrix = backend.load(epoch.matrix)
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
         self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
         self._rates: Dict[str, RateMeter] = {lane: RateMeter() for lane in LANES}
+        self._last_launch_end: Dict[str, float] = {}  # lane -> monotonic end of its last launch
         # operations run between launches, each with the future its caller waits on
         self._control: Deque[Tuple[Callable[[], None], Future]] = deque()
         self._cond = threading.Condition()
@@ -149,9 +167,9 @@ class Engine:
         for request in pending:
             if not request.future.done():
                 self.stats.refuse(request.lane, "stopped", request.size)
-            _settle(request.future, error=EngineUnavailable(reason, retry_after=5))
+            settle(request.future, error=EngineUnavailable(reason, retry_after=5))
         for future in control:  # row writes and epoch switches that never ran
-            _settle(future, error=EngineUnavailable(reason, retry_after=5))
+            settle(future, error=EngineUnavailable(reason, retry_after=5))
 
     @property
     def running(self) -> bool:
@@ -190,16 +208,24 @@ class Engine:
         """Queue one request (a list of queries, each a list of keys); its answers share one epoch.
 
         Raises EngineOverloaded when the lane already holds its policy's max_queue queries."""
-        if lane not in self._queues:
-            raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
         if not queries or any(not q for q in queries):
             raise ValueError("a request needs at least one query, and each query at least one key")
         keys = KeyBatch.from_keys([key for query in queries for key in query])
+        return self.submit_keys(keys, tuple(len(q) for q in queries), lane)
+
+    def submit_keys(self, keys: KeyBatch, query_keys: Sequence[int],
+                    lane: str = "interactive") -> "Future[BatchAnswer]":
+        """`submit` for keys already packed (the engine server's path): query i has query_keys[i]."""
+        if lane not in self._queues:
+            raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
+        query_keys = tuple(query_keys)
+        if not query_keys or min(query_keys) < 1 or sum(query_keys) != len(keys):
+            raise ValueError(f"{len(keys)} keys do not split into queries of {list(query_keys)} keys")
         if keys.domain_bits != self._epoch.matrix.domain_bits:
             raise ValueError(f"keys have domain_bits {keys.domain_bits}, the epoch has "
                              f"{self._epoch.matrix.domain_bits}")
         policy = self._policy_for(lane)
-        request = _Request(queries, keys, lane, time.monotonic())
+        request = _Request(keys, query_keys, lane, time.monotonic())
         with self._cond:
             if not self._running:
                 raise EngineUnavailable(self.failure or "engine is not running", retry_after=5)
@@ -241,39 +267,78 @@ class Engine:
 
     def write_rows(self, rows: Mapping[int, bytes]) -> "Future[None]":
         """Overwrite rows between launches; the future resolves once answers include them."""
+        rows = dict(rows)
         for index, data in rows.items():
             self._epoch.matrix.check_row(index, data)
-        return self._run_between_launches(lambda: self._resident.write_rows(dict(rows)))
 
-    def switch_epoch(self, epoch: Epoch, stop_the_world: bool = False) -> "Future[None]":
+        def write() -> None:
+            self._resident.write_rows(rows)
+            self._rows.write(rows)
+
+        return self._run_between_launches(write)
+
+    def switch_epoch(self, epoch: Epoch, stop_the_world: bool = False,
+                     written: Optional[Mapping[int, bytes]] = None) -> "Future[None]":
         """Make `epoch` resident beside the current one, then swap between launches.
 
-        stop_the_world: for a device that cannot hold both matrices, free the current one and
-        load `epoch` on the scheduler thread; queries wait meanwhile. If that load fails, the
-        current epoch is loaded again (without rows written since its load) and the future fails.
+        written: rows already written over `epoch`'s matrix (pending updates it absorbs), which its
+        state's digest counts. stop_the_world: for a device that cannot hold both matrices, free
+        the current one and load `epoch` on the scheduler thread; queries wait meanwhile. If that
+        load fails, the current epoch is loaded again (without rows written since its load) and
+        the future fails.
         """
         if stop_the_world:
-            return self._run_between_launches(lambda: self._reload(epoch))
+            return self._run_between_launches(lambda: self._reload(epoch, written))
         resident = self.backend.load(epoch.matrix)
 
         def swap() -> None:
             old = self._resident
-            self._epoch, self._resident = epoch, resident
+            self._epoch, self._resident, self._rows = epoch, resident, RowDigest(written)
             old.release()
             log.info("epoch switched to %s", epoch.epoch_id)
 
         return self._run_between_launches(swap)
 
-    def _reload(self, epoch: Epoch) -> None:
+    def _reload(self, epoch: Epoch, written: Optional[Mapping[int, bytes]]) -> None:
         current = self._epoch
         self._resident.release()
         try:
             self._resident = self.backend.load(epoch.matrix)
         except Exception:
             self._resident = self.backend.load(current.matrix)
+            self._rows = RowDigest()
             raise
-        self._epoch = epoch
+        self._epoch, self._rows = epoch, RowDigest(written)
         log.info("epoch switched to %s (stop the world)", epoch.epoch_id)
+
+    @property
+    def state(self) -> ServedState:
+        """The state answers launched now come from (read between launches by the scheduler)."""
+        return self._rows.state(self._epoch.epoch_id)
+
+    def warm_up(self, max_batch: int = 32, seed: int = 0) -> "Future[None]":
+        """Launch random keys of every batch size a lane may use before any query arrives.
+
+        On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to
+        `max_batch` queries runs once per lane's dispatch shape, then once more, timed, for the
+        cost model; elsewhere one small launch pages the matrix in. Runs between launches."""
+        sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
+
+        def warm() -> None:
+            started = time.perf_counter()
+            rng = np.random.default_rng(seed)
+            dispatches = {policy.dispatch for policy in self.policies().values()}
+            for dispatch in dispatches:
+                for queries in sizes:
+                    keys = random_keys(queries * KEYS_PER_QUERY, self._epoch.matrix.domain_bits, rng)
+                    self._resident.answer(keys, dispatch)
+                    timed = time.perf_counter()
+                    self._resident.answer(keys, dispatch)
+                    self.cost.observe(queries, time.perf_counter() - timed)
+            log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
+                     len(dispatches), time.perf_counter() - started)
+
+        return self._run_between_launches(warm)
 
     def _run_between_launches(self, action: Callable[[], None]) -> "Future[None]":
         future: Future = Future()
@@ -289,14 +354,15 @@ class Engine:
         try:
             action()
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
-            _settle(future, error=exc)
+            settle(future, error=exc)
         else:
-            _settle(future, None)
+            settle(future, None)
 
     # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
     def _snapshot(self, now: float) -> List[LaneQueue]:
         return [LaneQueue(lane, tuple(r.size for r in itertools.islice(q, HEAD_REQUESTS)),
-                          q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now))
+                          q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now),
+                          self._last_launch_end.get(lane))
                 for lane, q in self._queues.items()]
 
     def _dequeue(self, lane: str, count: int) -> List[_Request]:
@@ -350,7 +416,7 @@ class Engine:
             for request in expired:
                 timeout = self._last_policies[request.lane].queue_timeout_ms
                 self.stats.refuse(request.lane, "deadline", request.size)
-                _settle(request.future, error=EngineOverloaded(
+                settle(request.future, error=EngineOverloaded(
                     f"{request.lane} query not started within the policy's queue_timeout_ms of "
                     f"{timeout} ms", retry_after=1))
             for action, future in control:
@@ -361,7 +427,7 @@ class Engine:
                 self._inflight = []
 
     def _launch(self, decision: Launch, batch: List[_Request]) -> None:
-        epoch = self._epoch
+        epoch, state = self._epoch, self.state
         keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
         queries = sum(r.size for r in batch)
         started_mono = time.monotonic()
@@ -372,20 +438,20 @@ class Engine:
             log.exception("launch of %d requests failed", len(batch))
             self.stats.failure(decision.lane, queries)
             for request in batch:
-                _settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
+                settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
             return
         seconds = time.perf_counter() - started
         row = 0
         for request in batch:
-            pages = []
-            for query in request.queries:
-                pages.append([answers[row + i].tobytes() for i in range(len(query))])
-                row += len(query)
-            _settle(request.future, BatchAnswer(epoch.epoch_id, pages))
+            count = len(request.keys)
+            settle(request.future,
+                    BatchAnswer(epoch.epoch_id, answers[row:row + count], request.query_keys, state))
+            row += count
         # The cost model plans with how long a launch keeps the scheduler from the next one:
-        # the device time and handing the answers out (measured ~20% of a launch on the H100).
+        # the device time and handing the answers out (futures' callbacks run here).
         self.cost.observe(queries, time.perf_counter() - started)
         done = time.monotonic()
+        self._last_launch_end[decision.lane] = done
         # how long the device sat idle with this launch's oldest query waiting: what holding for
         # a fuller batch cost (near zero for a policy that launches at once)
         held = max(0.0, started_mono - max(self._idle_since, batch[0].arrived))
@@ -402,6 +468,7 @@ class Engine:
             "running": self.running,
             "failure": self.failure,
             "epoch_id": self._epoch.epoch_id,
+            "state": self.state.describe(),
             "queue_depth": depth,
             "resident_bytes": self._resident.nbytes,
             **self.backend.describe(),

@@ -1,4 +1,4 @@
-"""The page matrix (PROTOCOL.md section 1) and epochs: load, generate, metadata, row writes."""
+"""The page matrix (docs/PROTOCOL.md section 1) and epochs: load, generate, metadata, row writes."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,21 @@ def domain_bits_for(num_pages: int, configured: Optional[int] = None) -> int:
     return configured
 
 
-class PageMatrix:
+class _Shape:
+    """What follows from num_pages: the sizes every holder of a matrix (or of its shape) reports."""
+
+    num_pages: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * PAGE_BYTES
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_pages * ROWS_PER_PAGE
+
+
+class PageMatrix(_Shape):
     """num_pages pages of 4096 bytes as u32 words; the body may be a copy-on-write memmap.
 
     A file whose length is not a multiple of 4096 keeps its full pages mapped and its last,
@@ -61,14 +75,6 @@ class PageMatrix:
         self.num_pages = body.shape[0] + (0 if tail is None else 1)
         self.domain_bits = domain_bits_for(self.num_pages, domain_bits)
         self.source = source  # file path, or None for a generated matrix
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_pages * PAGE_BYTES
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_pages * ROWS_PER_PAGE
 
     def block(self, start: int, stop: int) -> np.ndarray:
         """Pages [start, stop) as a (n, 1024) u32 array: a view where it can be, else a copy."""
@@ -163,7 +169,7 @@ def write_matrix_file(path, num_pages: int, seed: int = 0, progress=None) -> Pat
 
 @dataclass(frozen=True)
 class Epoch:
-    """One immutable matrix and its metadata (PROTOCOL.md section 6)."""
+    """One immutable matrix and its metadata (docs/PROTOCOL.md section 6)."""
 
     epoch_id: int
     matrix: PageMatrix = field(compare=False)
@@ -180,7 +186,7 @@ class Epoch:
             raise ValueError(f"seeds must be three u64 values, got {self.seeds!r}")
 
     def describe(self) -> dict:
-        """The JSON of GET /epoch (PROTOCOL.md section 5)."""
+        """The JSON of GET /epoch (docs/PROTOCOL.md section 5)."""
         return {
             "epoch_id": self.epoch_id,
             "num_rows": self.matrix.num_rows,
@@ -194,6 +200,27 @@ class Epoch:
                 "page_size_bytes": PAGE_BYTES,
             },
         }
+
+
+@dataclass(frozen=True)
+class MatrixShape(_Shape):
+    """A matrix's shape without its pages: what a process whose engine runs elsewhere knows."""
+
+    num_pages: int
+    domain_bits: int
+
+
+def epoch_from_description(data: dict) -> Epoch:
+    """The Epoch that `Epoch.describe()` described, with a MatrixShape for its matrix."""
+    root = data["state_root"]
+    pir = data["page_pir"]
+    return Epoch(
+        epoch_id=int(data["epoch_id"]),
+        matrix=MatrixShape(int(pir["num_pages"]), int(pir["domain_bits"])),  # type: ignore[arg-type]
+        block_number=int(data["block_number"]),
+        state_root=bytes.fromhex(root[2:] if root.startswith("0x") else root),
+        seeds=tuple(int(s) for s in data["seeds"]),  # type: ignore[arg-type]
+    )
 
 
 def metadata_path(matrix_path) -> Path:

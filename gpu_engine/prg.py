@@ -1,4 +1,4 @@
-"""ChaCha PRG of PROTOCOL.md section 2, vectorised over many seeds with NumPy."""
+"""ChaCha PRG of docs/PROTOCOL.md section 2, vectorised over many seeds with NumPy."""
 from __future__ import annotations
 
 import numpy as np

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -10,7 +11,7 @@ from gpu_engine.costmodel import CostFit
 
 LANES = ("interactive", "bulk")  # in priority order
 MODES = ("latency", "throughput", "adaptive", "slo")
-KEYS_PER_QUERY = 3  # a protocol query carries three keys (PROTOCOL.md section 4)
+KEYS_PER_QUERY = 3  # a protocol query carries three keys (docs/PROTOCOL.md section 4)
 # slo keeps the planned utilisation of the device below this, so that queues do not grow
 # without bound when the arrival rate fluctuates around the capacity of a batch size.
 SLO_MAX_UTILISATION = 0.8
@@ -42,8 +43,18 @@ class PolicyError(ValueError):
         self.errors = dict(errors)
 
 
-def _number(value: float) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+def plain_number(value: float) -> str:
+    """A bound or value as a person writes it: 1000000, 0.1, 60000 (never 1e+06 or 60000.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value.is_integer():
+            return str(int(value))
+        return format(Decimal(repr(value)), "f")
+    return str(value)
+
 
 
 def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
@@ -58,9 +69,11 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
     for field, (lo, hi, unit) in POLICY_BOUNDS.items():
         value = values.get(field)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors[field] = f"{field} must be a number in {_number(lo)}..{_number(hi)} {unit}, got {value!r}"
+            errors[field] = (f"{field} must be a number in {plain_number(lo)}..{plain_number(hi)} "
+                             f"{unit}, got {value!r}")
         elif not lo <= value <= hi or (isinstance(value, float) and math.isnan(value)):
-            errors[field] = f"{field} must be in {_number(lo)}..{_number(hi)} {unit}, got {_number(value)}"
+            errors[field] = (f"{field} must be in {plain_number(lo)}..{plain_number(hi)} {unit}, "
+                             f"got {plain_number(value)}")
     if errors:
         return errors  # cross-field checks assume every field is in range
     if mode == "adaptive" and values["adaptive_threshold"] > values["max_batch"]:
@@ -77,7 +90,7 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
     if mode == "slo" and values["p95_target_ms"] > values["queue_timeout_ms"]:
         errors["p95_target_ms"] = (
             f"p95_target_ms must be at most queue_timeout_ms ({values['queue_timeout_ms']} ms), "
-            f"got {_number(values['p95_target_ms'])}")
+            f"got {plain_number(values['p95_target_ms'])}")
     return errors
 
 
@@ -125,6 +138,16 @@ class LaneQueue:
     oldest_arrival: Optional[float]  # monotonic seconds, None when empty
     queued: int = 0  # queries queued in all (0: the sum of request_sizes)
     arrival_rate: float = 0.0  # queries per second, recent average
+    last_launch_end: Optional[float] = None  # monotonic seconds this lane's last launch ended
+
+    @property
+    def starved_since(self) -> Optional[float]:
+        """Since when the lane has waited for the device: its oldest query's arrival, or the end
+        of its own last launch if that came later (a lane that just had the device is not starved,
+        however long its backlog)."""
+        if self.oldest_arrival is None or self.last_launch_end is None:
+            return self.oldest_arrival
+        return max(self.oldest_arrival, self.last_launch_end)
 
     @property
     def depth(self) -> int:
@@ -291,8 +314,9 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
            cost: Optional[CostFit], now: float) -> Decision:
     """What the engine does next.
 
-    Lanes go in LANES order: a lane launches only when no higher lane holds work, unless its
-    oldest query has waited past its starvation bound, or the cost model predicts its launch
+    Lanes go in LANES order: a lane launches only when no higher lane holds work, unless it has
+    waited for the device past its starvation bound (since its oldest query arrived or its own
+    last launch ended, whichever is later), or the cost model predicts its launch
     ends before the waiting higher lane wants the device. Otherwise wait for the earliest
     instant at which any of that changes (a window closing, a starvation bound, a deadline)."""
     order = {lane: i for i, lane in enumerate(LANES)}
@@ -301,7 +325,7 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
         return Wait(None)
     for queue in busy[1:]:
         policy = policies[queue.lane]
-        if now - queue.oldest_arrival >= policy.max_starvation_ms / 1000:
+        if now - queue.starved_since >= policy.max_starvation_ms / 1000:
             return launch(queue, policy, "starvation")
     wakeups = []
     higher_wait: Optional[float] = None  # how long the higher lanes still hold the device free
@@ -317,6 +341,6 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
             wakeups.append(decision.seconds)
             higher_wait = decision.seconds if higher_wait is None else min(higher_wait, decision.seconds)
         if queue is not busy[0]:
-            wakeups.append(queue.oldest_arrival + policy.max_starvation_ms / 1000 - now)
+            wakeups.append(queue.starved_since + policy.max_starvation_ms / 1000 - now)
         wakeups.append(queue.oldest_arrival + policy.queue_timeout_ms / 1000 - now)
     return Wait(max(0.0, min(wakeups)))

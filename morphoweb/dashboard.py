@@ -1,16 +1,22 @@
 """The operator dashboard (staff only): one page, fed every second by a JSON view of the very
-figures `/metrics` exports from this process's Prometheus registry, plus a few database rows."""
+figures `/metrics` exports from this process's Prometheus registry, plus a few database rows, and
+the last 15 minutes of per-second figures that this process keeps itself."""
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 import time
+from collections import deque
 
 from django.apps import apps
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import JsonResponse
 from django.shortcuts import render
 from prometheus_client import REGISTRY
+
+from morphoweb.middleware import header_error
 
 # Metric families the page reads (names as registered; samples carry _info, _bucket, ... suffixes).
 FAMILIES = (
@@ -20,6 +26,10 @@ FAMILIES = (
 )
 RECENT_UPDATES = 10
 BULK_JOBS_SHOWN = 20
+HISTORY_SECONDS = 15 * 60  # per-second points kept server-side and drawn when the page loads
+SAMPLE_EVERY_S = 1.0
+
+log = logging.getLogger(__name__)
 
 
 def _number(value):
@@ -82,6 +92,96 @@ def metric_figures(registry=REGISTRY) -> dict:
     }
 
 
+def _bound(le) -> float:
+    return math.inf if le == "+Inf" else float(le)
+
+
+def quantile(q: float, before, after) -> float | None:
+    """The q-quantile of the observations between two cumulative histograms, as Prometheus'
+    histogram_quantile does: linear within the bucket the rank falls in; None without any."""
+    if not after:
+        return None
+    prior = {le: count for le, count in (before or [])}
+    deltas = [(_bound(le), count - prior.get(le, 0)) for le, count in after]
+    total = deltas[-1][1] if deltas else 0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0
+    for upper, cumulative in deltas:
+        if cumulative >= rank:
+            if math.isinf(upper):
+                return lower
+            share = 0 if cumulative == below else (rank - below) / (cumulative - below)
+            return lower + (upper - lower) * share
+        lower, below = upper, cumulative
+    return lower
+
+
+class History:
+    """This process's per-second figures over the last HISTORY_SECONDS, sampled by one daemon
+    thread from the registry `/metrics` exports, so a page opened (or reloaded) now draws the last
+    15 minutes at once."""
+
+    def __init__(self, registry=REGISTRY, seconds: int = HISTORY_SECONDS) -> None:
+        self.registry = registry
+        self.points: deque = deque(maxlen=seconds)
+        self._buckets = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def sample(self, now: float | None = None) -> dict:
+        """Add one point: HTTP latency p50/p95 of the queries answered since the last point,
+        arrival rate and queue depth per lane, and the interactive policy's p95 target."""
+        figures = metric_figures(self.registry)
+        buckets = figures["latency_buckets"]
+        policy = (figures["policies"] or {}).get("interactive") or {}
+        target_ms = policy.get("p95_target_ms")
+        point = {
+            "t": round(time.time() if now is None else now, 3),
+            "p50": quantile(0.5, self._buckets, buckets),
+            "p95": quantile(0.95, self._buckets, buckets),
+            "target": float(target_ms) / 1000 if target_ms else None,
+            "rate": figures["arrival_rate"] or {},
+            "depth": figures["queue_depth"] or {},
+        }
+        self._buckets = buckets
+        with self._lock:
+            self.points.append(point)
+        return point
+
+    def since(self, t: float | None = None) -> list[dict]:
+        with self._lock:
+            return [p for p in self.points if t is None or p["t"] > t]
+
+    def start(self) -> None:
+        """Start sampling in this process (again in a forked child); idempotent."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="dashboard-history", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.sample()
+            except Exception:  # a broken collector must not end the history
+                log.exception("dashboard history: sampling failed")
+            time.sleep(SAMPLE_EVERY_S - time.time() % SAMPLE_EVERY_S)
+
+
+_history = History()
+
+
+def history() -> History:
+    """This process's history, sampling from the first call on (the WSGI app calls it at load)."""
+    _history.start()
+    return _history
+
+
 def database_figures() -> dict:
     """The active epoch record, the latest pending row updates, and bulk jobs still running."""
     from epochs.models import Epoch, RowUpdate, UpdateState
@@ -103,21 +203,34 @@ def database_figures() -> dict:
     except LookupError:
         return data  # bulk jobs are not installed in this deployment
     running = job_model.objects.filter(status__in=("queued", "running")).order_by("created")
-    data["bulk_jobs"] = [{"id": str(job.pk), "status": job.status, "answered": job.answered,
-                          "total": job.total} for job in running[:BULK_JOBS_SHOWN]]
+    # Answered launch by launch, running chunks included (BulkJob.answered_so_far).
+    data["bulk_jobs"] = [{"id": str(job.pk), "status": job.status,
+                          "answered": job.answered_so_far(), "total": job.total}
+                         for job in running[:BULK_JOBS_SHOWN]]
     return data
 
 
-def snapshot() -> dict:
-    return {"time": time.time(), "pid": os.getpid(), **metric_figures(), **database_figures()}
+def snapshot(since: float | None = None) -> dict:
+    """Figures now, plus the history points after `since` (all of them when None)."""
+    return {"time": time.time(), "pid": os.getpid(), **metric_figures(), **database_figures(),
+            "history_seconds": HISTORY_SECONDS, "history": history().since(since)}
 
 
 @staff_member_required
 def dashboard(request):
-    """The page; it draws the first snapshot at once and then polls `dashboard_data`."""
+    """The page; it draws the first snapshot (with the whole history) at once and then polls
+    `dashboard_data` for what is new."""
     return render(request, "dashboard.html", {"snapshot": snapshot(), "title": "Operator dashboard"})
 
 
 @staff_member_required
 def dashboard_data(request):
-    return JsonResponse(snapshot())
+    raw = request.GET.get("since")
+    try:
+        since = float(raw) if raw else None
+        if since is not None and not math.isfinite(since):
+            raise ValueError(raw)
+    except ValueError:
+        return header_error(400, "since", "invalid",
+                            f"expected the time of the last point seen (Unix seconds), got {raw!r}")
+    return JsonResponse(snapshot(since))

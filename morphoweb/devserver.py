@@ -1,20 +1,79 @@
-"""`make run`: a demo matrix, two migrated SQLite databases, and parties A and B under gunicorn."""
+"""`make run`: a demo matrix and parties A and B, each an engine server, gunicorn and bulk workers.
+
+Each party is its own operator: its own SQLite database, Celery file broker and engine server
+under the state folder (MORPHO_VAR_DIR, default var/). The engine server owns the matrix and the
+device; the web processes and the bulk worker reach it over an ipc:// socket. An engine server
+that dies is started again; any other process that dies stops everything.
+"""
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+RESTART_DELAY_S = 1.0  # pause before an engine server that died is started again
+IPC_PATH_MAX = 100  # bytes: a Unix socket path must fit sockaddr_un (108 with the NUL)
+
+
+class Child:
+    """One supervised process, in a session of its own so that a terminal's Ctrl-C reaches only
+    this supervisor, which stops each child with one SIGTERM (gunicorn's threaded worker
+    deadlocks when a second signal lands inside its shutdown)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, restart: bool = False) -> None:
+        self.name, self.argv, self.env, self.restart = name, argv, env, restart
+        self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
+
+    def start(self) -> "Child":
+        self.proc = subprocess.Popen(self.argv, cwd=BASE_DIR, env=self.env, start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the process and everything it forked
+            self.proc.wait()
 
 
 def _manage(args: list[str], env: dict) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env, check=True)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _engine_url(var_dir: Path, name: str) -> str:
+    path = var_dir / f"engine-{name}.sock"
+    if len(str(path)) > IPC_PATH_MAX:
+        raise SystemExit(f"the state folder {var_dir} is too deep for a Unix socket path "
+                         f"({len(str(path))} > {IPC_PATH_MAX} bytes): choose a shorter VAR=")
+    return f"ipc://{path}"
 
 
 def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
@@ -22,24 +81,33 @@ def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
     env.setdefault("MORPHO_ENGINE_BACKEND", "auto")
     env.update(
         MORPHO_MATRIX_PATH=str(matrix),
-        # Each party is its own operator: its own database and its own broker folder.
+        MORPHO_VAR_DIR=str(var_dir),
         DATABASE_URL=f"sqlite:///{var_dir / f'party-{name}.sqlite3'}",
         CELERY_FILESYSTEM_BROKER_DIR=str(var_dir / f"celery-broker-{name}"),
+        MORPHO_ENGINE_URL=_engine_url(var_dir, name),
+        MORPHO_GUNICORN_CONTROL_SOCKET=str(var_dir / f"gunicorn-{name}.ctl"),
     )
     return env
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def _health(url: str) -> Optional[int]:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def _wait_healthy(url: str, children: list[Child], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: the server exited with status {proc.returncode}; see above")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
+        for child in children:
+            if not child.alive():
+                raise SystemExit(f"{child.name} exited with status {child.proc.returncode}; see above")
+        if _health(url) == 200:
+            return
         time.sleep(0.3)
     raise SystemExit(f"{url}: not healthy after {timeout:.0f} s")
 
@@ -48,19 +116,50 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_workers: int,
+           threads: int) -> list[Child]:
+    env = _party_env(name, matrix, var_dir)
+    _manage(["migrate", "--no-input", "-v0"], env)
+    py = sys.executable
+    return [
+        # The one process that loads the matrix and owns the device; restarted if it dies.
+        Child(f"engine-{name}", [py, "manage.py", "serve_engine"], env, restart=True),
+        Child(f"web-{name}", [py, "-m", "gunicorn", "morphoweb.wsgi", "--bind", f"{host}:{port}",
+                              "--workers", str(web_workers), "--threads", str(threads),
+                              "--name", f"morphoweb-party-{name}"], env),
+        # Bulk jobs: Celery workers over the party's database and file broker, submitting to
+        # the same engine server on its bulk lane.
+        Child(f"workers-{name}", [py, "bin/gpu-workers"], env),
+    ]
+
+
 def main(argv=None) -> int:
+    cores = os.cpu_count() or 2
     parser = argparse.ArgumentParser(description="Run PIR parties A and B locally.")
     parser.add_argument("--pages", type=int, default=int(os.environ.get("DEMO_PAGES", 8192)),
                         help="pages of the generated demo matrix (default 8192 = 32 MiB)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port-a", type=int, default=8001)
-    parser.add_argument("--port-b", type=int, default=8002)
-    parser.add_argument("--threads", type=int, default=8, help="gunicorn threads per party")
+    parser.add_argument("--port-a", type=int, default=int(os.environ.get("PORT_A") or 8001))
+    parser.add_argument("--port-b", type=int, default=int(os.environ.get("PORT_B") or 8002))
+    parser.add_argument("--web-workers", type=int,
+                        default=int(os.environ.get("MORPHO_WEB_WORKERS") or max(2, cores // 2)),
+                        help="gunicorn processes per party (default: half the cores, at least 2)")
+    parser.add_argument("--threads", type=int, default=8, help="gunicorn threads per process")
     args = parser.parse_args(argv)
-    # A SIGTERM (from a supervisor, or `kill`) stops both parties like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # A SIGTERM (a supervisor, `kill`) or SIGHUP (the terminal closed) stops everything like Ctrl-C.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
 
-    var_dir = Path(os.environ.get("MORPHO_VAR_DIR", BASE_DIR / "var"))
+    ports = {"a": args.port_a, "b": args.port_b}
+    busy = [f"{port} (party {name.upper()})" for name, port in ports.items()
+            if not _port_free(args.host, port)]
+    if len(set(ports.values())) < len(ports):
+        raise SystemExit(f"parties A and B need two different ports, got {args.port_a} twice")
+    if busy:
+        raise SystemExit(f"port {', '.join(busy)} on {args.host} is in use (another `make run`?): "
+                         f"stop it, or choose others with `make run PORT_A=... PORT_B=...`")
+
+    var_dir = Path(os.environ.get("MORPHO_VAR_DIR") or BASE_DIR / "var").resolve()
     var_dir.mkdir(parents=True, exist_ok=True)
     matrix = Path(os.environ.get("MORPHO_MATRIX_PATH") or var_dir / f"demo-{args.pages}p.bin")
     if not matrix.exists():
@@ -68,55 +167,48 @@ def main(argv=None) -> int:
         _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out", str(matrix)],
                 dict(os.environ))
 
-    # Each child runs in a session of its own, so a terminal's Ctrl-C reaches only this process,
-    # which stops each child with one SIGTERM: gunicorn's threaded worker deadlocks when a second
-    # signal (the terminal's SIGINT, then its master's SIGTERM) lands inside its shutdown.
-    parties = {"a": args.port_a, "b": args.port_b}
-    procs: dict[str, subprocess.Popen] = {}
+    children: list[Child] = []
     try:
-        for name, port in parties.items():
-            env = _party_env(name, matrix, var_dir)
-            _manage(["migrate", "--no-input", "-v0"], env)
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "morphoweb.wsgi",
-                 "--bind", f"{args.host}:{port}", "--workers", "1", "--threads", str(args.threads),
-                 "--timeout", "120", "--name", f"morphoweb-party-{name}"],
-                cwd=BASE_DIR, env=env, start_new_session=True,
-            )
-            # The party's bulk jobs run on its own Celery workers (one per visible GPU, else one
-            # on the CPU), over the party's database and file broker.
-            procs[f"{name}-workers"] = subprocess.Popen([sys.executable, "bin/gpu-workers"],
-                                                        cwd=BASE_DIR, env=env,
-                                                        start_new_session=True)
-        urls = {name: f"http://{args.host}:{port}" for name, port in parties.items()}
+        for name, port in ports.items():
+            party = _party(name, args.host, port, matrix, var_dir, args.web_workers, args.threads)
+            children += [child.start() for child in party]
+        urls = {name: f"http://{args.host}:{port}" for name, port in ports.items()}
         for name, url in urls.items():
-            _wait_healthy(url, procs[name], timeout=300)
+            _wait_healthy(url, [c for c in children if c.name.endswith(f"-{name}")], timeout=600)
         print(
             f"\nparty A: {urls['a']}  (GET /health, /epoch; POST /query/page/gpu[/batch])\n"
             f"party B: {urls['b']}\n"
+            f"each: an engine server ({var_dir}/engine-<party>.sock), {args.web_workers} web "
+            f"processes x {args.threads} threads, bulk workers\n"
             f"matrix:  {matrix}\n\n"
             f"try:  .venv/bin/python -m queries.client --server-a {urls['a']} "
             f"--server-b {urls['b']} --row 1234 --row 99 --batch\n\n"
-            f"Ctrl-C stops both.\n",
+            f"admin:  `make superuser` creates a user and token on both, then {urls['a']}/admin/\n"
+            f"Ctrl-C stops everything.\n",
             flush=True,
         )
-        while all(proc.poll() is None for proc in procs.values()):
+        while True:
             time.sleep(0.5)
-        dead = [name for name, proc in procs.items() if proc.poll() is not None]
-        print(f"party {', '.join(dead).upper()} exited; stopping the other", file=sys.stderr)
-        return 1
+            for child in children:
+                if child.alive():
+                    continue
+                if not child.restart:
+                    print(f"{child.name} exited with status {child.proc.returncode}; stopping "
+                          f"everything", file=sys.stderr, flush=True)
+                    return 1
+                child.restarts += 1
+                print(f"{child.name} exited with status {child.proc.returncode}; starting it "
+                      f"again (restart {child.restarts})", file=sys.stderr, flush=True)
+                time.sleep(RESTART_DELAY_S)
+                child.start()
     except KeyboardInterrupt:
         print("\nstopping both parties", flush=True)
         return 0
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the master and every worker it forked
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.reap(20)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""This process's PIR Engine: built lazily from settings, started once, shared by every thread."""
+"""This process's PIR engine: a client of the engine server, or an Engine built here; one per process.
+
+With MORPHO_ENGINE_URL set, every web and Celery process shares the engine server's one Engine
+through a RemoteEngine (the same interface); the engine server itself, and any process without
+the setting (tests, runserver), builds its own Engine from settings, once, shared by every thread.
+"""
 from __future__ import annotations
 
 import atexit
@@ -33,9 +38,26 @@ _engine_pid: Optional[int] = None
 _failure: Optional[tuple[str, float]] = None
 
 
+# True in the engine server's process: it builds the Engine even though MORPHO_ENGINE_URL is set.
+_serving = False
+
+
+def become_engine_server() -> None:
+    """This process owns the device: get_engine() builds the Engine here from now on."""
+    global _serving
+    _serving = True
+
+
+def is_remote() -> bool:
+    """True where queries go to an engine server in another process."""
+    return bool(settings.MORPHO_ENGINE_URL) and not _serving
+
+
 def get_engine():
-    """The started Engine of this process; raises EngineStartFailed when it cannot be built."""
+    """This process's engine (local or remote); raises EngineStartFailed when one cannot be built."""
     global _engine, _engine_pid, _failure
+    if is_remote():
+        return _remote_engine()
     engine = _engine
     if engine is not None and _engine_pid == os.getpid():
         return engine
@@ -57,10 +79,35 @@ def get_engine():
         return engine
 
 
+def _remote_engine():
+    global _engine, _engine_pid
+    engine = _engine
+    if engine is not None and _engine_pid == os.getpid():
+        return engine
+    with _lock:
+        if _engine is None or _engine_pid != os.getpid():
+            from gpu_engine.remote import RemoteEngine
+
+            # A forked child (gunicorn, Celery prefork) cannot use its parent's sockets or thread.
+            _engine = RemoteEngine(settings.MORPHO_ENGINE_URL, settings.MORPHO_ENGINE_DEADLINE)
+            _engine_pid = os.getpid()
+        return _engine
+
+
 def peek_engine():
-    """The engine if this process has started one, else None; never builds one."""
+    """The engine (local or remote) if this process has one, else None; never builds one."""
     engine = _engine
     return engine if engine is not None and _engine_pid == os.getpid() else None
+
+
+def local_engine():
+    """The Engine running in this process, or None (none yet, or the engine is remote)."""
+    return None if is_remote() else peek_engine()
+
+
+def remote_engine():
+    """The RemoteEngine of this process where the engine is remote, else None."""
+    return get_engine() if is_remote() else None
 
 
 def shutdown_engine() -> None:

@@ -1,11 +1,15 @@
-"""Request middleware: refuse a body over its path's size limit with 413 before it is read."""
+"""Request middleware: refuse a body over its path's size limit with 413 before it is read, and
+serve a path with or without its trailing slash."""
 from __future__ import annotations
 
 from django.conf import settings
 from django.http import JsonResponse
+from django.urls import is_valid_path
 
 
 BULK_PREFIX = "/bulk/"  # bulk job submissions carry up to MORPHO_BULK_MAX_QUERIES queries
+# HTML pages keep Django's redirect to the slashed path, so the browser shows the canonical URL.
+REDIRECTED_PREFIXES = ("/admin",)
 
 
 def body_limit(path: str) -> tuple[int, str]:
@@ -13,6 +17,12 @@ def body_limit(path: str) -> tuple[int, str]:
     if path.startswith(BULK_PREFIX):
         return settings.MORPHO_BULK_MAX_BODY_BYTES, "MORPHO_BULK_MAX_BODY_BYTES"
     return settings.MORPHO_MAX_BODY_BYTES, "MORPHO_MAX_BODY_BYTES"
+
+
+def header_error(status: int, field: str, code: str, message: str) -> JsonResponse:
+    """An error about the request as a whole, in the shape of the API's other errors."""
+    error = {"field": field, "query": None, "key": None, "code": code, "message": message}
+    return JsonResponse({"detail": f"{field}: {message}", "errors": [error]}, status=status)
 
 
 class BodySizeLimitMiddleware:
@@ -27,29 +37,38 @@ class BodySizeLimitMiddleware:
         ).lower():
             # WSGI gives Django no length for a chunked body, and Django then reads it as empty:
             # say so instead of reporting the fields of an empty document as missing.
-            message = "expected a Content-Length header, got a chunked body"
-            return JsonResponse(
-                {"detail": f"Content-Length: {message}",
-                 "errors": [{"field": "Content-Length", "message": message}]},
-                status=411,
-            )
+            return header_error(411, "Content-Length", "length_required",
+                                "expected a Content-Length header, got a chunked body")
         raw = request.META.get("CONTENT_LENGTH") or "0"
         try:
             length = int(raw)
             if length < 0:
                 raise ValueError(raw)
         except ValueError:
-            message = f"expected a non-negative integer, got {raw!r}"
-            return JsonResponse(
-                {"detail": f"Content-Length: {message}",
-                 "errors": [{"field": "Content-Length", "message": message}]},
-                status=400,
-            )
+            return header_error(400, "Content-Length", "content_length",
+                                f"expected a non-negative integer, got {raw!r}")
         limit, setting = body_limit(request.path)
         if length > limit:
-            message = f"expected at most {limit} bytes ({setting}), got {length}"
-            return JsonResponse(
-                {"detail": f"body: {message}", "errors": [{"field": "body", "message": message}]},
-                status=413,
-            )
+            return header_error(413, "body", "too_large",
+                                f"expected at most {limit} bytes ({setting}), got {length}")
+        return self.get_response(request)
+
+
+class OptionalSlashMiddleware:
+    """`/bulk/jobs/` is `/bulk/jobs` and `/api/epochs` is `/api/epochs/`: a path that resolves
+    only in its other form is served as that form, for every method (a redirect would turn a
+    POST into a GET in most clients). Admin pages keep Django's APPEND_SLASH redirect."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        path = request.path_info
+        if path != "/" and not path.startswith(REDIRECTED_PREFIXES):
+            urlconf = getattr(request, "urlconf", None)
+            if not is_valid_path(path, urlconf):
+                other = path[:-1] if path.endswith("/") else path + "/"
+                if is_valid_path(other, urlconf):
+                    request.path = request.path[: len(request.path) - len(path)] + other
+                    request.path_info = other
         return self.get_response(request)

@@ -3,12 +3,25 @@ build by hand, and the error responses every operation can give, so clients and 
 see the whole contract."""
 from __future__ import annotations
 
-from drf_spectacular.utils import inline_serializer
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, inline_serializer
 from rest_framework import serializers
+
+from queries.api.binary import (ANSWER_BYTES, DIGEST_HEADER, EPOCH_HEADER, OCTET_STREAM,
+                                QUERIES_HEADER, UPDATES_HEADER)
+from queries.api.serializers import BatchQuerySerializer, PageQuerySerializer
 
 _HEX_PAGE = serializers.CharField(help_text="One 4096-byte answer as 0x-prefixed lower-case hex.")
 _PAGES = serializers.ListField(child=_HEX_PAGE, min_length=1,
                                help_text="One answer per key of the query, in key order.")
+
+STATE = inline_serializer("ServedState", {
+    "epoch_id": serializers.IntegerField(),
+    "updates": serializers.IntegerField(min_value=0, help_text="Rows written over the epoch's file."),
+    "digest": serializers.CharField(help_text="32 bytes as 0x hex: XOR over the written rows of "
+                                    "SHA-256(row as u64 LE || its 256 bytes)."),
+}, help_text="What the answers come from (docs/PROTOCOL.md section 6): a client XORs only answers "
+             "of equal states.")
 
 HEALTH_RESPONSE = inline_serializer("Health", {
     "status": serializers.CharField(help_text='"ok", or "unavailable" with a 503'),
@@ -30,6 +43,11 @@ EPOCH_RESPONSE = inline_serializer("EpochInfo", {
         "num_pages": serializers.IntegerField(),
         "page_size_bytes": serializers.IntegerField(),
     }),
+    "encodings": serializers.ListField(
+        child=serializers.ChoiceField(choices=["json", "binary"]),
+        help_text='The encodings the query endpoints speak: "json" (hex) and "binary" '
+                  f"({OCTET_STREAM})."),
+    "state": STATE,
 })
 
 PAGE_RESPONSE = inline_serializer("PageAnswer", {
@@ -41,6 +59,44 @@ BATCH_RESPONSE = inline_serializer("BatchAnswer", {
     "epoch_id": serializers.IntegerField(help_text="The one epoch all queries were answered against."),
     "results": serializers.ListField(child=inline_serializer("QueryAnswer", {"pages": _PAGES})),
 })
+
+
+# --- The binary encoding (docs/PROTOCOL.md section 5.3) ------------------------------------------
+
+def _binary_keys(count: str) -> dict:
+    return {"type": "string", "format": "binary", "description": (
+        f"{count}: the DPF keys as raw bytes, concatenated, 3 per query in key order, each "
+        "35 + 18 * domain_bits bytes (domain_bits of GET /epoch); the length gives the count.")}
+
+
+_ANSWERS = (
+    "JSON (hex) by default. With Accept: application/octet-stream, binary: every query's 3 "
+    f"answers of 4096 bytes concatenated in request order ({ANSWER_BYTES} bytes a query), the "
+    f"epoch in {EPOCH_HEADER} and the count in {QUERIES_HEADER}.")
+_BINARY_ANSWERS = OpenApiResponse(OpenApiTypes.BINARY, description=_ANSWERS)
+
+PAGE_REQUEST = {"application/json": PageQuerySerializer, OCTET_STREAM: _binary_keys("One query")}
+BATCH_REQUEST = {"application/json": BatchQuerySerializer,
+                 OCTET_STREAM: _binary_keys("1 to MORPHO_MAX_BATCH queries")}
+PAGE_RESPONSE = {(200, "application/json"): OpenApiResponse(PAGE_RESPONSE, description=_ANSWERS),
+                 (200, OCTET_STREAM): _BINARY_ANSWERS}
+BATCH_RESPONSE = {(200, "application/json"): OpenApiResponse(BATCH_RESPONSE, description=_ANSWERS),
+                  (200, OCTET_STREAM): _BINARY_ANSWERS}
+
+def binary_answer_headers() -> list:
+    """The response headers of an answer: the served state in both encodings, the epoch and count
+    in binary ones (a JSON answer carries those in its body)."""
+    return [
+        OpenApiParameter(EPOCH_HEADER, int, OpenApiParameter.HEADER, response=[200],
+                         description="Binary answers: the epoch all answers were computed on."),
+        OpenApiParameter(QUERIES_HEADER, int, OpenApiParameter.HEADER, response=[200],
+                         description="Binary answers: the number of queries answered."),
+        OpenApiParameter(UPDATES_HEADER, int, OpenApiParameter.HEADER, response=[200],
+                         description="Both encodings: rows written over the epoch (served state)."),
+        OpenApiParameter(DIGEST_HEADER, str, OpenApiParameter.HEADER, response=[200],
+                         description="Both encodings: the written rows' digest, 0x hex (served "
+                                     "state, docs/PROTOCOL.md section 6)."),
+    ]
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -57,7 +113,8 @@ ERRORS = {
     "403": "Signed in without the permission this operation needs.",
     "404": "No such object, or no endpoint at this path.",
     "413": "Body over MORPHO_MAX_BODY_BYTES (MORPHO_BULK_MAX_BODY_BYTES under /bulk/).",
-    "415": "Body not application/json.",
+    "415": "Body not of a media type the operation accepts (application/json; the query endpoints "
+           "and bulk jobs also application/octet-stream).",
     "429": "Too many requests from this client address (MORPHO_QUERY_THROTTLE); see Retry-After.",
     "503": "Cannot answer now (epoch switching, engine down, overloaded); see Retry-After.",
 }
@@ -68,11 +125,12 @@ def document_errors(result, generator, request, public):
     result.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
     error = {"schema": {"$ref": "#/components/schemas/Error"}}
     for path_item in result.get("paths", {}).values():
-        # An error is rendered in whichever media type the client asked for (JSON, NDJSON), and
-        # an operation without a body (a 204) still renders its errors like its siblings.
+        # An error is rendered in whichever media type the client asked for (JSON, NDJSON), but
+        # as JSON when binary was asked for; an operation without a body (a 204) still renders
+        # its errors like its siblings.
         types = {media for operation in path_item.values()
                  for response in operation.get("responses", {}).values()
-                 for media in response.get("content", {})} | {"application/json"}
+                 for media in response.get("content", {})} - {OCTET_STREAM} | {"application/json"}
         body = {media: error for media in sorted(types)}
         for method, operation in path_item.items():
             signed_in = any(requirement for requirement in operation.get("security", [{}]))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from pathlib import Path
 
 import dj_database_url
@@ -72,6 +74,9 @@ DEBUG = _env_bool("DEBUG", False)
 ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
 
 INSTALLED_APPS = [
+    # First: its createsuperuser, changepassword and drf_create_token (morphoweb/management)
+    # take the place of Django's and DRF's, and refuse a missing or unmigrated database.
+    "morphoweb",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -85,8 +90,12 @@ INSTALLED_APPS = [
     "policies",
     "queries",
     "epochs",
+    # The engine server's command (`manage.py serve_engine`) and its control operations.
+    "engine",
     # The OpenAPI schema at /api/schema (the fuzz tests run schemathesis against it).
     "drf_spectacular",
+    # Swagger UI's files for /api/docs, served from here: the page works without internet.
+    "drf_spectacular_sidecar",
 ]
 
 MIDDLEWARE = [
@@ -94,6 +103,10 @@ MIDDLEWARE = [
     # First of ours: an oversized body is refused before anything reads it.
     "morphoweb.middleware.BodySizeLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Static files (the admin's styles and scripts, the API docs) from STATIC_ROOT, no web server.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    # /bulk/jobs/ and /api/epochs answer like /bulk/jobs and /api/epochs/ (no redirect).
+    "morphoweb.middleware.OptionalSlashMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -150,8 +163,15 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # --- Static files, i18n ------------------------------------------------------------------------
 
 STATIC_URL = "static/"
-# Where collectstatic gathers files for a production web server (path).
+# Where `manage.py collectstatic` gathers the static files WhiteNoise serves (path); `make run` and
+# the Docker image collect them.
 STATIC_ROOT = Path(_env("STATIC_ROOT", str(BASE_DIR / "staticfiles")))
+# Not collected yet (a bare `gunicorn morphoweb.wsgi` in a fresh clone): serve the files from the
+# apps' own static folders instead, so the admin never loses its styles.
+WHITENOISE_USE_FINDERS = not (STATIC_ROOT / "admin").is_dir()
+if WHITENOISE_USE_FINDERS:
+    # WhiteNoise would warn at every start that STATIC_ROOT is missing; the finders stand in.
+    warnings.filterwarnings("ignore", message="No directory at: " + re.escape(str(STATIC_ROOT)))
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
@@ -166,6 +186,9 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "queries.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Every listing (/api/*, /bulk/jobs) is paged alike: ?limit= (default 100, at most 1000)
+    # and ?offset=, answered as {"count", "next", "previous", "results"}.
+    "DEFAULT_PAGINATION_CLASS": "morphoweb.pagination.ListPagination",
     # Anonymous requests (the public PIR endpoints) are limited per client address; signed-in
     # operators are not.
     "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.AnonRateThrottle"],
@@ -181,9 +204,12 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "morphoweb",
-    "DESCRIPTION": "Two-server private page queries (PROTOCOL.md) and their operations API.",
+    "DESCRIPTION": "Two-server private page queries (docs/PROTOCOL.md) and their operations API.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # /api/docs takes Swagger UI from the drf-spectacular-sidecar package, not from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     # Every operation's error responses (400, 401/403 or 429/503, ...) with their JSON body.
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
@@ -223,6 +249,15 @@ MORPHO_GIL_SWITCH_INTERVAL_US = _env_int("MORPHO_GIL_SWITCH_INTERVAL_US", 500, l
 # Start the engine when the WSGI application loads, so a bad matrix or backend fails the boot
 # rather than the first query (bool).
 MORPHO_ENGINE_EAGER = _env_bool("MORPHO_ENGINE_EAGER", True)
+
+# The engine server this process submits to (ipc://path or tcp://host:port); empty = build an
+# engine in this process (tests, runserver). `manage.py serve_engine` binds this address.
+MORPHO_ENGINE_URL = _env("MORPHO_ENGINE_URL", "").strip()
+# Seconds of silence after which a client gives up on the engine server: its requests in flight
+# fail with 503 and new ones are refused until it answers again.
+MORPHO_ENGINE_DEADLINE = _env_float("MORPHO_ENGINE_DEADLINE", 5.0, lo=0.5)
+# Warm the engine up (every batch size on CUDA) before the engine server takes queries (bool).
+MORPHO_ENGINE_WARMUP = _env_bool("MORPHO_ENGINE_WARMUP", True)
 
 # Django's own cap on request.body/POST (bytes): only a backstop, since BodySizeLimitMiddleware
 # already refused every body over its path's limit from the declared Content-Length.

@@ -15,3 +15,9 @@ if settings.MORPHO_ENGINE_EAGER:
     from morphoweb.engine_runtime import get_engine
 
     get_engine()
+
+# The dashboard's last 15 minutes of per-second figures are kept from the start, not from the
+# first visit, so the page shows them the moment it opens.
+from morphoweb.dashboard import history  # noqa: E402
+
+history()

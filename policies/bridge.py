@@ -80,7 +80,14 @@ class LivePolicies:
 
     def apply(self, version: Any = None) -> None:
         snapshot = dict(self._snapshot)
-        snapshot.update(load_active())
+        loaded = load_active()
+        snapshot.update(loaded)
+        for lane in LANES:
+            if lane not in loaded:
+                # The model keeps one active record per lane; only raw SQL or a broken record
+                # gets here, and the operator must hear which policy the lane runs instead.
+                log.warning("no valid active %s policy in the database: the lane keeps %s",
+                            lane, snapshot[lane].name)
         changed = snapshot != self._snapshot
         self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
         self.applied_version = version

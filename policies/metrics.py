@@ -16,6 +16,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
+from gpu_engine.engine import EngineBusy
 from gpu_engine.engine_stats import SECONDS_BOUNDS
 
 QUERY_COUNT = Counter("pir_query_count", "PIR queries answered over HTTP, by endpoint "
@@ -70,7 +71,14 @@ class EngineCollector:
         engine = self._engine_fn()
         if engine is None:
             return
-        snap = engine.snapshot()
+        up = GaugeMetricFamily("pir_engine_up", "1 while this process's engine (in process, or the "
+                               "engine server it submits to) takes queries, else 0.")
+        up.add_metric([], 1 if engine.running else 0)
+        yield up
+        try:
+            snap = engine.snapshot()
+        except EngineBusy:  # the engine server is away: /health says so, a scrape still works
+            return
         yield from self._engine_families(snap)
 
     def _engine_families(self, snap: dict) -> Iterable:
@@ -135,7 +143,15 @@ def register_collector(registry=REGISTRY) -> None:
             return peek_engine()
 
         def policies():
+            from morphoweb.engine_runtime import is_remote, peek_engine
             from policies.bridge import current_policies
+
+            engine = peek_engine()
+            if engine is not None and is_remote():
+                try:
+                    return engine.policies()  # the engine server's, as of its last PONG
+                except EngineBusy:
+                    return {}
             return current_policies()
 
         registry.register(EngineCollector(engine, policies))

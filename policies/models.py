@@ -6,12 +6,13 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, BatchingPolicy as EnginePolicy
+from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, plain_number
+from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
 
 
 def _help(field: str, text: str) -> str:
     lo, hi, unit = POLICY_BOUNDS[field]
-    return f"{text} Allowed: {lo:g}..{hi:g} {unit}."
+    return f"{text} Allowed: {plain_number(lo)}..{plain_number(hi)} {unit}."
 
 
 _DEFAULT = EnginePolicy()
@@ -59,6 +60,7 @@ class BatchingPolicy(models.Model):
     updated_at = models.DateTimeField(auto_now=True, db_index=True)
 
     class Meta:
+        verbose_name_plural = "batching policies"
         ordering = ["lane", "-active", "name"]
         constraints = [
             models.UniqueConstraint(fields=["lane"], condition=Q(active=True),
@@ -73,11 +75,45 @@ class BatchingPolicy(models.Model):
         from policies.bridge import record_errors
 
         errors = record_errors(self)
+        errors.update(self.lane_errors())
         if errors:
             raise ValidationError(errors)
 
+    def lane_errors(self, stored: tuple[str, bool] | None = None) -> dict[str, str]:
+        """Field -> why this change would leave a lane without its active policy ({} if none).
+
+        `stored` is the record's (lane, active) in the database, read here when not given."""
+        if self.pk is None:
+            return {}  # a new record takes its lane over only when saved active, as activate() does
+        if stored is None:
+            stored = BatchingPolicy.objects.filter(pk=self.pk).values_list("lane", "active").first()
+        if stored is None or not stored[1]:
+            return {}
+        lane, _ = stored
+        if self.lane != lane:
+            taken = (BatchingPolicy.objects.filter(lane=self.lane, active=True).exclude(pk=self.pk)
+                     .values_list("name", flat=True).first())
+            replaced = (f"and replace {taken} as the {self.lane} policy" if taken
+                        else f"and make it the {self.lane} policy")
+            return {"lane": f"{self.name} is the active {lane} policy: moving it to {self.lane} "
+                            f"would leave the {lane} lane without a policy {replaced}. Activate "
+                            f"another {lane} policy first, then move this one."}
+        if not self.active:
+            return {"active": f"{self.name} is the active {lane} policy: deactivating it would "
+                              f"leave the {lane} lane without a policy. Activate another {lane} "
+                              f"policy instead; that deactivates this one."}
+        return {}
+
     def save(self, *args, **kwargs) -> None:
         with transaction.atomic():
+            if self.pk is not None:
+                # Checked again under the row lock, for callers that skip full_clean(): every lane
+                # keeps exactly one active policy.
+                stored = (BatchingPolicy.objects.select_for_update().filter(pk=self.pk)
+                          .values_list("lane", "active").first())
+                errors = self.lane_errors(stored)
+                if errors:
+                    raise ValidationError(errors)
             if self.active:
                 # Saving an active record takes the lane over, in the same transaction, so the
                 # lane is never without an active policy and never has two.

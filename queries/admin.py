@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.template.defaultfilters import pluralize
 from django.utils.html import format_html
 
 from queries import bulk
@@ -17,6 +18,7 @@ class BulkChunkInline(admin.TabularInline):
         "index",
         "first",
         "count",
+        "answered",
         "status",
         "attempts",
         "worker",
@@ -76,13 +78,14 @@ class BulkJobAdmin(admin.ModelAdmin):
 
     @admin.display(description="progress")
     def progress_bar(self, job: BulkJob) -> str:
+        answered = job.answered_so_far()  # launch by launch, running chunks included
         return format_html(
             '<progress value="{}" max="{}"></progress> {} / {} ({}%)',
-            job.answered,
+            answered,
             job.total,
-            job.answered,
+            answered,
             job.total,
-            round(100 * job.progress, 1),
+            round(100 * answered / max(1, job.total), 1),
         )
 
     @admin.display(description="epochs answered against")
@@ -102,7 +105,9 @@ class BulkJobAdmin(admin.ModelAdmin):
             except bulk.JobFinished as exc:
                 finished.append(f"{exc.job.pk} ({exc.job.status})")
         if cancelled:
-            self.message_user(request, f"Cancelled {cancelled} job(s).", messages.SUCCESS)
+            self.message_user(
+                request, f"Cancelled {cancelled} job{pluralize(cancelled)}.", messages.SUCCESS
+            )
         if finished:
             self.message_user(
                 request,

@@ -9,6 +9,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, F, Max, OuterRef, Q
+from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from queries.models import ACTIVE, KEYS_PER_QUERY, BulkChunk, BulkJob, BulkResult, JobStatus
@@ -81,11 +82,14 @@ def create_job(
         # Its first turn: when it becomes visible to workers, not when its chunks began to load.
         BulkJob.objects.filter(pk=job.pk).update(turn=timezone.now())
         transaction.on_commit(lambda: dispatch_job(job.pk))
+    chunks = index + (1 if count else 0)
     log.info(
-        "bulk job %s: %d queries in %d chunks of %d",
+        "bulk job %s: %d quer%s in %d chunk%s of %d",
         job.pk,
         total,
-        index + (1 if count else 0),
+        pluralize(total, "y,ies"),
+        chunks,
+        pluralize(chunks),
         chunk_size,
     )
     return job
@@ -222,6 +226,7 @@ def claim_chunk(chunk_id: int, worker: str, task_id: str = "") -> BulkChunk | No
             lease_expires=lease_until(),
             claimed=now,
             attempts=F("attempts") + 1,
+            answered=0,
             error="",
         )
         if taken:
@@ -380,7 +385,7 @@ def sweep(now=None) -> int:
         lost |= Q(status=JobStatus.QUEUED, dispatched__lt=requeue_before)
     resent = _resend(_candidates(lost), now) or 0
     if resent:
-        log.warning("bulk sweep resent %d chunk(s)", resent)
+        log.warning("bulk sweep resent %d chunk%s", resent, pluralize(resent))
     return resent
 
 

@@ -75,9 +75,17 @@ def _submit(
 
 
 def answer_queries(
-    engine, queries: list[list[DpfKey]], heartbeat: Callable[[], None], heartbeat_every: float
+    engine,
+    queries: list[list[DpfKey]],
+    heartbeat: Callable[[], None],
+    heartbeat_every: float,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[int, bytes]:
-    """(epoch_id, answers) of the queries, all against one epoch; 3 x 4096 answer bytes each."""
+    """(epoch_id, answers) of the queries, all against one epoch; 3 x 4096 answer bytes each.
+
+    `progress(n)` is called from this thread with the queries answered so far whenever a request
+    (one launch of the bulk policy's max_batch) resolves, so a job's progress moves launch by
+    launch rather than chunk by chunk."""
     domain_bits = engine.epoch.matrix.domain_bits
     if queries and queries[0][0].domain_bits != domain_bits:
         raise ChunkRejected(
@@ -89,25 +97,42 @@ def answer_queries(
         requests = [queries[i : i + batch] for i in range(0, len(queries), batch)]
         futures: list[Future] = []
         last_beat = time.monotonic()
-        for index, request in enumerate(requests):
+        reported = 0
+
+        def report() -> None:
+            nonlocal reported
+            if progress is None:
+                return
+            answered = sum(
+                len(r)
+                for r, f in zip(requests, futures)
+                if f.done() and not f.cancelled() and f.exception() is None
+            )
+            if answered != reported:
+                reported = answered
+                progress(answered)
+
+        def wait_for_one() -> None:
+            """Until one of our requests resolves: progress and the lease's heartbeat meanwhile."""
+            nonlocal last_beat
+            wait([f for f in futures if not f.done()], timeout=heartbeat_every,
+                 return_when=FIRST_COMPLETED)
+            report()
+            if time.monotonic() - last_beat >= heartbeat_every:
+                heartbeat()
+                last_beat = time.monotonic()
+
+        for request in requests:
             # Keep IN_FLIGHT requests queued: submit the next as soon as an earlier one resolves.
             while sum(1 for f in futures if not f.done()) >= IN_FLIGHT:
-                wait(
-                    [f for f in futures if not f.done()],
-                    timeout=heartbeat_every,
-                    return_when=FIRST_COMPLETED,
-                )
-                if time.monotonic() - last_beat >= heartbeat_every:
-                    heartbeat()
-                    last_beat = time.monotonic()
+                wait_for_one()
             futures.append(_submit(engine, request, futures, heartbeat))
         while not all(f.done() for f in futures):
-            wait(futures, timeout=heartbeat_every)
-            heartbeat()
+            wait_for_one()
         results = [f.result() for f in futures]  # raises the engine's refusal, if any
         epochs = {r.epoch_id for r in results}
         if len(epochs) == 1:
-            answers = b"".join(page for r in results for pages in r.pages for page in pages)
+            answers = b"".join(r.answers.tobytes() for r in results)
             return results[0].epoch_id, answers
         log.warning(
             "chunk answered across epochs %s (attempt %d); answering it again",

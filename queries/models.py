@@ -89,6 +89,11 @@ class BulkJob(models.Model):
     def progress(self) -> float:
         return self.answered / self.total if self.total else 0.0
 
+    def answered_so_far(self) -> int:
+        """Queries answered: those stored plus those of running chunks answered launch by launch."""
+        running = self.chunks.filter(status=JobStatus.RUNNING).aggregate(n=models.Sum("answered"))
+        return min(self.total, self.answered + (running["n"] or 0))
+
     def epoch_ids(self) -> list[int]:
         """The epochs this job's stored answers were computed against, ascending."""
         return sorted(set(self.results.values_list("epoch_id", flat=True)))
@@ -106,6 +111,11 @@ class BulkChunk(models.Model):
     keys = models.BinaryField()
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
     attempts = models.PositiveIntegerField(default=0, help_text="times a worker claimed it")
+    # Written by the worker as the engine's launches resolve (at most every PROGRESS_WRITE_S), so
+    # a job's progress moves within a chunk; its answers count only once stored.
+    answered = models.PositiveIntegerField(
+        default=0, help_text="queries of the running attempt answered so far"
+    )
     worker = models.CharField(max_length=200, blank=True, help_text="node that claimed it last")
     claimed = models.DateTimeField(null=True, blank=True, help_text="when a worker last took it")
     # The Celery task id of the attempt that claimed it last: a message redelivered after its

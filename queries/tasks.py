@@ -10,6 +10,7 @@ from celery import Task, bootsteps, shared_task
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections
+from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from gpu_engine.engine import EngineBusy
@@ -22,6 +23,24 @@ log = logging.getLogger(__name__)
 
 # Failures that pass: the engine is busy or (re)starting, the database is briefly unreachable.
 TRANSIENT = (EngineBusy, EngineStartFailed, DatabaseError)
+# Seconds between writes of a running chunk's progress: launch by launch, but at most this often
+# (a GPU resolves hundreds of launches a second; each write is a database round trip).
+PROGRESS_WRITE_S = 0.25
+
+
+def progress_writer(chunk: BulkChunk, worker: str):
+    """progress(n) for answer_queries: store n on the chunk while this worker holds it."""
+    last = [-PROGRESS_WRITE_S]
+
+    def write(answered: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_WRITE_S:
+            last[0] = now
+            BulkChunk.objects.filter(
+                pk=chunk.pk, status=JobStatus.RUNNING, worker=worker
+            ).update(answered=answered)
+
+    return write
 
 
 class ChunkTask(Task):
@@ -56,6 +75,7 @@ def answer_chunk(self, chunk_id: int) -> str:
             parse_chunk(chunk),
             heartbeat=lambda: bulk.renew_lease(chunk, worker),
             heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3,
+            progress=progress_writer(chunk, worker),
         )
     except ChunkRejected as exc:
         bulk.fail_chunk(chunk.pk, str(exc))
@@ -121,7 +141,9 @@ def _sweep_once() -> None:
     while _broker_lost_at:
         resent = bulk.resend_sent_before(_broker_lost_at[0])
         _broker_lost_at.pop(0)  # only once done: a failed resend is tried again next sweep
-        log.warning("broker came back: %d queued bulk chunk(s) sent again", resent)
+        log.warning(
+            "broker came back: %d queued bulk chunk%s sent again", resent, pluralize(resent)
+        )
     bulk.sweep()
 
 
@@ -130,7 +152,8 @@ def _sweep_forever(worker: str) -> None:
         freed = forget_own_leases(worker)
         if freed:
             log.warning(
-                "%s: %d chunk(s) held by this worker's previous run are free again", worker, freed
+                "%s: %d chunk%s held by this worker's previous run %s free again",
+                worker, freed, pluralize(freed), pluralize(freed, "is,are"),
             )
     except DatabaseError:
         log.exception("could not release this worker's old leases")

@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# --- The 200-page matrix of PROTOCOL.md section 7 -----------------------------------------------
+# --- The 200-page matrix of docs/PROTOCOL.md section 7 -------------------------------------------
 
 VECTOR_EPOCH = {
     "epoch_id": 5,

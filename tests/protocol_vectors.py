@@ -1,4 +1,4 @@
-"""The test vectors of PROTOCOL.md section 7, shared by the test modules."""
+"""The test vectors of docs/PROTOCOL.md section 7, shared by the test modules."""
 import numpy as np
 
 from gpu_engine.matrix import PageMatrix

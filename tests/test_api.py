@@ -1,4 +1,4 @@
-"""The HTTP API against PROTOCOL.md: byte-exact answers, field-named 400s, 413, 503 + Retry-After."""
+"""The HTTP API against docs/PROTOCOL.md: exact answers, field-named 400s, 413, 503, Retry-After."""
 from __future__ import annotations
 
 import hashlib
@@ -79,6 +79,9 @@ def test_epoch_is_the_protocol_shape(api):
         "state_root": "0x" + bytes(range(32)).hex(),
         "page_pir": {"domain_bits": 8, "rows_per_page": 16, "num_pages": 200,
                      "page_size_bytes": 4096},
+        "encodings": ["json", "binary"],
+        # no row written over the epoch's file yet: zero updates, the zero digest
+        "state": {"epoch_id": 5, "updates": 0, "digest": "0x" + "00" * 32},
     }
 
 
@@ -225,7 +228,7 @@ def test_body_over_the_limit_is_a_413(api, settings):
     response = post(api, BATCH, body)
     assert response.status_code == 413
     assert response.json()["errors"] == [{
-        "field": "body",
+        "field": "body", "query": None, "key": None, "code": "too_large",
         "message": f"expected at most 4096 bytes (MORPHO_MAX_BODY_BYTES), got {len(body)}",
     }]
     # The same limit lets a smaller request through.
@@ -236,7 +239,8 @@ def test_wrong_content_type_and_method_are_json_4xx(api):
     response = post(api, SINGLE, "keys=1", content_type="application/x-www-form-urlencoded")
     assert response.status_code == 415
     assert response.json()["errors"][0]["field"] == "Content-Type"
-    assert "expected application/json, got application/x-www-form-urlencoded" in response.json()["detail"]
+    assert ("expected application/json or application/octet-stream, got "
+            "application/x-www-form-urlencoded") in response.json()["detail"]
     response = api.get(SINGLE)
     assert response.status_code == 405 and "GET" in response.json()["detail"]
     response = api.get("/no/such/endpoint")
@@ -287,7 +291,8 @@ def test_malformed_content_length_is_a_400(api):
     response = post(api, SINGLE, {"keys": [GOOD] * 3}, CONTENT_LENGTH="12x")
     assert response.status_code == 400
     assert response.json()["errors"] == [
-        {"field": "Content-Length", "message": "expected a non-negative integer, got '12x'"}]
+        {"field": "Content-Length", "query": None, "key": None, "code": "content_length",
+         "message": "expected a non-negative integer, got '12x'"}]
 
 
 def test_chunked_body_without_length_is_a_411(api):

@@ -207,7 +207,7 @@ def test_unknown_and_foreign_jobs_are_404(client, key_pool):
     bob.force_authenticate(User.objects.create_user("bob"))
     response = bob.get(f"{JOBS}/{job_id}")
     assert response.status_code == 404 and "detail" in response.json()
-    assert [j["id"] for j in client.get(JOBS).json()] == [job_id]
+    assert [j["id"] for j in client.get(JOBS).json()["results"]] == [job_id]
 
 
 def test_cancel_a_queued_job_then_cancel_again_is_409(client, key_pool):

@@ -11,7 +11,8 @@ import pytest
 
 from gpu_engine.dpf import DpfKey, eval_point
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
-from queries.client import EpochMismatch, PirClient, ServerError, plan_query
+from queries.client import (MISMATCH_ATTEMPTS, EpochInfo, EpochMismatch, PirClient, ServerError,
+                            plan_query)
 from tests.conftest import REPO, server_env
 
 PAGES = 300  # 4,800 rows, domain_bits 9
@@ -156,6 +157,8 @@ class EpochRewritingProxy:
                                                  headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=60) as response:
                     payload = json.loads(response.read())
+                # It speaks JSON only, like a server from before the binary encoding.
+                payload.pop("encodings", None)
                 if self.path.startswith("/query/"):
                     proxy.queries += 1
                     if proxy.queries <= proxy.lies:
@@ -182,17 +185,67 @@ class EpochRewritingProxy:
         self.server.server_close()
 
 
-@pytest.mark.parametrize("lies, retried_ok", [(1, True), (2, False)])
-def test_answers_from_different_epochs_are_retried_once(parties, expected, lies, retried_ok):
+@pytest.mark.parametrize("lies, retried_ok", [(1, True), (MISMATCH_ATTEMPTS, False)])
+def test_answers_from_different_epochs_are_retried(parties, expected, lies, retried_ok):
     a, b, _ = parties
     proxy = EpochRewritingProxy(b, lies)
     try:
         with PirClient(a, proxy.url) as client:
             if retried_ok:
                 assert client.fetch_rows([3, 4000], batch=True) == [expected.row(3), expected.row(4000)]
+                assert client.last_encodings == ("binary", "json")  # each party in its own
             else:
                 with pytest.raises(EpochMismatch, match="answered from different epochs: 11 and 1011"):
                     client.fetch_rows([3], batch=True)
     finally:
         proxy.close()
-    assert proxy.queries == 2
+    assert proxy.queries == min(lies + 1, MISMATCH_ATTEMPTS)
+
+
+# --- the binary encoding (docs/PROTOCOL.md section 5.3) -----------------------------------------
+
+
+@pytest.mark.parametrize("encoding, used",
+                         [("auto", "binary"), ("binary", "binary"), ("json", "json")])
+def test_each_encoding_fetches_the_same_rows(parties, expected, encoding, used):
+    a, b, _ = parties
+    rows = random.Random(8).sample(range(PAGES * 16), 35)  # a full batch of 32, then 3
+    with PirClient(a, b, encoding=encoding) as client:
+        assert client.last_encodings == (None, None)
+        assert client.fetch_rows(rows, batch=True) == [expected.row(r) for r in rows]
+        assert client.last_encodings == (used, used)
+        assert client.fetch_row(77) == expected.row(77)
+        assert client.epoch().encodings == ("json", "binary")
+
+
+@pytest.mark.parametrize("flag, line", [
+    ([], "encoding: binary (requested auto)"),
+    (["--encoding", "json"], "encoding: json (requested json)"),
+    (["--encoding", "binary"], "encoding: binary (requested binary)"),
+])
+def test_cli_says_which_encoding_it_used_with_v(parties, expected, flag, line):
+    a, b, _ = parties
+    result = subprocess.run(
+        [sys.executable, "-m", "queries.client", "--server-a", a, "--server-b", b,
+         "--row", "5", "--batch", "-v", *flag],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"row 5: 0x{expected.row(5).hex()}"]
+    assert result.stderr.splitlines() == [line]
+
+
+def test_a_server_that_lists_no_encodings_speaks_json():
+    body = {"epoch_id": 1, "num_rows": 32, "seeds": [1, 2, 3], "block_number": 0,
+            "state_root": "0x" + "00" * 32,
+            "page_pir": {"domain_bits": 1, "rows_per_page": 16, "num_pages": 2,
+                         "page_size_bytes": 4096}}
+    assert EpochInfo.from_json(body, "http://x").encodings == ("json",)
+    binary_only = EpochInfo.from_json({**body, "encodings": ["binary"]}, "http://x")
+    assert binary_only.encodings == ("binary",)
+    with pytest.raises(ServerError, match="encodings: expected an array of strings"):
+        EpochInfo.from_json({**body, "encodings": "binary"}, "http://x")
+    with PirClient("http://a", "http://b") as client:
+        assert (client.encoding_for(0), client.encoding_for(1)) == ("json", "json")
+    with pytest.raises(ValueError, match="encoding must be one of auto, json, binary, got 'hex'"):
+        PirClient("http://a", "http://b", encoding="hex")

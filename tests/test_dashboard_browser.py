@@ -1,5 +1,8 @@
-"""In headless Chromium: sign in to the admin, activate another interactive policy, open the
-dashboard and see it named there and in /metrics (driven over the DevTools protocol)."""
+"""In headless Chromium, against gunicorn serving collected static files as `make run` does: sign
+in to the admin (styled: its stylesheet applied), activate another interactive policy, open the
+dashboard and see it named there and in /metrics, its history drawn at load and a p95 over the
+policy's target in red; no page loads any asset that answers 4xx/5xx (driven over the DevTools
+protocol)."""
 from __future__ import annotations
 
 import base64
@@ -33,12 +36,25 @@ class DevTools:
         self.ws = websocket.create_connection(ws_url, timeout=30, suppress_origin=True)
         self.next_id = 0
         self.events: list = []
+        self.urls: dict = {}  # request id -> URL
+        self.bad_assets: list = []  # (status or error, URL) of every response that failed
+
+    def _receive(self) -> dict:
+        message = json.loads(self.ws.recv())
+        method, params = message.get("method"), message.get("params", {})
+        if method == "Network.requestWillBeSent":
+            self.urls[params["requestId"]] = params["request"]["url"]
+        elif method == "Network.responseReceived" and params["response"]["status"] >= 400:
+            self.bad_assets.append((params["response"]["status"], params["response"]["url"]))
+        elif method == "Network.loadingFailed" and not params.get("canceled"):
+            self.bad_assets.append((params.get("errorText"), self.urls.get(params["requestId"])))
+        return message
 
     def call(self, method: str, **params):
         self.next_id += 1
         self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
         while True:
-            message = json.loads(self.ws.recv())
+            message = self._receive()
             if message.get("id") == self.next_id:
                 if "error" in message:
                     raise AssertionError(f"{method}: {message['error']}")
@@ -63,7 +79,7 @@ class DevTools:
                 self.events.clear()
                 return
             self.ws.settimeout(max(0.1, deadline - time.monotonic()))
-            self.events.append(json.loads(self.ws.recv()))
+            self.events.append(self._receive())
         raise AssertionError("page did not finish loading")
 
     def wait_for(self, expression: str, timeout: float = 15):
@@ -84,13 +100,17 @@ class DevTools:
 def server(start_server, vector_matrix_path, tmp_path_factory):
     var = tmp_path_factory.mktemp("browser-var")
     env = server_env(MORPHO_MATRIX_PATH=vector_matrix_path, MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=var,
-                     DATABASE_URL=f"sqlite:///{var / 'db.sqlite3'}")
+                     DATABASE_URL=f"sqlite:///{var / 'db.sqlite3'}", STATIC_ROOT=var / "static")
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=REPO, env=env, check=True)
+    # As `make run` and the Docker image do: gather the static files WhiteNoise serves.
+    subprocess.run([sys.executable, "manage.py", "collectstatic", "--no-input", "-v", "0"],
+                   cwd=REPO, env=env, check=True)
+    assert (var / "static" / "admin" / "css" / "base.css").is_file()
     subprocess.run([sys.executable, "manage.py", "shell", "-c",
                     "from django.contrib.auth.models import User; "
                     "User.objects.create_superuser('ops', password='pw-ops-123')"],
                    cwd=REPO, env=env, check=True)
-    return start_server("runserver", env)
+    return start_server("gunicorn", env)
 
 
 @pytest.fixture
@@ -114,6 +134,7 @@ def browser(tmp_path):
             pages = [t for t in json.loads(response.read()) if t["type"] == "page"]
         tools = DevTools(pages[0]["webSocketDebuggerUrl"])
         tools.call("Page.enable")
+        tools.call("Network.enable")
         yield tools
         tools.close()
     finally:
@@ -136,19 +157,35 @@ def _traffic(url: str, stop: threading.Event) -> None:
         time.sleep(0.05)
 
 
+def sign_in(browser, url: str) -> None:
+    browser.open(url + "/admin/login/?next=/admin/")
+    browser.evaluate("document.getElementById('id_username').value = 'ops';"
+                     "document.getElementById('id_password').value = 'pw-ops-123';"
+                     "document.querySelector('#login-form').submit()")
+    browser.wait_loaded()
+    assert browser.evaluate("location.pathname") == "/admin/"
+
+
 def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp_path):
     stop = threading.Event()
     traffic = threading.Thread(target=_traffic, args=(server.url, stop), daemon=True)
     traffic.start()
     try:
-        browser.open(server.url + "/admin/login/?next=/admin/")
-        browser.evaluate("document.getElementById('id_username').value = 'ops';"
-                         "document.getElementById('id_password').value = 'pw-ops-123';"
-                         "document.querySelector('#login-form').submit()")
-        browser.wait_loaded()
-        assert browser.evaluate("location.pathname") == "/admin/"
+        sign_in(browser, server.url)
+        # The admin's own stylesheet applied: its header is a flex row and the theme toggle an icon.
+        styled = browser.evaluate("""(() => {
+            const header = getComputedStyle(document.getElementById('header'));
+            const toggle = document.querySelector('.theme-toggle');
+            // A sheet that failed to load has no readable rules (reading them throws).
+            const loaded = (s) => { try { return s.cssRules.length > 0; } catch (e) { return false; } };
+            return {display: header.display, toggle: toggle ? toggle.getBoundingClientRect().height : -1,
+                    sheets: [...document.styleSheets].filter(s => s.href && s.href.includes('/static/admin/css/')
+                                                            && loaded(s)).length};
+        })()""")
+        assert styled["display"] == "flex" and 0 < styled["toggle"] < 50 and styled["sheets"] >= 2, styled
 
         browser.open(server.url + "/admin/policies/batchingpolicy/")
+        assert "Batching policies" in browser.evaluate("document.querySelector('.breadcrumbs').textContent")
         selected = browser.evaluate(f"""(() => {{
             const row = [...document.querySelectorAll('#result_list tbody tr')]
                 .find(tr => tr.querySelector('th, td.field-name')?.textContent.trim() === '{NEW_POLICY}');
@@ -163,7 +200,24 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
         messages = browser.evaluate("document.querySelector('.messagelist')?.textContent || ''")
         assert NEW_POLICY in messages, messages
 
+        # The epoch the party serves from its file is a record the operator sees.
+        browser.open(server.url + "/admin/epochs/epoch/")
+        rows = browser.evaluate("""[...document.querySelectorAll('#result_list tbody tr')].map(tr =>
+            [tr.querySelector('.field-epoch_id').textContent.trim(), tr.querySelector('.field-state').textContent.trim()])""")
+        assert rows == [["5", "active (serving)"]], rows
+
+        # A few seconds of traffic in the server's history, then the page draws them at once, from
+        # what it carries, before it polled anything.
+        browser.wait_for("""fetch('/dashboard/data', {credentials: 'same-origin'}).then(r => r.json())
+            .then(d => d.history.filter(p => p.p95 !== null).length >= 4)""", timeout=30)
         browser.open(server.url + "/dashboard/")
+        at_load = browser.evaluate("""(() => {
+            const history = JSON.parse(document.getElementById('initial-snapshot').textContent).history;
+            const p95 = document.querySelectorAll('#latency-chart path[d^=M]')[1];
+            return {points: history.filter(p => p.p95 !== null).length,
+                    drawn: p95 ? (p95.getAttribute('d').match(/L/g) || []).length : 0};
+        })()""")
+        assert at_load["points"] >= 3 and at_load["drawn"] >= 2, at_load
         browser.wait_for(f"""[...document.querySelectorAll('#policies tr')]
             .some(tr => tr.cells[0]?.textContent === 'interactive' && tr.cells[1]?.textContent === '{NEW_POLICY}')""")
         # Let a few polls draw the latency and rate lines before the picture is taken.
@@ -180,6 +234,41 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
         line = next(l for l in metrics.splitlines()
                     if l.startswith("pir_batching_policy_info{") and 'lane="interactive"' in l)
         assert f'name="{NEW_POLICY}"' in line and 'mode="slo"' in line
+        assert browser.evaluate("document.querySelectorAll('#latency-chart circle.over-target').length") == 0
+
+        # A target no query can meet: the dashboard flags the p95 above it in red.
+        browser.open(server.url + "/admin/policies/batchingpolicy/")
+        href = browser.evaluate(f"""[...document.querySelectorAll('#result_list a')]
+            .find(a => a.textContent.trim() === '{NEW_POLICY}').getAttribute('href')""")
+        browser.open(server.url + href)
+        browser.evaluate("document.getElementById('id_p95_target_ms').value = '0.1';"
+                         "document.getElementById('batchingpolicy_form').submit()")
+        browser.wait_loaded()
+        assert "was changed successfully" in browser.evaluate("document.querySelector('.messagelist')?.textContent || ''")
+        browser.open(server.url + "/dashboard/")
+        browser.wait_for("document.querySelectorAll('#latency-chart circle.over-target').length > 0", timeout=30)
+        flagged = browser.wait_for("document.querySelector('#p95-now .over')?.textContent")
+        assert "target 0.1 ms" in flagged
+        assert browser.evaluate("getComputedStyle(document.querySelector('#latency-chart circle.over-target')).fill") \
+            == "rgb(201, 42, 42)"
+        if os.environ.get("MORPHO_SCREENSHOT_DIR"):
+            shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+            Path(os.environ["MORPHO_SCREENSHOT_DIR"], "dashboard-over-target.png").write_bytes(shot)
     finally:
         stop.set()
         traffic.join(10)
+    assert not browser.bad_assets, browser.bad_assets
+
+
+def test_landing_page_and_api_docs_load_every_asset(server, browser):
+    browser.open(server.url + "/")
+    links = browser.evaluate("[...document.querySelectorAll('#links a')].map(a => a.getAttribute('href'))")
+    assert {"/dashboard/", "/admin/", "/api/docs", "/api/schema", "/health", "/epoch"} <= set(links)
+    browser.open(server.url + "/api/docs")
+    # Swagger UI's script ran (served by this server): the API's title is rendered.
+    title = browser.wait_for("document.querySelector('.swagger-ui .info .title')?.textContent", timeout=30)
+    assert "morphoweb" in title
+    sign_in(browser, server.url)
+    for page in ("/admin/epochs/epoch/", "/admin/queries/bulkjob/", "/admin/auth/user/add/"):
+        browser.open(server.url + page)
+    assert not browser.bad_assets, browser.bad_assets

@@ -1,4 +1,4 @@
-"""DPF and PRG against PROTOCOL.md section 7 and the algebra every key pair must satisfy."""
+"""DPF and PRG against docs/PROTOCOL.md section 7 and the algebra every key pair must satisfy."""
 import numpy as np
 import pytest
 

@@ -82,6 +82,8 @@ def test_metrics_count_queries_time_them_and_show_the_engine(api):
 class _Refusing:
     """An engine stand-in whose snapshot holds refusals, for the collector alone."""
 
+    running = True
+
     def snapshot(self):
         empty = Histogram((1.0,)).snapshot()
         lane = {"queries": 0, "refused": {"queue_full": 5, "deadline": 2}, "queued": 7, "arrival_rate": 3.0,
@@ -104,6 +106,7 @@ def test_collector_exports_refusals_by_reason_and_fit_parameters():
     assert sample(text, "gpu_cost_model", parameter="per_query_s") == 0.0005
     assert sample(text, "gpu_batch_dispatch_mode_total", mode="slo") == 4
     assert sample(text, "gpu_held_idle_seconds_total", lane="interactive") == 1.5
+    assert sample(text, "pir_engine_up") == 1
     assert "pir_latency_p95_last_minute_seconds{" not in text  # no answers yet: no figure
 
 

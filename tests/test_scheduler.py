@@ -206,6 +206,23 @@ def test_bulk_is_not_starved_past_its_bound():
     assert (d.lane, d.reason) == ("bulk", "starvation")
 
 
+def test_a_lane_that_just_had_the_device_is_not_starved_however_old_its_backlog():
+    # A bulk backlog queued 2 s ago, whose last launch ended 50 ms ago: interactive goes first;
+    # bulk is forced only once it has gone its whole bound without the device.
+    from gpu_engine.scheduler import LaneQueue
+
+    policies = lanes(BatchingPolicy(), BatchingPolicy(max_starvation_ms=200))
+    bulk = LaneQueue("bulk", (32,), 8.0, last_launch_end=9.95)
+    queues = [q((1,), 9.99), bulk]
+    assert decide(queues, policies, None, 10.0).lane == "interactive"
+    assert decide([q((1,), 9.99), bulk], policies, None, 10.1).lane == "interactive"
+    d = decide(queues, policies, None, 10.15)
+    assert (d.lane, d.reason) == ("bulk", "starvation")
+    # its wake-up is counted from the end of that launch, not from the backlog's age
+    busy = lanes(BatchingPolicy(mode="throughput", window_us=900_000), BatchingPolicy(max_starvation_ms=200))
+    assert decide([q((1,), 10.0), bulk], busy, None, 10.0).seconds == pytest.approx(0.15)
+
+
 def test_bulk_fills_an_interactive_window_only_when_its_launch_fits():
     policies = lanes(BatchingPolicy(mode="throughput", window_us=20000), BatchingPolicy())
     queues = [q((1,), 0.0), q((4,), 0.0, "bulk")]

@@ -28,7 +28,8 @@ def env_example() -> dict:
 
 
 def interpolate(node, env: dict):
-    """Compose's variable substitution: ${X}, ${X:-default}, ${X:?error}, $$ for a literal $."""
+    """Compose's variable substitution: ${X}, ${X:-default} (unset or empty), ${X-default}
+    (unset only), ${X:?error} (unset or empty), ${X?error} (unset only), $$ for a literal $."""
     if isinstance(node, dict):
         return {key: interpolate(value, env) for key, value in node.items()}
     if isinstance(node, list):
@@ -41,9 +42,10 @@ def interpolate(node, env: dict):
             return "$"
         name, op, arg = match.groups()
         value = env.get(name)
-        if op in (":?", "?") and not value:
+        missing = value is None if op in ("-", "?") else not value
+        if op in (":?", "?") and missing:
             raise KeyError(f"{name}: {arg}")
-        if op in (":-", "-") and not value:
+        if op in (":-", "-") and missing:
             return arg
         return value or ""
 
@@ -113,23 +115,37 @@ def test_no_secret_is_written_in_the_file():
 def test_both_parties_with_a_worker_each_health_checks_and_named_volumes(profile):
     config = compose()
     services = in_profile(config, profile)
+    engines = {name: svc for name, svc in services.items() if name.startswith("engine-")}
     webs = {name: svc for name, svc in services.items() if name.startswith("party-")}
     workers = {name: svc for name, svc in services.items() if name.startswith("worker-")}
-    assert len(webs) == 2 and len(workers) == 2
-    for name, svc in {**webs, **workers}.items():
-        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    assert len(engines) == 2 and len(webs) == 2 and len(workers) == 2
+
+    def devices(svc) -> list:
+        return svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+    # Only the engine servers hold a GPU: one per party, whatever the number of web processes.
+    engine_hosts = {}
+    for name, svc in engines.items():
         if profile == "gpu":
-            assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"], name
+            assert devices(svc)[0]["driver"] == "nvidia" and "gpu" in devices(svc)[0]["capabilities"]
             assert svc["environment"]["MORPHO_ENGINE_BACKEND"] == "cuda"
+            host = name
         else:
-            assert not devices and svc["environment"]["MORPHO_ENGINE_BACKEND"] == "cpu", name
+            assert not devices(svc) and svc["environment"]["MORPHO_ENGINE_BACKEND"] == "cpu", name
+            host = svc["networks"]["default"]["aliases"][0]
+        assert svc["command"][-3:] == ["serve_engine", "--url", "tcp://*:5555"]
+        assert "matrix:/data:ro" in svc["volumes"] and svc["healthcheck"]["test"], name
+        assert "ports" not in svc, f"{name}: the engine socket has no authentication of its own"
+        engine_hosts[svc["environment"]["DATABASE_URL"].rsplit("/", 1)[1]] = host
+    assert engine_hosts == {"party_a": "engine-a", "party_b": "engine-b"}
+    for name, svc in {**webs, **workers}.items():
+        assert not devices(svc), f"{name} must not reserve a GPU: its engine server has it"
+        party = svc["environment"]["DATABASE_URL"].rsplit("/", 1)[1]
+        assert svc["environment"]["MORPHO_ENGINE_URL"] == f"tcp://{engine_hosts[party]}:5555", name
         assert svc["environment"]["MORPHO_ENV"] == "production"
-        assert "matrix:/data:ro" in svc["volumes"]
         assert svc["healthcheck"]["test"], name
     # Prometheus finds each party under the same name whichever profile runs.
-    hostnames = {name if profile == "gpu" else svc["networks"]["default"]["aliases"][0]
-                 for name, svc in webs.items()}
-    assert hostnames == {"party-a", "party-b"}
+    assert set(webs) == {"party-a", "party-b"}
     scrape = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
     targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
     assert targets == {"party-a:8000", "party-b:8000"}

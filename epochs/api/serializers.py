@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import MaxLengthValidator, MaxValueValidator, MinValueValidator
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
@@ -11,10 +12,58 @@ from gpu_engine.dpf import MAX_DOMAIN_BITS
 from gpu_engine.matrix import ROW_BYTES
 
 
+def _expected(field: serializers.Field, plural: bool = False) -> str:
+    """What a field takes, in the words of the API's other errors ("an integer in 0..7")."""
+    if isinstance(field, serializers.ListField):
+        size = field.min_length if field.min_length == field.max_length else None
+        count = f"{size} " if size else ""
+        return f"an array of {count}{_expected(field.child, plural=True)}"
+    if isinstance(field, serializers.ChoiceField):
+        return "one of " + ", ".join(str(choice) for choice in field.choices)
+    if isinstance(field, serializers.IntegerField):
+        noun = "integers" if plural else "an integer"
+        if field.min_value is not None and field.max_value is not None:
+            return f"{noun} in {field.min_value}..{field.max_value}"
+        return noun
+    if isinstance(field, serializers.CharField):
+        return "strings" if plural else "a string"
+    return "values" if plural else "a value"
+
+
+def in_our_words(field: serializers.Field) -> serializers.Field:
+    """Replace DRF's stock messages ("This field may not be null.") with expected/got ones."""
+    expected = _expected(field)
+    field.error_messages.update({
+        "required": f"expected {expected}, got nothing",
+        "null": f"expected {expected}, got null",
+        "invalid": f"expected {expected}",
+        "blank": f"expected {expected}, got an empty string",
+        "max_length": f"expected {expected} of at most {{max_length}} characters",
+        "invalid_choice": f'expected {expected}, got "{{input}}"',
+        "not_a_list": f"expected {expected}, got {{input_type}}",
+        "max_string_length": f"expected {expected}, got too many digits",
+    })
+    for validator in field.validators:
+        # Django's range validators fill these in with the bound and the value sent.
+        if isinstance(validator, MinValueValidator):
+            validator.message = f"expected {expected}, got %(show_value)s"
+        elif isinstance(validator, MaxValueValidator):
+            validator.message = f"expected {expected}, got %(show_value)s"
+        elif isinstance(validator, MaxLengthValidator):
+            validator.message = (f"expected {expected} of at most %(limit_value)d characters, "
+                                 f"got %(show_value)d")
+    if isinstance(field, serializers.ListField):
+        in_our_words(field.child)
+    return field
+
+
 class ValidatedModelSerializer(serializers.ModelSerializer):
     """Runs Model.clean() on the would-be instance, so the API rejects input in the admin's words."""
 
     clean_exclude: tuple = ()
+
+    def get_fields(self):
+        return {name: in_our_words(field) for name, field in super().get_fields().items()}
 
     def validate(self, attrs):
         instance = self.Meta.model(**attrs) if self.instance is None else self.instance

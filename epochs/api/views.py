@@ -5,8 +5,7 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
-from rest_framework.pagination import LimitOffsetPagination
-from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.exceptions import APIException
 from rest_framework.permissions import DjangoModelPermissions
 from rest_framework.response import Response
 
@@ -30,52 +29,11 @@ class SwitchConflict(APIException):
     default_code = "switch_failed"
 
 
-class OperatorPagination(LimitOffsetPagination):
-    """Row updates pile up between epochs: a listing is paged, newest first.
-
-    `limit` and `offset` are checked, not guessed: DRF would answer `limit=abc` or `offset=-5`
-    with its defaults, which a client takes for the page it asked for."""
-
-    default_limit = 100
-    max_limit = 1000
-
-    def _number(self, request, name: str, lowest: int, highest: int | None, default: int) -> int:
-        values = request.query_params.getlist(name)
-        if not values:
-            return default
-        span = f"{lowest}..{highest}" if highest is not None else f"{lowest} or more"
-        text = values[0]
-        digits = text[1:] if text[:1] == "-" else text
-        if len(values) > 1 or not (digits.isascii() and digits.isdigit()):
-            got = repr(values) if len(values) > 1 else repr(text)
-            raise ValidationError({name: [f"expected one integer, {span}, got {got}"]})
-        value = int(text)
-        if value < lowest or (highest is not None and value > highest):
-            raise ValidationError({name: [f"expected an integer {span}, got {value}"]})
-        return value
-
-    def get_limit(self, request) -> int:
-        return self._number(request, self.limit_query_param, 1, self.max_limit, self.default_limit)
-
-    def get_offset(self, request) -> int:
-        return self._number(request, self.offset_query_param, 0, None, 0)
-
-    def get_schema_operation_parameters(self, view):
-        parameters = super().get_schema_operation_parameters(view)
-        bounds = {self.limit_query_param: {"minimum": 1, "maximum": self.max_limit,
-                                           "default": self.default_limit},
-                  self.offset_query_param: {"minimum": 0, "default": 0}}
-        for parameter in parameters:
-            parameter["schema"].update(bounds[parameter["name"]])
-        return parameters
-
-
 class OperatorViewSet(viewsets.GenericViewSet):
     """Operators sign in with a DRF token (`manage.py drf_create_token USER`) or an admin session."""
 
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [OperatorPermissions]
-    pagination_class = OperatorPagination
 
 
 class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,

@@ -1,8 +1,6 @@
 """Backend selection: `auto` takes CUDA where CuPy and a GPU are present, else the CPU, and says why."""
 from __future__ import annotations
 
-import logging
-
 from gpu_engine.backends.base import (  # noqa: F401 - the package's public names
     Backend,
     BackendUnavailable,
@@ -10,16 +8,14 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
     ResidentMatrix,
 )
 
-log = logging.getLogger(__name__)
-
 BACKEND_NAMES = ("auto", "cpu", "cuda")
 
 
 def _cuda_backend() -> Backend:
     try:
         from gpu_engine.backends.cuda import CudaBackend
-    except ImportError as exc:
-        raise BackendUnavailable(f"CUDA backend needs CuPy: {exc}") from exc
+    except ImportError as exc:  # its message already says that the CUDA backend needs CuPy
+        raise BackendUnavailable(str(exc)) from exc
     return CudaBackend()
 
 
@@ -37,6 +33,6 @@ def create_backend(name: str = "auto") -> Backend:
         return _cuda_backend()
     except BackendUnavailable as exc:
         backend = NumpyBackend()
-        backend.fallback_reason = f"auto: CUDA unavailable ({exc}); using the CPU backend"
-        log.warning(backend.fallback_reason)
+        # Only the cause: `backend` already says cpu, and the caller logs the fallback once.
+        backend.fallback_reason = str(exc)
         return backend

@@ -71,6 +71,9 @@ class Backend(ABC):
     """A compute device that can hold matrices and answer key batches."""
 
     name: str = "abstract"  # "cpu" | "cuda"
+    # True where the first launch of each batch shape compiles kernels or captures graphs, so an
+    # engine warms every shape up before it serves (Engine.warm_up)
+    warm_all_shapes: bool = False
 
     def __init__(self) -> None:
         # Why this backend was chosen when another was asked for (auto fallback), else None.

@@ -28,8 +28,10 @@ from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMat
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
-MAX_CACHED_SHAPES = 32  # (batch size, dispatch) entries whose buffers and graphs are kept
-MAX_BATCH_KEYS = 96  # 32 queries x 3 keys: PROTOCOL.md's largest batch
+# (batch size, dispatch) entries whose buffers and graphs are kept: warm-up makes 32, the bulk
+# lane one more
+MAX_CACHED_SHAPES = 48
+MAX_BATCH_KEYS = 96  # 32 queries x 3 keys: docs/PROTOCOL.md's largest batch
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 
@@ -223,6 +225,7 @@ class CudaBackend(Backend):
     """One GPU (the current CuPy device). Raises BackendUnavailable where none can be used."""
 
     name = "cuda"
+    warm_all_shapes = True
 
     def __init__(self, device: Optional[int] = None) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ import argparse
 import csv
 from typing import Dict, List, Tuple
 
-# PROTOCOL.md section 8 (Morphogenesis on one H100) and issue 3's targets, per shape
+# docs/PROTOCOL.md section 8 (Morphogenesis on one H100) and issue 3's targets, per shape
 REFERENCE = {
     "16817159": {"title": "mainnet: 16,817,159 pages, d=25", "morpho_batch": 33.75, "morpho_single": 33.2,
                  "targets": [(8, 120.0), (32, 150.0)]},

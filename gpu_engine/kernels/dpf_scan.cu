@@ -1,4 +1,4 @@
-// Full-domain DPF expansion fused with the page scan (PROTOCOL.md sections 2-4).
+// Full-domain DPF expansion fused with the page scan (docs/PROTOCOL.md sections 2-4).
 //
 // Compiled by NVRTC at run time (CuPy RawModule) and by nvcc in CI from this same text, so it
 // includes no headers: NVRTC has no C++ standard library.
@@ -65,7 +65,7 @@ __device__ __forceinline__ u32 rotl32(u32 x, int n) {
     QUARTER(x##2, x##6, x##10, x##14)                 \
     QUARTER(x##3, x##7, x##11, x##15)
 
-// expand(seed) of PROTOCOL.md section 2: ChaCha8 blocks 0 and 1 under key (s, s), nonce 0.
+// expand(seed) of docs/PROTOCOL.md section 2: ChaCha8 blocks 0 and 1 under key (s, s), nonce 0.
 // The two blocks differ only in the counter word, which enters the first column round through
 // quarter (0,4,8,12) alone, so the other three first-round quarters are computed once. Block 1
 // contributes only the low bits of words 0 and 1; the compiler drops the rest of its last round.

@@ -1,1 +1,1 @@
-"""The PIR REST API (PROTOCOL.md section 5)."""
+"""The PIR REST API (docs/PROTOCOL.md section 5)."""

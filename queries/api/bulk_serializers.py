@@ -9,6 +9,7 @@ from django.conf import settings
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 
+from queries.api.binary import body_bytes, check_body, parse_query, query_bytes
 from queries.api.serializers import PageQuerySerializer, json_type
 from queries.models import BulkJob, JobStatus
 
@@ -153,6 +154,34 @@ class BulkJobCreateSerializer(serializers.Serializer):
         )
 
 
+class BulkBinaryJobSerializer(BulkJobCreateSerializer):
+    """`POST /bulk/jobs` with an application/octet-stream body: the keys of every query as raw
+    bytes, concatenated, 3 per query; each query validated as in the batch endpoint."""
+
+    def to_internal_value(self, data) -> dict:
+        raw = memoryview(body_bytes(data))
+        domain_bits = self.context["domain_bits"]
+        count = check_body(raw, domain_bits, 1, settings.MORPHO_BULK_MAX_QUERIES,
+                           limit_setting="MORPHO_BULK_MAX_QUERIES")
+        size = query_bytes(domain_bits)
+        errors: dict = {}
+        bad = 0
+        for index in range(count):
+            _keys, detail = parse_query(raw, index, domain_bits)
+            if detail:
+                bad += 1
+                if len(errors) < MAX_LISTED_ERRORS:
+                    errors[index] = {"keys": detail}
+        if bad:
+            if bad > len(errors):
+                errors["more"] = [serializers.ErrorDetail(
+                    f"{bad} queries are invalid; the first {len(errors)} are listed",
+                    code="more_errors")]
+            raise serializers.ValidationError({"queries": errors})
+        # Valid keys are stored as sent (a key's bytes are all fields): slices, not copies.
+        return {"queries": [raw[index * size:(index + 1) * size] for index in range(count)]}
+
+
 class BulkJobSerializer(serializers.ModelSerializer):
     """A job as its owner sees it: status, progress, timestamps, epochs, errors, results URL."""
 
@@ -183,7 +212,10 @@ class BulkJobSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_progress(self, job: BulkJob) -> dict:
-        return {"answered": job.answered, "total": job.total, "fraction": round(job.progress, 6)}
+        # Counted launch by launch, running chunks included; "answered" counts stored answers.
+        answered = job.answered_so_far()
+        return {"answered": answered, "total": job.total,
+                "fraction": round(answered / job.total if job.total else 0.0, 6)}
 
     def get_epoch_ids(self, job: BulkJob) -> list[int]:
         return job.epoch_ids()

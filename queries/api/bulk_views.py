@@ -1,4 +1,5 @@
-"""The bulk job API: submit (JSON or NDJSON), read progress, stream results as NDJSON, cancel."""
+"""The bulk job API: submit (JSON, NDJSON or binary), read progress, stream results (NDJSON or
+binary), cancel."""
 
 from __future__ import annotations
 
@@ -6,11 +7,10 @@ from collections.abc import Iterator
 
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
-from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import BaseParser, MultiPartParser
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
@@ -18,15 +18,33 @@ from rest_framework.response import Response
 
 from morphoweb.engine_runtime import get_engine
 from queries import bulk
-from queries.api.bulk_serializers import BulkJobCreateSerializer, BulkJobSerializer, NDJSONSource
+from queries.api.binary import (
+    EPOCH_IDS_HEADER,
+    EPOCH_RANGES_HEADER,
+    OCTET_STREAM,
+    QUERIES_HEADER,
+    JSONErrorsMixin,
+    OctetStreamParser,
+    OctetStreamRenderer,
+    QualityNegotiation,
+    sent_binary,
+    wants_binary,
+)
+from queries.api.bulk_serializers import (
+    BulkBinaryJobSerializer,
+    BulkJobCreateSerializer,
+    BulkJobSerializer,
+    NDJSONSource,
+)
 from queries.api.errors import StrictJSONParser
 from queries.api.errors import exception_handler as api_exception_handler
 from queries.bulk_runner import bulk_policy
-from queries.models import KEYS_PER_QUERY, BulkJob, BulkResult, JobStatus
+from queries.models import KEYS_PER_QUERY, BulkJob, BulkResult
 
 NDJSON = "application/x-ndjson"
 ACCEPTED_TYPES = (
-    f'application/json, {NDJSON} or multipart/form-data (an NDJSON file in field "file")'
+    f'application/json, {NDJSON}, multipart/form-data (an NDJSON file in field "file") '
+    f"or {OCTET_STREAM}"
 )
 PAGE = 4096
 LINES_PER_WRITE = 16  # result lines joined into one write (about 400 KB)
@@ -48,11 +66,14 @@ class NDJSONRenderer(JSONRenderer):
     format = "ndjson"
 
 
-def result_lines(job: BulkJob) -> Iterator[bytes]:
-    """The job's answers in query order, one chunk row in memory at a time."""
-    chunk_ids = list(
-        BulkResult.objects.filter(job=job).order_by("index").values_list("pk", flat=True)
-    )
+def stored_chunks(job: BulkJob) -> tuple[list[int], int]:
+    """(ids of the job's stored result rows in query order, how many queries they answer)."""
+    rows = list(BulkResult.objects.filter(job=job).order_by("index").values_list("pk", "count"))
+    return [pk for pk, _ in rows], sum(count for _, count in rows)
+
+
+def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
+    """The answers of these result rows in query order, one chunk row in memory at a time."""
     size = KEYS_PER_QUERY * PAGE
     for pk in chunk_ids:
         first, epoch_id, answers = BulkResult.objects.values_list(
@@ -76,7 +97,26 @@ def result_lines(job: BulkJob) -> Iterator[bytes]:
             yield "".join(lines).encode()
 
 
-class FormatNegotiation(DefaultContentNegotiation):
+def result_bytes(chunk_ids: list[int]) -> Iterator[bytes]:
+    """These result rows' answers in query order as raw bytes: each query's three pages."""
+    for pk in chunk_ids:
+        # A chunk's answers are stored exactly so: query after query, key after key.
+        yield bytes(BulkResult.objects.values_list("answers", flat=True).get(pk=pk))
+
+
+def epoch_ranges(job: BulkJob) -> str:
+    """`first-last=epoch_id`, comma-separated: which epoch answered which queries."""
+    runs: list[list[int]] = []
+    rows = BulkResult.objects.filter(job=job).order_by("index")
+    for first, count, epoch_id in rows.values_list("first", "count", "epoch_id"):
+        if runs and runs[-1][2] == epoch_id and runs[-1][1] == first - 1:
+            runs[-1][1] = first + count - 1
+        else:
+            runs.append([first, first + count - 1, epoch_id])
+    return ",".join(f"{first}-{last}={epoch_id}" for first, last, epoch_id in runs)
+
+
+class FormatNegotiation(QualityNegotiation):
     """`?format=` names one of the view's renderers or is absent: an empty or unknown one is a
     400 (DRF would serve the default for an empty one, as if the client had not asked)."""
 
@@ -92,14 +132,15 @@ class FormatNegotiation(DefaultContentNegotiation):
         return super().select_renderer(request, renderers, format_suffix)
 
 
-class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                     viewsets.GenericViewSet):
     """`/bulk/jobs`: a user's jobs. POST submits, GET reads, DELETE cancels, `/results` streams."""
 
     queryset = BulkJob.objects.all()
     serializer_class = BulkJobSerializer
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [IsAuthenticated]
-    parser_classes = [StrictJSONParser, NDJSONParser, MultiPartParser]
+    parser_classes = [StrictJSONParser, NDJSONParser, MultiPartParser, OctetStreamParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
     content_negotiation_class = FormatNegotiation
 
@@ -130,6 +171,12 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
                 "type": "object",
                 "properties": {"file": {"type": "string", "format": "binary"}},
             },
+            OCTET_STREAM: {
+                "type": "string",
+                "format": "binary",
+                "description": "the DPF keys as raw bytes, concatenated, 3 per query, each "
+                "35 + 18 * domain_bits bytes; the length gives the count",
+            },
         },
         responses={201: BulkJobSerializer},
     )
@@ -150,7 +197,8 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
             "owner": request.user,
             "chunk_size": bulk.chunk_size_for(bulk_policy(engine).max_batch),
         }
-        serializer = BulkJobCreateSerializer(data=data, context=context)
+        create = BulkBinaryJobSerializer if sent_binary(request) else BulkJobCreateSerializer
+        serializer = create(data=data, context=context)
         serializer.is_valid(raise_exception=True)
         job = serializer.save()
         body = BulkJobSerializer(job, context={"request": request}).data
@@ -179,22 +227,53 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     @extend_schema(
         responses={
             (200, NDJSON): OpenApiTypes.STR,
-            409: OpenApiResponse(description="the job is not done yet"),
+            (200, OCTET_STREAM): OpenApiResponse(
+                OpenApiTypes.BINARY,
+                description=f"With Accept: {OCTET_STREAM}: each query's 3 answers of 4096 bytes "
+                f"concatenated in query order; {QUERIES_HEADER} the count, {EPOCH_IDS_HEADER} the "
+                f"epochs, {EPOCH_RANGES_HEADER} which queries each answered "
+                "(`first-last=epoch_id`, comma-separated).",
+            ),
+            409: OpenApiResponse(description="the job is still queued or running"),
         }
     )
-    @action(detail=True, methods=["get"])
+    @extend_schema(parameters=[
+        OpenApiParameter(QUERIES_HEADER, int, OpenApiParameter.HEADER, response=[200],
+                         description="Binary results: the number of queries answered."),
+        OpenApiParameter(EPOCH_IDS_HEADER, str, OpenApiParameter.HEADER, response=[200],
+                         description="Binary results: the epochs, comma-separated."),
+        OpenApiParameter(EPOCH_RANGES_HEADER, str, OpenApiParameter.HEADER, response=[200],
+                         description="Binary results: `first-last=epoch_id` per run of queries "
+                         "answered against one epoch, comma-separated."),
+    ])
+    @action(detail=True, methods=["get"],
+            renderer_classes=[JSONRenderer, NDJSONRenderer, OctetStreamRenderer])
     def results(self, request, pk=None):
-        """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`."""
+        """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`;
+        with `Accept: application/octet-stream`, the answers as raw bytes in the same order.
+
+        A cancelled or failed job serves the queries it answered (their `index` says which),
+        marked `X-Bulk-Partial: true` with their count in `X-Bulk-Answered`."""
         job = self.get_object()
-        if job.status != JobStatus.DONE:
+        if job.is_active:
             return Response(
                 {
                     "detail": f"job {job.pk} is {job.status} ({job.answered} of {job.total} "
-                    "queries answered); results are served once it is done",
+                    "queries answered); results are served once it is done, cancelled or failed",
                     "status": job.status,
                 },
                 status=status.HTTP_409_CONFLICT,
             )
-        response = StreamingHttpResponse(result_lines(job), content_type=NDJSON)
+        # Read once: a chunk that was running at a cancel may still store its answers meanwhile.
+        chunk_ids, answered = stored_chunks(job)
+        if wants_binary(request):
+            response = StreamingHttpResponse(result_bytes(chunk_ids), content_type=OCTET_STREAM)
+            response[QUERIES_HEADER] = str(answered)
+            response[EPOCH_IDS_HEADER] = ",".join(str(e) for e in job.epoch_ids())
+            response[EPOCH_RANGES_HEADER] = epoch_ranges(job)
+        else:
+            response = StreamingHttpResponse(result_lines(chunk_ids), content_type=NDJSON)
         response["X-Bulk-Total"] = str(job.total)
+        response["X-Bulk-Answered"] = str(answered)
+        response["X-Bulk-Partial"] = "true" if answered < job.total else "false"
         return response

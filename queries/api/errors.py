@@ -124,7 +124,8 @@ def exception_handler(exc, context):
     elif isinstance(exc, exceptions.UnsupportedMediaType):
         request = context.get("request")
         got = request.content_type if request is not None else ""
-        message = f"expected application/json, got {got or 'no Content-Type'}"
+        expected = getattr(context.get("view"), "accepted_content_types", "application/json")
+        message = f"expected {expected}, got {got or 'no Content-Type'}"
         response.data = {
             "detail": f"Content-Type: {message}",
             "errors": [{"field": "Content-Type", "query": None, "key": None,

@@ -9,6 +9,8 @@ from rest_framework import serializers
 from gpu_engine.dpf import DpfKey, KeyFormatError, key_length
 
 KEYS_PER_QUERY = 3
+# The encodings the query endpoints speak (docs/PROTOCOL.md section 5), advertised in /epoch.
+ENCODINGS = ("json", "binary")
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
@@ -49,6 +51,30 @@ def _strict_list(data, what: str, lo: int, hi: int) -> list:
     return data
 
 
+def key_from_bytes(raw: bytes, domain_bits: int) -> DpfKey:
+    """One key's bytes checked against the server's domain_bits: the one key check of both
+    encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents."""
+    expected_len = key_length(domain_bits)
+    # The length is checked against the server's domain first, so that a key sized for
+    # another domain is reported as such rather than as a bad byte inside it.
+    if len(raw) != expected_len and len(raw) >= 19 and raw[18] != domain_bits:
+        raise serializers.ValidationError(
+            f"domain_bits: expected {domain_bits} (this server's epoch), got {raw[18]} "
+            f"(a key of {len(raw)} bytes)",
+            code="domain_bits",
+        )
+    if len(raw) != expected_len:
+        raise serializers.ValidationError(
+            f"key length: expected {expected_len} bytes (35 + 18 * domain_bits "
+            f"{domain_bits}), got {len(raw)}",
+            code="key_length",
+        )
+    try:
+        return DpfKey.from_bytes(raw, expected_domain_bits=domain_bits)
+    except KeyFormatError as exc:
+        raise serializers.ValidationError(str(exc), code="key_format") from None
+
+
 class DpfKeyField(serializers.Field):
     """One DPF key as hex (with or without 0x), parsed against the server's domain_bits."""
 
@@ -74,27 +100,7 @@ class DpfKeyField(serializers.Field):
                 f"expected hex digits 0-9a-f, got {text[digits]!r} at position {digits}",
                 code="not_hex",
             )
-        raw = bytes.fromhex(text)
-        domain_bits = self.context["domain_bits"]
-        expected_len = key_length(domain_bits)
-        # The length is checked against the server's domain first, so that a key sized for
-        # another domain is reported as such rather than as a bad byte inside it.
-        if len(raw) != expected_len and len(raw) >= 19 and raw[18] != domain_bits:
-            raise serializers.ValidationError(
-                f"domain_bits: expected {domain_bits} (this server's epoch), got {raw[18]} "
-                f"(a key of {len(raw)} bytes)",
-                code="domain_bits",
-            )
-        if len(raw) != expected_len:
-            raise serializers.ValidationError(
-                f"key length: expected {expected_len} bytes (35 + 18 * domain_bits "
-                f"{domain_bits}), got {len(raw)}",
-                code="key_length",
-            )
-        try:
-            return DpfKey.from_bytes(raw, expected_domain_bits=domain_bits)
-        except KeyFormatError as exc:
-            raise serializers.ValidationError(str(exc), code="key_format") from None
+        return key_from_bytes(bytes.fromhex(text), self.context["domain_bits"])
 
     def to_representation(self, value: DpfKey) -> str:
         return to_hex(value.to_bytes())
@@ -118,6 +124,13 @@ class KeyListField(serializers.ListField):
 
 class JsonObjectSerializer(serializers.Serializer):
     """A serializer whose body must be a JSON object; anything else is named in the error."""
+
+    def validate_empty_values(self, data):
+        if data is None:  # else DRF's own words: "This field may not be null." / "No data provided"
+            raise serializers.ValidationError(
+                {"non_field_errors": [serializers.ErrorDetail("expected a JSON object, got null",
+                                                              code="null")]})
+        return super().validate_empty_values(data)
 
     def to_internal_value(self, data):
         if not isinstance(data, dict):
@@ -172,5 +185,6 @@ class EpochSerializer(serializers.Serializer):
     """`GET /epoch`: the epoch a party serves and the shape of its page PIR domain."""
 
     def to_representation(self, epoch) -> dict:
-        # The JSON shape is part of the protocol, so it is defined once, beside the Epoch.
-        return epoch.describe()
+        # The epoch's JSON shape is part of the protocol, so it is defined once, beside the
+        # Epoch; what this web server speaks is added here.
+        return {**epoch.describe(), "encodings": list(ENCODINGS)}

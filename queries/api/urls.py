@@ -1,4 +1,4 @@
-"""Routes of the PIR API (PROTOCOL.md section 5); no logic here."""
+"""Routes of the PIR API (docs/PROTOCOL.md section 5); no logic here."""
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 

@@ -5,15 +5,37 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.conf import settings
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from drf_spectacular.utils import extend_schema
 
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
-from morphoweb.openapi import BATCH_RESPONSE, EPOCH_RESPONSE, HEALTH_RESPONSE, PAGE_RESPONSE
+from morphoweb.openapi import (
+    BATCH_REQUEST,
+    BATCH_RESPONSE,
+    EPOCH_RESPONSE,
+    HEALTH_RESPONSE,
+    PAGE_REQUEST,
+    PAGE_RESPONSE,
+    binary_answer_headers,
+)
 from policies.metrics import observe_query
-from queries.api.errors import Unavailable, unavailable
+from queries.api.binary import (
+    BinaryBatchQuerySerializer,
+    JSONErrorsMixin,
+    BinaryPageQuerySerializer,
+    OctetStreamParser,
+    OctetStreamRenderer,
+    QualityNegotiation,
+    answered_queries,
+    binary_answer,
+    sent_binary,
+    state_headers,
+    wants_binary,
+)
+from queries.api.errors import StrictJSONParser, Unavailable, unavailable
 from queries.api.serializers import (
     BatchQuerySerializer,
     EpochSerializer,
@@ -31,26 +53,29 @@ class PublicAPIView(APIView):
         """(engine, the epoch the keys were checked against, validated data) or a 400."""
         engine = get_engine()
         epoch = engine.epoch
-        serializer = self.serializer_class(
+        serializer = self.serializer_class_for(request)(
             data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
         )
         serializer.is_valid(raise_exception=True)
         return engine, epoch, serializer.validated_data
 
+    def serializer_class_for(self, request):
+        """The serializer of this request's body (QueryAPIView picks one by Content-Type)."""
+        return self.serializer_class
+
 
 def answer(engine, epoch, queries):
     """Submit to the engine and wait: the answer, or 503 when it cannot come in time."""
-    try:
-        future = engine.submit(queries)
-    except ValueError:
-        # The keys were validated against `epoch`; the engine refuses them only if it switched
-        # to an epoch of another domain since. The client re-reads /epoch and retries.
-        if engine.epoch is epoch:
-            raise
-        raise Unavailable("the epoch changed while the request was validated", 1) from None
     timeout = settings.MORPHO_QUERY_TIMEOUT
     try:
-        return future.result(timeout=timeout)
+        return engine.submit(queries).result(timeout=timeout)
+    except ValueError:
+        # The keys were validated against `epoch`; the engine (here or in the engine server)
+        # refuses them only if it switched to an epoch of another domain since. The client
+        # re-reads /epoch and retries.
+        if engine.epoch.epoch_id == epoch.epoch_id:
+            raise
+        raise Unavailable("the epoch changed while the request was validated", 1) from None
     except FutureTimeout:
         # Not cancelled: the engine resolves every future it dequeued, and the answer is
         # simply dropped when it comes.
@@ -69,19 +94,22 @@ class HealthView(PublicAPIView):
             response.data = {"status": "unavailable", "detail": exc.reason}
             return response
         health = engine.health()
-        epoch = engine.epoch
         # The protocol's fields first, then everything the engine reports (backend, fallback
-        # reason, queue depth per lane, resident bytes, device memory).
-        body = {
-            "status": "ok" if health.get("running", True) else "unavailable",
-            "epoch_id": epoch.epoch_id,
-            "block_number": epoch.block_number,
-            "num_pages": epoch.matrix.num_pages,
-            "domain_bits": epoch.matrix.domain_bits,
-        }
+        # reason, queue depth per lane, resident bytes, device memory; with an engine server
+        # also its address, whether it is reachable, and whether it is still warming up).
+        if health.get("warming"):
+            status = "warming"
+        else:
+            status = "ok" if health.get("running", True) else "unavailable"
+        body = {"status": status}
+        if health.get("reachable", True):
+            epoch = engine.epoch
+            body.update(epoch_id=epoch.epoch_id, block_number=epoch.block_number,
+                        num_pages=epoch.matrix.num_pages, domain_bits=epoch.matrix.domain_bits)
         body.update({key: value for key, value in health.items() if key not in body})
-        if body["status"] != "ok":
-            response = unavailable("engine is not running", settings.MORPHO_ENGINE_RETRY_AFTER)
+        if status != "ok":
+            reason = health.get("failure") or f"engine is {status}"
+            response = unavailable(reason, settings.MORPHO_ENGINE_RETRY_AFTER)
             response.data = body
             return response
         return Response(body)
@@ -94,39 +122,64 @@ class EpochView(PublicAPIView):
 
     @extend_schema(responses=EPOCH_RESPONSE)
     def get(self, request):
-        return Response(self.serializer_class(get_engine().epoch).data)
+        engine = get_engine()
+        # the served state beside the epoch: a client compares it between the two parties
+        return Response({**self.serializer_class(engine.epoch).data,
+                         "state": engine.state.describe()})
 
 
-class PageQueryView(PublicAPIView):
+class QueryAPIView(JSONErrorsMixin, PublicAPIView):
+    """A query endpoint: JSON (hex) or binary bodies in, JSON or binary answers out."""
+
+    parser_classes = [StrictJSONParser, OctetStreamParser]
+    renderer_classes = [JSONRenderer, OctetStreamRenderer]  # JSON unless Accept asks for binary
+    content_negotiation_class = QualityNegotiation
+    accepted_content_types = "application/json or application/octet-stream"
+    binary_serializer_class: type
+
+    def serializer_class_for(self, request):
+        return self.binary_serializer_class if sent_binary(request) else self.serializer_class
+
+
+class PageQueryView(QueryAPIView):
     """`POST /query/page/gpu`: one query of three keys, three 4096-byte answers."""
 
     serializer_class = PageQuerySerializer
+    binary_serializer_class = BinaryPageQuerySerializer
     single_query = True  # errors name query 0
 
-    @extend_schema(responses=PAGE_RESPONSE)
+    @extend_schema(request=PAGE_REQUEST, responses=PAGE_RESPONSE,
+                   parameters=binary_answer_headers())
     @observe_query("/query/page/gpu")
     def post(self, request):
         engine, epoch, data = self.validated(request)
         result = answer(engine, epoch, [data["keys"]])
+        if wants_binary(request):
+            return binary_answer(result)
         body = {"epoch_id": result.epoch_id}
         body.update(PageAnswerSerializer(result.pages[0]).data)
-        return Response(body)
+        return Response(body, headers=state_headers(result.state))
 
 
-class BatchPageQueryView(PublicAPIView):
+class BatchPageQueryView(QueryAPIView):
     """`POST /query/page/gpu/batch`: 1..MORPHO_MAX_BATCH queries answered in order, one epoch."""
 
     serializer_class = BatchQuerySerializer
+    binary_serializer_class = BinaryBatchQuerySerializer
 
-    @extend_schema(responses=BATCH_RESPONSE)
-    @observe_query("/query/page/gpu/batch", queries=lambda response: len(response.data["results"]))
+    @extend_schema(request=BATCH_REQUEST, responses=BATCH_RESPONSE,
+                   parameters=binary_answer_headers())
+    @observe_query("/query/page/gpu/batch", queries=answered_queries)
     def post(self, request):
         engine, epoch, data = self.validated(request)
         queries = [query["keys"] for query in data["queries"]]
         result = answer(engine, epoch, queries)
+        if wants_binary(request):
+            return binary_answer(result)
         return Response(
             {
                 "epoch_id": result.epoch_id,
                 "results": [PageAnswerSerializer(pages).data for pages in result.pages],
-            }
+            },
+            headers=state_headers(result.state),
         )

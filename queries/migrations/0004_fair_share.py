@@ -13,7 +13,7 @@ def turns_from_creation(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('queries', '0002_chunk_claimed'),
+        ('queries', '0003_chunk_answered'),
     ]
 
     operations = [

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call for issue 11's figures: GPU tests, then HTTP through the engine server against
+# the engine alone. Run from the repo root on the device with the Django/Celery wheels in .whl:
+#   bash benchmarks/device_engine_server.sh [PAGES] [extra http_vs_engine.py options]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PAGES=${1:-65536,1048576}; shift || true
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+nproc
+if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py ${EXTRA_TESTS:-} \
+        2>&1 | tail -15 | tee "$OUT/tests.log"
+fi
+timeout 500 python3 benchmarks/http_vs_engine.py --backend cuda --pages "$PAGES" --out "$OUT/http_vs_engine.csv" --folder /tmp/hve "$@" \
+    2>&1 | tee "$OUT/bench.log"
+for f in /tmp/hve/party-*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }; done > "$OUT/party_tail.log" 2>/dev/null
+cat "$OUT/http_vs_engine.csv"

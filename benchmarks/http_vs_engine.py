@@ -1,0 +1,266 @@
+"""HTTP through the real stack against the engine alone, on one matrix, in one run (issue 11's figures).
+
+    python3 benchmarks/http_vs_engine.py --backend cuda --pages 65536,1048576 --bulk \
+        --out docs/benchmarks/http_vs_engine_h100.csv
+
+Per matrix: the engine's own capacity (full 32-query batches back to back on the backend, in this
+process); then a party started as an operator starts it (`manage.py serve_engine`, multi-process
+gunicorn, `bin/gpu-workers`, see benchmarks/stack.py) and driven by client processes apart from
+it: the first 1,000 single queries after ready (cold start), closed-loop single queries from 64
+clients, closed-loop 32-query batches, and with --bulk a 10,000-query bulk job and the
+interactive p95 at 50% load with and without a bulk job running. Every HTTP figure is a ratio to
+the engine figure of the same run. Answers over HTTP are checked against the backend's first.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.http_load import Load, closed_loop, poisson  # noqa: E402
+from benchmarks.stack import Party  # noqa: E402
+from gpu_engine.backends import create_backend  # noqa: E402
+from gpu_engine.dpf import random_keys  # noqa: E402
+from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file  # noqa: E402
+
+KEYS = 3  # per query
+COLUMNS = ("pages", "domain_bits", "figure", "http_qps", "engine_qps", "ratio", "p50_ms",
+           "p95_ms", "p99_ms", "non_200", "note")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def engine_capacity(backend_name: str, matrix_path: Path, rng) -> tuple[float, float, dict]:
+    """(q/s of 32-query batches back to back, ms of one query, {key hex: answer}) on the backend."""
+    backend = create_backend(backend_name)
+    matrix = load_matrix(matrix_path)
+    resident = backend.load(matrix)
+    d = matrix.domain_bits
+    try:
+        full = random_keys(32 * KEYS, d, rng)
+        one = random_keys(KEYS, d, rng)
+        for _ in range(3):
+            resident.answer(full)
+            resident.answer(one)
+        reps = 20
+        started = time.perf_counter()
+        for _ in range(reps):
+            resident.answer(full)
+        batch_s = (time.perf_counter() - started) / reps
+        started = time.perf_counter()
+        for _ in range(reps):
+            resident.answer(one)
+        single_s = (time.perf_counter() - started) / reps
+        check = random_keys(4 * KEYS, d, rng)
+        answers = resident.answer(check)
+        raw = check.to_bytes()
+        size = len(raw) // len(check)
+        expected = {raw[i * size:(i + 1) * size].hex(): answers[i].tobytes() for i in range(len(check))}
+    finally:
+        resident.release()
+    return 32 / batch_s, single_s * 1e3, expected
+
+
+def bodies(d: int, queries_per_body: int, count: int, rng) -> list[bytes]:
+    out = []
+    for _ in range(count):
+        raw = random_keys(queries_per_body * KEYS, d, rng).to_bytes()
+        size = len(raw) // (queries_per_body * KEYS)
+        keys = ["0x" + raw[i * size:(i + 1) * size].hex() for i in range(queries_per_body * KEYS)]
+        queries = [{"keys": keys[i * KEYS:(i + 1) * KEYS]} for i in range(queries_per_body)]
+        body = {"keys": queries[0]["keys"]} if queries_per_body == 1 else {"queries": queries}
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def check_answers(party: Party, expected: dict) -> None:
+    keys = list(expected)
+    for i in range(0, len(keys), KEYS):
+        group = keys[i:i + KEYS]
+        body = party.json("POST", "/query/page/gpu", {"keys": group})
+        for key, page in zip(group, body["pages"]):
+            if bytes.fromhex(page[2:]) != expected[key]:
+                raise SystemExit("an HTTP answer differs from the backend's answer for the same key")
+    log(f"  {len(keys)} HTTP answers equal the backend's")
+
+
+def row(pages, d, figure, load: Load | None = None, engine=None, scale=1, note="", http=None):
+    http_qps = http if http is not None else (load.rate() * scale if load else None)
+    non_200 = sum(c for s, c in load.statuses.items() if s != 200) if load else ""
+    quant = (lambda q: round(load.quantile(q) * 1e3, 2)) if load and load.latencies else (lambda q: "")
+    return {"pages": pages, "domain_bits": d, "figure": figure,
+            "http_qps": "" if http_qps is None else round(http_qps, 1),
+            "engine_qps": "" if engine is None else round(engine, 1),
+            "ratio": round(http_qps / engine, 3) if http_qps is not None and engine else "",
+            "p50_ms": quant(0.50), "p95_ms": quant(0.95), "p99_ms": quant(0.99),
+            "non_200": non_200, "note": note}
+
+
+def gpu_processes() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().replace("\n", "; ")
+    except (OSError, subprocess.SubprocessError):
+        return "no nvidia-smi"
+
+
+def mapped_by(pids: list[int], path: Path) -> list[int]:
+    """The pids among `pids` that have `path` mapped (or open), from /proc."""
+    holders = []
+    for pid in pids:
+        try:
+            if str(path) in Path(f"/proc/{pid}/maps").read_text():
+                holders.append(pid)
+        except OSError:
+            pass
+    return holders
+
+
+def bulk_job(party: Party, d: int, queries: int, rng, wait: bool = True) -> tuple[dict, float]:
+    raw = random_keys(queries * KEYS, d, rng).to_bytes()
+    size = len(raw) // (queries * KEYS)
+    hexes = [raw[i * size:(i + 1) * size].hex() for i in range(queries * KEYS)]
+    body = {"queries": [{"keys": hexes[i * KEYS:(i + 1) * KEYS]} for i in range(queries)]}
+    started = time.perf_counter()
+    job = party.json("POST", "/bulk/jobs", body)
+    while wait and job["status"] in ("queued", "running"):
+        time.sleep(0.25)
+        job = party.json("GET", f"/bulk/jobs/{job['id']}")
+    return job, time.perf_counter() - started
+
+
+def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
+    matrix = folder / f"matrix-{pages}.bin"
+    log(f"== {pages} pages: writing the matrix")
+    write_matrix_file(matrix, pages, seed=pages)
+    write_epoch_metadata(matrix)
+    d = load_matrix(matrix).domain_bits
+    capacity, single_ms, expected = engine_capacity(args.backend, matrix, rng)
+    log(f"  engine alone: {capacity:,.0f} q/s in 32-query batches, one query {single_ms:.2f} ms")
+    rows = [row(pages, d, "engine_batch32", engine=capacity, http=capacity,
+                note=f"one query alone {single_ms:.3f} ms")]
+    party = Party(matrix, folder / f"party-{pages}", args.backend, args.web_workers,
+                  bulk_workers=args.bulk, port=args.port)
+    try:
+        log(f"  party ready in {party.ready_s:.1f} s (engine server start to /health 200)")
+        check_answers(party, expected)
+        url = party.url
+        singles, batches = bodies(d, 1, 256, rng), bodies(d, 32, 16, rng)
+        cold = closed_loop(url, "/query/page/gpu", singles, args.client_procs,
+                           args.single_clients // args.client_procs, 120, limit=1000)
+        rows.append(row(pages, d, "cold_first_1000_singles", cold, capacity,
+                        note=f"ready {party.ready_s:.1f} s after serve_engine started"))
+        log(f"  first 1000: p99 {cold.quantile(0.99) * 1e3:.1f} ms, statuses {cold.statuses}")
+        single = closed_loop(url, "/query/page/gpu", singles, args.client_procs,
+                             args.single_clients // args.client_procs, args.seconds)
+        rows.append(row(pages, d, f"http_single_{args.single_clients}_clients", single, capacity))
+        log(f"  singles: {single.rate():,.0f} q/s ({single.rate() / capacity:.2f}), {single.statuses}")
+        batch = closed_loop(url, "/query/page/gpu/batch", batches, args.client_procs,
+                            max(1, args.batch_clients // args.client_procs), args.seconds)
+        rows.append(row(pages, d, f"http_batch32_{args.batch_clients}_clients", batch, capacity,
+                        scale=32))
+        log(f"  batches: {batch.rate() * 32:,.0f} q/s ({batch.rate() * 32 / capacity:.2f}), "
+            f"{batch.statuses}")
+        health = party.json("GET", "/health")
+        holders = mapped_by(party.pids(), matrix)
+        rows.append(row(pages, d, "vram_one_matrix", note=(
+            f"resident_bytes={health.get('resident_bytes')} matrix_bytes={pages * 4096} "
+            f"processes_mapping_matrix={len(holders)} of {len(party.pids())} "
+            f"gpu_processes=[{gpu_processes()}]")))
+        if args.bulk:
+            rows += bulk_rows(args, party, pages, d, capacity, single.rate(), singles, rng)
+    finally:
+        party.stop()
+    return rows
+
+
+def bulk_rows(args, party, pages, d, capacity, single_qps, singles, rng) -> list[dict]:
+    rows = []
+    job, seconds = bulk_job(party, d, args.bulk_queries, rng)
+    bulk_qps = job["answered"] / seconds
+    rows.append(row(pages, d, f"bulk_job_{args.bulk_queries}", engine=capacity, http=bulk_qps,
+                    note=f"status={job['status']} {seconds:.1f} s POST to done"))
+    log(f"  bulk job: {bulk_qps:,.0f} q/s ({bulk_qps / capacity:.2f}) {job['status']}")
+    rate = 0.5 * single_qps
+    alone = poisson(party.url, "/query/page/gpu", singles, args.client_procs, rate, args.seconds)
+    rows.append(row(pages, d, "interactive_50pct_no_bulk", alone, capacity,
+                    note=f"offered {rate:.0f} q/s"))
+    background, _ = bulk_job(party, d, args.bulk_queries * 4, rng, wait=False)
+    time.sleep(1.0)
+    during = poisson(party.url, "/query/page/gpu", singles, args.client_procs, rate, args.seconds)
+    state = party.json("GET", f"/bulk/jobs/{background['id']}")
+    if state["status"] in ("queued", "running"):
+        party.request("DELETE", f"/bulk/jobs/{background['id']}").close()
+    p95_ratio = during.quantile(0.95) / alone.quantile(0.95)
+    rows.append(row(pages, d, "interactive_50pct_with_bulk", during, capacity,
+                    note=f"p95 {p95_ratio:.2f}x without bulk; bulk answered {state['answered']} "
+                         f"of {state['total']} meanwhile ({state['status']} at the end)"))
+    log(f"  p95 at 50%: {alone.quantile(0.95) * 1e3:.1f} ms alone, "
+        f"{during.quantile(0.95) * 1e3:.1f} ms with bulk ({p95_ratio:.2f}x)")
+    return rows
+
+
+def device_name(backend: str) -> str:
+    if backend == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "cuda"
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="cuda", choices=("cpu", "cuda"))
+    parser.add_argument("--pages", default="65536,1048576")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per closed-loop or Poisson run")
+    parser.add_argument("--web-workers", type=int, default=max(2, (os.cpu_count() or 4) * 5 // 8))
+    parser.add_argument("--client-procs", type=int, default=max(1, (os.cpu_count() or 4) // 4))
+    parser.add_argument("--single-clients", type=int, default=64)
+    parser.add_argument("--batch-clients", type=int, default=16)
+    parser.add_argument("--bulk", action="store_true", help="bulk job and p95 with/without it")
+    parser.add_argument("--bulk-queries", type=int, default=10000)
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--folder", help="where matrices, databases and logs go (default: a "
+                                          "temporary folder, removed at the end)")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(11)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="morpho-bench-") as tmp:
+        folder = Path(args.folder or tmp)
+        for pages in (int(p) for p in args.pages.split(",")):
+            rows += run_shape(args, pages, folder, rng)
+    with open(args.out, "w", newline="") as fh:
+        fh.write(f"# machine: {device_name(args.backend)}; host {platform.node()} "
+                 f"cpus={os.cpu_count()}; web workers {args.web_workers} x 8 threads, "
+                 f"{args.client_procs} client processes\n")
+        fh.write(f"# command: python3 benchmarks/http_vs_engine.py "
+                 f"{' '.join(shlex.quote(a) for a in (argv or sys.argv[1:]))}\n")
+        fh.write(f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}\n")
+        writer = csv.DictWriter(fh, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

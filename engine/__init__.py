@@ -1,0 +1,1 @@
+"""The Django side of the engine server: `manage.py serve_engine` and its control operations."""

@@ -1,0 +1,27 @@
+"""`manage.py serve_engine`: the one process per GPU that owns the device and the matrix."""
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from engine.serving import serve
+
+
+class Command(BaseCommand):
+    help = ("Serve this party's engine over ZeroMQ: loads the matrix once, warms up, then answers "
+            "the web and Celery processes that set MORPHO_ENGINE_URL to the same address.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--url", default=settings.MORPHO_ENGINE_URL,
+                            help="address to bind, ipc://PATH or tcp://HOST:PORT "
+                                 "(default: MORPHO_ENGINE_URL)")
+        parser.add_argument("--no-warmup", action="store_true",
+                            help="take queries at once, compiling each batch shape on first use")
+
+    def handle(self, *args, **options):
+        url = options["url"]
+        if not url:
+            raise CommandError("no address to bind: pass --url or set MORPHO_ENGINE_URL "
+                               "(e.g. ipc:///tmp/morpho-engine.sock)")
+        warm = settings.MORPHO_ENGINE_WARMUP and not options["no_warmup"]
+        code = serve(url, warm=warm)
+        if code:
+            raise SystemExit(code)

@@ -1,0 +1,338 @@
+"""RemoteEngine: the Engine's interface in a process whose engine runs in an engine server.
+
+Web and Celery processes submit queries on a lane and get futures, read the epoch and the
+policies, and ask for health and metrics, exactly as with an in-process Engine. One I/O thread
+per process owns the DEALER socket; request threads hand it frames through a queue. The server's
+PONGs (every PING_S) keep the epoch and policies current. A server that dies is noticed at once
+(the socket's disconnect event) and one that stops answering within `deadline_s`: either way the
+requests in flight fail with EngineUnavailable (503) instead of waiting, and new ones are refused
+until the server answers again; ZeroMQ reconnects by itself when it is back.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from gpu_engine import wire
+from gpu_engine.backends.base import PAGE_BYTES
+from gpu_engine.dpf import DpfKey, KeyBatch
+from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
+from gpu_engine.matrix import Epoch, epoch_from_description
+from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.state import ServedState
+
+log = logging.getLogger(__name__)
+
+PING_S = 0.25  # seconds between pings: how stale a client's epoch and policies may be
+CONNECT_WAIT_S = 2.0  # how long the first use waits for the server's first answer
+RECONNECT_MS = 100  # ZeroMQ's reconnect interval after the server went away (ms)
+
+
+class RemoteError(RuntimeError):
+    """A control operation failed inside the engine server; the message is the server's."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class RemoteEngine:
+    """A thread-safe client of one engine server; one per process (create it after a fork)."""
+
+    def __init__(self, url: str, deadline_s: float = 5.0, context: Optional[zmq.Context] = None) -> None:
+        self.url = url
+        self.deadline_s = deadline_s
+        self.backend_name = "remote"
+        self._context = context or zmq.Context()
+        self._ids = itertools.count(1)
+        self._pending: Dict[int, Tuple[Future, Optional[Tuple[int, ...]]]] = {}
+        self._lock = threading.Lock()
+        self._outbox: Deque[List[bytes]] = deque()
+        self._wake_url = f"inproc://remote-engine-wake-{id(self)}"
+        self._wake: Optional[zmq.Socket] = None
+        self._status: Optional[dict] = None  # the last PONG's body
+        self._epoch: Optional[Epoch] = None
+        self._policies: Dict[str, BatchingPolicy] = {}
+        self._connected = False
+        self._last_heard = 0.0  # monotonic time of the last message from the server
+        self._down_reason: Optional[str] = f"engine server {url} has not answered yet"
+        self._heard = threading.Event()
+        self._stop = threading.Event()
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="remote-engine-io", daemon=True)
+        self._ready = threading.Event()
+        self._thread.start()
+        self._ready.wait(10)
+
+    # -- what callers use (the Engine's interface) ------------------------------------------
+    def wait_connected(self, timeout: float = CONNECT_WAIT_S) -> bool:
+        return self._heard.wait(timeout)
+
+    @property
+    def running(self) -> bool:
+        status = self._status
+        return (self._down_reason is None and status is not None and status["running"]
+                and not status["warming"])
+
+    @property
+    def failure(self) -> Optional[str]:
+        if self._down_reason is not None:
+            return self._down_reason
+        status = self._status or {}
+        if status.get("warming"):
+            return "the engine server is warming up"
+        return status.get("failure")
+
+    @property
+    def epoch(self) -> Epoch:
+        self._check_up(allow_warming=True)
+        assert self._epoch is not None
+        return self._epoch
+
+    @property
+    def state(self) -> ServedState:
+        """The engine server's state as of its last PONG (answers carry their own)."""
+        self._check_up(allow_warming=True)
+        return ServedState.from_description(self._status["state"])
+
+    def policies(self) -> Dict[str, BatchingPolicy]:
+        self._check_up(allow_warming=True)
+        return dict(self._policies)
+
+    def submit(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive") -> "Future[BatchAnswer]":
+        """Queue queries of equal key counts on `lane`; the future holds their answers."""
+        if not queries or any(not q for q in queries):
+            raise ValueError("a request needs at least one query, and each query at least one key")
+        per_query = len(queries[0])
+        if any(len(q) != per_query for q in queries):
+            raise ValueError("every query of one request must carry the same number of keys")
+        raw = b"".join(key.to_bytes() for query in queries for key in query)
+        return self._submit_raw(raw, queries[0][0].domain_bits, per_query, len(queries), lane)
+
+    def submit_keys(self, keys: KeyBatch, query_keys: Sequence[int],
+                    lane: str = "interactive") -> "Future[BatchAnswer]":
+        per_query = query_keys[0]
+        if any(count != per_query for count in query_keys) or per_query * len(query_keys) != len(keys):
+            raise ValueError(f"{len(keys)} keys do not split into equal queries of {list(query_keys)}")
+        return self._submit_raw(keys.to_bytes(), keys.domain_bits, per_query, len(query_keys), lane)
+
+    def answer(self, queries, lane: str = "interactive", timeout: Optional[float] = None) -> BatchAnswer:
+        return self.submit(queries, lane).result(timeout)
+
+    def health(self) -> dict:
+        """The engine server's health, plus whether it is reachable from here."""
+        try:
+            data = self.call("health", timeout=min(self.deadline_s, 2.0))
+        except (EngineUnavailable, RemoteError) as exc:
+            return {"running": False, "reachable": False, "failure": str(exc), "engine_url": self.url,
+                    "backend": "unknown", "queue_depth": {}}
+        data["reachable"] = True
+        return data
+
+    def snapshot(self) -> dict:
+        return self.call("snapshot", timeout=min(self.deadline_s, 2.0))
+
+    def call(self, op: str, timeout: Optional[float] = None, **args: Any) -> Any:
+        """Run a control operation in the engine server and wait for its result."""
+        self._check_up(allow_warming=True)
+        future = self._send([wire.CONTROL, None, wire.dumps({"op": op, "args": args})], None)
+        try:
+            reply = future.result(timeout if timeout is not None else self.deadline_s)
+        except TimeoutError:
+            raise EngineUnavailable(f"engine server {self.url} did not answer {op!r} within "
+                                    f"{timeout} s", retry_after=5) from None
+        if "error" in reply:
+            raise RemoteError(reply["error"], reply.get("kind", ""))
+        return reply["result"]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._fail_all("engine client stopped")
+
+    # -- internals --------------------------------------------------------------------------
+    def _check_up(self, allow_warming: bool = False) -> None:
+        if self._status is None and self._down_reason is not None:
+            self._heard.wait(CONNECT_WAIT_S)  # a fresh process: give the first PONG a moment
+        if self._down_reason is not None:
+            raise EngineUnavailable(self._down_reason, retry_after=2)
+        status = self._status or {}
+        if not allow_warming and status.get("warming"):
+            raise EngineUnavailable("the engine server is warming up", retry_after=2)
+
+    def _submit_raw(self, raw: bytes, domain_bits: int, per_query: int, queries: int,
+                    lane: str) -> "Future[BatchAnswer]":
+        self._check_up()
+        epoch = self._epoch
+        if epoch is not None and domain_bits != epoch.matrix.domain_bits:
+            raise ValueError(f"keys have domain_bits {domain_bits}, the epoch has "
+                             f"{epoch.matrix.domain_bits}")
+        header = wire.pack_query(lane, domain_bits, per_query, queries)
+        return self._send([wire.QUERY, None, header, raw], (per_query,) * queries)
+
+    def _send(self, frames: List[Any], query_keys: Optional[Tuple[int, ...]]) -> Future:
+        future: Future = Future()
+        rid = next(self._ids)
+        frames[1] = wire.pack_id(rid)
+        with self._lock:
+            self._pending[rid] = (future, query_keys)
+            self._outbox.append(frames)
+            if self._wake is None:
+                self._wake = self._context.socket(zmq.PUSH)
+                self._wake.connect(self._wake_url)
+            self._wake.send(b"", zmq.NOBLOCK)
+        return future
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._outbox.clear()
+        for future, _ in pending:
+            settle(future, error=EngineUnavailable(reason, retry_after=2))
+
+    def _mark_down(self, reason: str) -> None:
+        if self._down_reason is None:
+            log.warning("engine server unavailable: %s", reason)
+        self._down_reason = reason
+        self._heard.clear()
+        self._fail_all(reason)
+
+    def _run(self) -> None:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a server that is not there
+        dealer.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        dealer.setsockopt(zmq.SNDHWM, 100_000)
+        dealer.setsockopt(zmq.RCVHWM, 100_000)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        wake = self._context.socket(zmq.PULL)
+        wake.bind(self._wake_url)
+        dealer.connect(self.url)
+        poller = zmq.Poller()
+        for sock in (dealer, monitor, wake):
+            poller.register(sock, zmq.POLLIN)
+        self._ready.set()
+        last_ping = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now - last_ping >= PING_S and self._connected:
+                    self._send_now(dealer, [wire.PING, wire.pack_id(0)])
+                    last_ping = now
+                timeout_ms = max(1, int((last_ping + PING_S - now) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                if monitor in events:
+                    self._on_monitor(monitor, dealer)
+                    last_ping = 0.0 if self._connected else last_ping
+                if wake in events:
+                    wire.drain(wake)
+                while self._outbox:
+                    try:
+                        frames = self._outbox.popleft()
+                    except IndexError:
+                        break
+                    if not self._send_now(dealer, frames):
+                        self._resolve_error(frames[1], "engine server is not connected")
+                if dealer in events:
+                    for _ in range(256):
+                        try:
+                            frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_reply(frames)
+                self._check_deadline()
+        finally:
+            dealer.disable_monitor()
+            for sock in (monitor, dealer, wake):
+                sock.close(0)
+            with self._lock:
+                if self._wake is not None:
+                    self._wake.close(0)
+                    self._wake = None
+
+    @staticmethod
+    def _send_now(dealer: zmq.Socket, frames: List[Any]) -> bool:
+        try:
+            dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def _resolve_error(self, rid_frame: bytes, reason: str) -> None:
+        with self._lock:
+            entry = self._pending.pop(wire.unpack_id(rid_frame), None)
+        if entry is not None:
+            settle(entry[0], error=EngineUnavailable(reason, retry_after=2))
+
+    def _on_monitor(self, monitor: zmq.Socket, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connected = True
+                self._last_heard = time.monotonic()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._mark_down(f"engine server {self.url} went away (connection lost)")
+
+    def _check_deadline(self) -> None:
+        # A server that stopped answering (SIGSTOP, a hung host) keeps its socket open: only
+        # silence past the deadline shows it. PINGs every PING_S keep a live server talking.
+        if self._down_reason is None and time.monotonic() - self._last_heard > self.deadline_s:
+            self._mark_down(f"engine server {self.url} did not answer for {self.deadline_s:g} s")
+
+    def _on_reply(self, frames) -> None:
+        self._last_heard = time.monotonic()
+        kind = frames[0].bytes
+        if kind == wire.PONG:
+            status = wire.loads(frames[2].bytes)
+            epoch = self._epoch
+            if epoch is None or status["epoch"] != getattr(self, "_epoch_json", None):
+                self._epoch = epoch_from_description(status["epoch"])
+                self._epoch_json = status["epoch"]
+            self._policies = wire.policies_from_json(status["policies"])
+            self._status = status
+            if self._down_reason is not None:
+                log.info("engine server %s answers (%s before)", self.url, self._down_reason)
+            self._down_reason = None
+            self._heard.set()
+            return
+        rid = wire.unpack_id(frames[1].bytes)
+        with self._lock:
+            entry = self._pending.pop(rid, None)
+        if entry is None:
+            return  # failed already (deadline, disconnect): the late answer is dropped
+        future, query_keys = entry
+        if kind == wire.ANSWER:
+            answers = frames[3].buffer
+            state, keys = wire.unpack_answer(frames[2].bytes, len(answers))
+            array = np.frombuffer(answers, dtype=np.uint8).reshape(keys, PAGE_BYTES)
+            settle(future, BatchAnswer(state.epoch_id, array, query_keys, state))
+        elif kind == wire.RESULT:
+            settle(future, wire.loads(frames[2].bytes))
+        elif kind == wire.ERROR:
+            body = wire.loads(frames[2].bytes)
+            settle(future, error=_error(body))
+        else:
+            settle(future, error=EngineUnavailable(f"engine server sent message kind {kind!r}"))
+
+
+def _error(body: dict) -> Exception:
+    if body["kind"] == wire.OVERLOADED:
+        return EngineOverloaded(body["reason"], retry_after=body["retry_after"])
+    if body["kind"] == wire.INVALID:
+        return ValueError(body["reason"])
+    return EngineUnavailable(body["reason"], retry_after=body["retry_after"])

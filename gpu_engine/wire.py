@@ -1,0 +1,113 @@
+"""The engine server's binary protocol over ZeroMQ: message kinds, frame layouts, pack and unpack.
+
+A client (DEALER) sends multipart messages `[kind, request_id, ...]`; the server (ROUTER) answers
+each with `[kind, request_id, ...]`. Keys and answers travel as raw bytes: no hex, no JSON on the
+query path. Control messages (health, metrics, epoch switches) carry small JSON bodies.
+
+| kind | direction | frames after [kind, id] |
+|---|---|---|
+| QUERY  | client -> server | header `<BBBI` (lane index, domain_bits, keys per query, queries), keys |
+| ANSWER | server -> client | header `<QIQ32s` (epoch_id, keys, rows written, their digest: the served state), answers (4096 bytes per key, in order) |
+| ERROR  | server -> client | JSON {"kind": overloaded/unavailable/invalid, "reason", "retry_after"} |
+| CONTROL | client -> server | JSON {"op", "args"} |
+| RESULT | server -> client | JSON {"result"} or {"error", "kind"} |
+| PING / PONG | both | - / JSON status: epoch, state, running, warming, failure, policies |
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict
+from typing import Any, Dict, Mapping, Tuple
+
+import zmq
+
+from gpu_engine.backends.base import PAGE_BYTES
+from gpu_engine.scheduler import LANES, BatchingPolicy
+from gpu_engine.state import ServedState
+
+QUERY = b"Q"
+ANSWER = b"A"
+ERROR = b"E"
+CONTROL = b"C"
+RESULT = b"R"
+PING = b"P"
+PONG = b"O"
+
+_QUERY_HEADER = struct.Struct("<BBBI")
+_ANSWER_HEADER = struct.Struct("<QIQ32s")
+_ID = struct.Struct("<Q")
+
+# ERROR kinds, mapped to the engine's exceptions on the client side
+OVERLOADED, UNAVAILABLE, INVALID = "overloaded", "unavailable", "invalid"
+
+
+class WireError(ValueError):
+    """A message that does not follow this protocol (a bug or a foreign peer), not a user error."""
+
+
+def drain(sock: zmq.Socket) -> None:
+    """Read every pending wake-up from `sock` (empty messages that say "the outbox has frames")."""
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+def pack_id(request_id: int) -> bytes:
+    return _ID.pack(request_id)
+
+
+def unpack_id(frame: bytes) -> int:
+    if len(frame) != _ID.size:
+        raise WireError(f"request id frame is {len(frame)} bytes, expected {_ID.size}")
+    return _ID.unpack(frame)[0]
+
+
+def pack_query(lane: str, domain_bits: int, keys_per_query: int, queries: int) -> bytes:
+    if lane not in LANES:
+        raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
+    return _QUERY_HEADER.pack(LANES.index(lane), domain_bits, keys_per_query, queries)
+
+
+def unpack_query(header: bytes, keys_len: int, key_length) -> Tuple[str, int, Tuple[int, ...]]:
+    """(lane, domain_bits, keys per query) of a QUERY, checked against the key bytes' length."""
+    if len(header) != _QUERY_HEADER.size:
+        raise WireError(f"query header is {len(header)} bytes, expected {_QUERY_HEADER.size}")
+    lane_index, domain_bits, per_query, queries = _QUERY_HEADER.unpack(header)
+    if lane_index >= len(LANES) or per_query < 1 or queries < 1:
+        raise WireError(f"query header names lane {lane_index}, {per_query} keys per query, "
+                        f"{queries} queries")
+    expected = queries * per_query * key_length(domain_bits)
+    if keys_len != expected:
+        raise WireError(f"{keys_len} key bytes, the header promises {queries} x {per_query} keys "
+                        f"of {key_length(domain_bits)} bytes = {expected}")
+    return LANES[lane_index], domain_bits, (per_query,) * queries
+
+
+def pack_answer(state: ServedState, keys: int) -> bytes:
+    return _ANSWER_HEADER.pack(state.epoch_id, keys, state.updates, state.digest)
+
+
+def unpack_answer(header: bytes, answers_len: int) -> Tuple[ServedState, int]:
+    epoch_id, keys, updates, digest = _ANSWER_HEADER.unpack(header)
+    if answers_len != keys * PAGE_BYTES:
+        raise WireError(f"{answers_len} answer bytes for {keys} keys of {PAGE_BYTES} bytes")
+    return ServedState(epoch_id, updates, digest), keys
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def loads(frame) -> Any:
+    return json.loads(bytes(frame))
+
+
+def policies_to_json(policies: Mapping[str, BatchingPolicy]) -> Dict[str, dict]:
+    return {lane: asdict(policy) for lane, policy in policies.items()}
+
+
+def policies_from_json(data: Mapping[str, Mapping[str, Any]]) -> Dict[str, BatchingPolicy]:
+    return {lane: BatchingPolicy(**fields) for lane, fields in data.items()}

@@ -1,0 +1,21 @@
+"""gunicorn's settings for `gunicorn morphoweb.wsgi` run from the repository (or the image's /app).
+
+Web processes are thin clients of the engine server when MORPHO_ENGINE_URL is set, so there are
+as many as the machine has cores; without an engine server each process would load its own copy
+of the matrix, so there is one. Options on the command line override these.
+"""
+import os
+
+_engine_server = bool(os.environ.get("MORPHO_ENGINE_URL", "").strip())
+# web worker processes (MORPHO_WEB_WORKERS; default: the core count with an engine server, else 1)
+workers = int(os.environ.get("MORPHO_WEB_WORKERS") or ((os.cpu_count() or 1) if _engine_server else 1))
+# request threads per worker process (MORPHO_WEB_THREADS): each waits on the engine for its answer
+threads = int(os.environ.get("MORPHO_WEB_THREADS") or 8)
+worker_class = "gthread"
+# seconds a worker may stay silent before the master restarts it (a long query waits up to
+# MORPHO_QUERY_TIMEOUT, 60 s by default)
+timeout = 120
+# No shared control socket under ~/.gunicorn: several parties on one host would delete each
+# other's. `make run` gives each party its own under its state folder.
+control_socket_disable = not os.environ.get("MORPHO_GUNICORN_CONTROL_SOCKET")
+control_socket = os.environ.get("MORPHO_GUNICORN_CONTROL_SOCKET") or "gunicorn.ctl"

@@ -1,0 +1,223 @@
+"""The binary encoding of the query API (docs/PROTOCOL.md section 5.3): raw key bytes in, raw
+answers out, errors still JSON; the key checks are the JSON path's own (key_from_bytes)."""
+from __future__ import annotations
+
+import math
+
+from django.conf import settings
+from django.utils.http import parse_header_parameters
+from rest_framework import exceptions, serializers
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.parsers import BaseParser
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.response import Response
+from rest_framework.utils.mediatypes import media_type_matches
+
+from gpu_engine.dpf import DpfKey, key_length
+from gpu_engine.matrix import PAGE_BYTES
+from queries.api.serializers import KEYS_PER_QUERY, key_from_bytes
+
+OCTET_STREAM = "application/octet-stream"
+EPOCH_HEADER = "X-Morpho-Epoch-Id"  # the epoch all answers of a binary response were computed on
+QUERIES_HEADER = "X-Morpho-Queries"  # how many queries a binary response answers
+# the served state of an answer, JSON or binary (docs/PROTOCOL.md section 6): rows written over the
+# epoch and their digest, which a client compares between the two parties before it XORs
+UPDATES_HEADER = "X-Morpho-State-Updates"
+DIGEST_HEADER = "X-Morpho-State-Digest"
+# Bulk results may span epochs (each chunk is answered within one): all of them, and which
+# queries each answered as `first-last=epoch_id`, comma-separated.
+EPOCH_IDS_HEADER = "X-Morpho-Epoch-Ids"
+EPOCH_RANGES_HEADER = "X-Morpho-Epoch-Ranges"
+ANSWER_BYTES = KEYS_PER_QUERY * PAGE_BYTES  # one query's three answers: 12,288 bytes
+
+
+class OctetStreamParser(BaseParser):
+    """A binary body: keys concatenated, three per query (read whole; the body limit bounds it)."""
+
+    media_type = OCTET_STREAM
+
+    def parse(self, stream, media_type=None, parser_context=None) -> bytes:
+        return stream.read()
+
+
+class OctetStreamRenderer(BaseRenderer):
+    """Answers as raw bytes, for clients whose Accept asks for application/octet-stream."""
+
+    media_type = OCTET_STREAM
+    format = "binary"
+    charset = None
+    render_style = "binary"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None) -> bytes:
+        return data
+
+
+class QualityNegotiation(DefaultContentNegotiation):
+    """DRF's negotiation, but where the client gives q-values they rank the renderers: each
+    renderer gets the q of the most specific media range it matches, the highest wins (ties: the
+    more specific range, then the renderer order, JSON first). So `application/octet-stream,
+    application/json;q=0.5` answers binary and `application/octet-stream;q=0.2, */*` JSON, where
+    DRF alone ignores q. Without q-values this is exactly DRF's choice."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        tokens = self.get_accept_list(request)  # DRF's own bounded tokenizer
+        if (format_suffix or request.query_params.get(self.settings.URL_FORMAT_OVERRIDE)
+                or not any("q=" in token for token in tokens)):
+            return super().select_renderer(request, renderers, format_suffix)
+        ranges = []
+        for token in tokens:
+            try:
+                media, params = parse_header_parameters(token)
+                quality = float(params.get("q", 1))
+            except ValueError:
+                continue
+            main, _, sub = media.partition("/")
+            specific = 0 if main == "*" else 1 if sub == "*" else 2 + any(k != "q" for k in params)
+            ranges.append((token, quality if math.isfinite(quality) else 0.0, specific))
+        best = None
+        for order, renderer in enumerate(renderers):
+            matches = [(specific, quality, token) for token, quality, specific in ranges
+                       if media_type_matches(renderer.media_type, token)]
+            if not matches:
+                continue
+            specific, quality, token = max(matches, key=lambda match: match[0])
+            rank = (quality, specific, -order)
+            if quality > 0 and (best is None or rank > best[0]):
+                media = token if specific >= 2 else renderer.media_type
+                best = (rank, renderer, media)
+        if best is None:
+            raise exceptions.NotAcceptable(available_renderers=renderers)
+        return best[1], best[2]
+
+
+def sent_binary(request) -> bool:
+    """Whether the request's body goes to the binary parser (the parser DRF itself picks)."""
+    parser = request.negotiator.select_parser(request, request.parsers)
+    return isinstance(parser, OctetStreamParser)
+
+
+def wants_binary(request) -> bool:
+    """Whether content negotiation chose binary answers for this request."""
+    return isinstance(getattr(request, "accepted_renderer", None), OctetStreamRenderer)
+
+
+def body_bytes(data) -> bytes:
+    # DRF skips the parser for an empty body and hands an empty dict instead.
+    return data if isinstance(data, (bytes, bytearray)) else b""
+
+
+def query_bytes(domain_bits: int) -> int:
+    """Bytes of one query in a binary body: three keys of 35 + 18 * domain_bits bytes."""
+    return KEYS_PER_QUERY * key_length(domain_bits)
+
+
+def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool = False,
+               limit_setting: str = "") -> int:
+    """The number of queries in a binary body, or a ValidationError naming the length or count."""
+    size = query_bytes(domain_bits)
+    shape = (f"{KEYS_PER_QUERY} keys of {key_length(domain_bits)} bytes: 35 + 18 * domain_bits "
+             f"{domain_bits}")
+    if single and len(raw) != size:
+        message = f"expected {size} bytes (one query, {shape}), got {len(raw)}"
+    elif len(raw) % size:
+        message = (f"expected a multiple of {size} bytes (one query is {shape}), "
+                   f"got {len(raw)}")
+    else:
+        count = len(raw) // size
+        if not lo <= count <= hi:
+            setting = f" ({limit_setting})" if limit_setting else ""
+            raise serializers.ValidationError({"queries": [serializers.ErrorDetail(
+                f"expected {lo} to {hi} queries{setting}, got {count}", code="count")]})
+        return count
+    if len(raw) > 18 and raw[18] != domain_bits:
+        # The likeliest cause: keys made for another epoch's domain.
+        message += (f"; the first key's domain_bits byte is {raw[18]}, this server's epoch has "
+                    f"domain_bits {domain_bits}")
+    raise serializers.ValidationError(
+        {"body": [serializers.ErrorDetail(message, code="body_length")]})
+
+
+def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[DpfKey], dict]:
+    """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key."""
+    length = key_length(domain_bits)
+    keys: list[DpfKey] = []
+    errors: dict = {}
+    for key in range(KEYS_PER_QUERY):
+        start = (index * KEYS_PER_QUERY + key) * length
+        try:
+            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits))
+        except serializers.ValidationError as exc:
+            (detail,) = exc.detail
+            errors[key] = [serializers.ErrorDetail(
+                f"{detail} (body bytes {start} to {start + length - 1})", code=detail.code)]
+    return keys, errors
+
+
+def binary_queries(raw: bytes, domain_bits: int, lo: int, hi: int,
+                   single: bool) -> list[list[DpfKey]]:
+    """Every query's three keys, or one ValidationError naming each bad query and key."""
+    count = check_body(raw, domain_bits, lo, hi, single=single)
+    queries: list[list[DpfKey]] = []
+    errors: dict = {}
+    for index in range(count):
+        keys, bad = parse_query(raw, index, domain_bits)
+        if bad:
+            errors[index] = {"keys": bad}
+        queries.append(keys)
+    if errors:
+        # The JSON serializers' shapes, so the errors flatten to the same fields and indices.
+        raise serializers.ValidationError(errors[0] if single else {"queries": errors})
+    return queries
+
+
+class BinaryPageQuerySerializer(serializers.BaseSerializer):
+    """One query as 3 raw keys; validated data as PageQuerySerializer's: `{"keys": [...]}`."""
+
+    def to_internal_value(self, data) -> dict:
+        raw = body_bytes(data)
+        (keys,) = binary_queries(raw, self.context["domain_bits"], 1, 1, single=True)
+        return {"keys": keys}
+
+
+class BinaryBatchQuerySerializer(serializers.BaseSerializer):
+    """1 to MORPHO_MAX_BATCH queries of 3 raw keys; validated data as BatchQuerySerializer's."""
+
+    def to_internal_value(self, data) -> dict:
+        raw = body_bytes(data)
+        queries = binary_queries(raw, self.context["domain_bits"], 1, settings.MORPHO_MAX_BATCH,
+                                 single=False)
+        return {"queries": [{"keys": keys} for keys in queries]}
+
+
+def state_headers(state) -> dict:
+    """The served state of an answer as headers, in either encoding (a JSON body stays as it was)."""
+    return {UPDATES_HEADER: str(state.updates), DIGEST_HEADER: "0x" + state.digest.hex()}
+
+
+def binary_answer(result) -> Response:
+    """A binary response: every query's three 4096-byte answers concatenated in request order,
+    the epoch, count and served state in headers (result: the engine's BatchAnswer)."""
+    return Response(result.answers.tobytes(), content_type=OCTET_STREAM, headers={
+        EPOCH_HEADER: str(result.epoch_id), QUERIES_HEADER: str(len(result.query_keys)),
+        **state_headers(result.state)})
+
+
+def answered_queries(response) -> int:
+    """Queries a successful batch response answers, in either encoding (for the metrics)."""
+    if isinstance(response.data, (bytes, bytearray)):
+        return len(response.data) // ANSWER_BYTES
+    return len(response.data["results"])
+
+
+class JSONErrorsMixin:
+    """For views that speak both encodings: errors are JSON even where binary answers were asked."""
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        response = super().finalize_response(request, response, *args, **kwargs)
+        if (isinstance(response, Response)
+                and isinstance(response.accepted_renderer, OctetStreamRenderer)
+                and not isinstance(response.data, (bytes, bytearray))):
+            # A 4xx or 503 (a dict) renders as JSON: a client that asked for bytes still reads why.
+            response.accepted_renderer = JSONRenderer()
+            response.accepted_media_type = JSONRenderer.media_type
+        return response

@@ -1,0 +1,162 @@
+"""The Docker image's Python environment, without a Docker daemon: the Dockerfile's own install step
+run into a clean venv (a real install of the CPU image; a resolution, `pip install --dry-run`, of
+the CUDA images, whose toolkit wheels are gigabytes), and where a GPU is present a real install of
+the CUDA image's set whose NVRTC compiles a kernel. Needs PyPI (pip's cache helps)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_security_compose import compose
+
+DOCKERFILE = REPO / "Dockerfile"
+# Installs from PyPI: minutes on a cold cache, more than the suite's 600 s default allows.
+pytestmark = pytest.mark.timeout(3600)
+
+
+def install_step() -> str:
+    """The Dockerfile's RUN instruction that installs the requirements, continuations joined."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    steps = [line[4:] for line in text.splitlines()
+             if line.startswith("RUN ") and "pip install" in line]
+    assert len(steps) == 1, steps
+    return steps[0]
+
+
+def requirement(extras: str) -> str:
+    """The requirement string of the install step for build arg MORPHO_EXTRAS=extras, expanded by
+    sh as Docker's RUN expands it."""
+    match = re.search(r'pip install --no-cache-dir ("[^"]+")', install_step())
+    assert match, install_step()
+    done = subprocess.run(["sh", "-c", f"printf %s {match.group(1)}"], capture_output=True,
+                          text=True, check=True, env={"MORPHO_EXTRAS": extras})
+    return done.stdout
+
+
+def build_context(root: Path) -> Path:
+    """What the image has when the install step runs: `COPY pyproject.toml README.md ./`."""
+    assert "\nCOPY pyproject.toml README.md ./\n" in DOCKERFILE.read_text()
+    context = root / "app"
+    context.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, context / name)
+    return context
+
+
+def make_venv(path: Path) -> Path:
+    venv.EnvBuilder(with_pip=True, clear=True).create(path)
+    return path / "bin"
+
+
+def pip_env(bin_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(bin_dir.parent)
+    return env
+
+
+def test_the_build_arg_follows_compose_semantics():
+    # ${MORPHO_IMAGE_EXTRAS-cuda13}: unset gives cuda13, set to empty gives a CPU-only image.
+    base = {"POSTGRES_PASSWORD": "x", "PARTY_A_SECRET_KEY": "x", "PARTY_B_SECRET_KEY": "x"}
+    for env, extras in (({}, "cuda13"), ({"MORPHO_IMAGE_EXTRAS": ""}, ""),
+                        ({"MORPHO_IMAGE_EXTRAS": "cuda12"}, "cuda12")):
+        config = compose({**base, **env})
+        built = {name: svc["build"]["args"]["MORPHO_EXTRAS"]
+                 for name, svc in config["services"].items() if "build" in svc}
+        assert built and set(built.values()) == {extras}, built
+    assert requirement("") == "."
+    assert requirement("cuda13") == ".[cuda13]"
+
+
+@pytest.fixture(scope="module")
+def cpu_image(tmp_path_factory):
+    """A clean venv after the Dockerfile's install step with MORPHO_EXTRAS="" (the CPU image)."""
+    root = tmp_path_factory.mktemp("image")
+    bin_dir = make_venv(root / "venv")
+    context = build_context(root)
+    # The step exactly, but with pip's cache: --no-cache-dir only keeps the image small.
+    step = install_step().replace("--no-cache-dir ", "")
+    done = subprocess.run(["sh", "-c", step], cwd=context, capture_output=True, text=True,
+                          timeout=1200, check=False, env={**pip_env(bin_dir), "MORPHO_EXTRAS": ""})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return bin_dir, context
+
+
+def test_the_cpu_image_installs_and_runs_the_project(cpu_image, tmp_path):
+    bin_dir, context = cpu_image
+    assert sorted(p.name for p in context.iterdir()) == ["README.md", "pyproject.toml"]
+    listed = subprocess.run([bin_dir / "python", "-m", "pip", "list", "--format=json"],
+                            capture_output=True, text=True, check=True, env=pip_env(bin_dir))
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert {"django", "djangorestframework", "celery", "numpy", "gunicorn", "psycopg"} <= names
+    assert "morphoweb" not in names  # the code is copied in afterwards, not installed
+    assert not any(name.startswith(("cupy", "nvidia-")) for name in names)
+    # The project's code on that environment, as the image runs it (the code is copied to /app).
+    env = {**pip_env(bin_dir), "PYTHONPATH": str(REPO), "MORPHO_VAR_DIR": str(tmp_path),
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
+    for args in (["manage.py", "check"], ["manage.py", "migrate", "--no-input", "-v0"]):
+        done = subprocess.run([bin_dir / "python", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, check=False, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("extras, cupy, nvrtc, major", [
+    ("cuda13", "cupy-cuda13x", "nvidia-cuda-nvrtc", "13"),
+    ("cuda12", "cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "12"),
+])
+def test_a_cuda_image_brings_nvrtc(cpu_image, tmp_path, extras, cupy, nvrtc, major):
+    bin_dir, _ = cpu_image
+    context = build_context(tmp_path)
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [bin_dir / "python", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), requirement(extras)],
+        cwd=context, capture_output=True, text=True, timeout=1200, check=False,
+        env=pip_env(bin_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    versions = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+                for item in json.loads(report.read_text())["install"]}
+    assert cupy in versions and versions[cupy].split(".")[0] == "14"
+    assert versions.get(nvrtc, "").split(".")[0] == major, sorted(versions)
+
+
+@pytest.mark.gpu
+def test_the_cuda_image_compiles_a_kernel_with_its_own_nvrtc(tmp_path):
+    # MORPHO_TEST_IMAGE_EXTRAS=cuda12 on a host whose driver predates CUDA 13.
+    extras = os.environ.get("MORPHO_TEST_IMAGE_EXTRAS", "cuda13")
+    bin_dir = make_venv(tmp_path / "venv")
+    context = build_context(tmp_path)
+    step = install_step().replace("--no-cache-dir ", "")
+    done = subprocess.run(["sh", "-c", step], cwd=context, capture_output=True, text=True,
+                          timeout=3600, check=False,
+                          env={**pip_env(bin_dir), "MORPHO_EXTRAS": extras})
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = (
+        "from cupy_backends.cuda.libs import nvrtc\n"
+        "import cupy\n"
+        "print('nvrtc', nvrtc.getVersion())\n"
+        "kernel = cupy.RawKernel(\n"
+        "    r'extern \"C\" __global__ void seven(int* x) { x[0] = 7; }', 'seven')\n"
+        "x = cupy.zeros(1, dtype=cupy.int32)\n"
+        "kernel((1,), (1,), (x,))\n"
+        "print('value', int(x[0]))\n"
+        "maps = open('/proc/self/maps').read().splitlines()\n"
+        "print('libs', sorted({line.split()[-1] for line in maps if 'nvrtc' in line}))\n"
+    )
+    # No system CUDA on the paths: what compiles is what the image's wheels brought.
+    env = {k: v for k, v in pip_env(bin_dir).items()
+           if k not in ("CUDA_PATH", "CUDA_HOME", "LD_LIBRARY_PATH")}
+    ran = subprocess.run([bin_dir / "python", "-c", probe], capture_output=True, text=True,
+                         timeout=600, check=False, env=env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "value 7" in ran.stdout
+    libs = ran.stdout.split("libs ", 1)[1]
+    assert str(tmp_path / "venv") in libs, ran.stdout

@@ -1,0 +1,158 @@
+"""One active policy per lane, whatever changes lane or active: the model, the database, the admin."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+
+from policies.bridge import LivePolicies
+from policies.models import BatchingPolicy
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "/admin/policies/batchingpolicy/"
+FORM_FIELDS = ("name", "lane", "mode", "max_batch", "window_us", "adaptive_threshold", "micro_batch",
+               "streams", "p95_target_ms", "safety_margin", "max_queue", "queue_timeout_ms",
+               "max_starvation_ms", "notes")
+
+
+def actives() -> dict[str, str]:
+    return dict(BatchingPolicy.objects.filter(active=True).values_list("lane", "name"))
+
+
+DEFAULT_ACTIVES = {"interactive": "interactive-latency", "bulk": "bulk-throughput"}
+
+
+@pytest.fixture
+def staff(client, django_user_model):
+    client.force_login(django_user_model.objects.create_superuser("ops", "ops@example.org", "pw"))
+    return client
+
+
+def form_of(policy: BatchingPolicy, **changes) -> dict:
+    values = {name: getattr(policy, name) for name in FORM_FIELDS}
+    values.update(changes)
+    return values
+
+
+# -- the model -----------------------------------------------------------------------------------
+def test_moving_the_active_policy_to_another_lane_is_refused_saying_what_would_happen():
+    slo = BatchingPolicy.objects.get(name="interactive-slo")
+    slo.activate()
+    slo.lane = "bulk"
+    expected = ("interactive-slo is the active interactive policy: moving it to bulk would leave the "
+                "interactive lane without a policy and replace bulk-throughput as the bulk policy. "
+                "Activate another interactive policy first, then move this one.")
+    with pytest.raises(ValidationError) as caught:
+        slo.full_clean()
+    assert caught.value.message_dict == {"lane": [expected]}
+    with pytest.raises(ValidationError) as caught:
+        slo.save()  # callers that skip full_clean() are refused too
+    assert caught.value.message_dict == {"lane": [expected]}
+    assert actives() == {"interactive": "interactive-slo", "bulk": "bulk-throughput"}
+
+
+def test_moving_into_a_lane_without_an_active_policy_says_so():
+    latency = BatchingPolicy.objects.get(name="interactive-latency")
+    # A database written around the model (raw SQL) may have a lane with no active record.
+    BatchingPolicy.objects.filter(lane="bulk").update(active=False)
+    latency.lane = "bulk"
+    with pytest.raises(ValidationError, match="and make it the bulk policy"):
+        latency.full_clean()
+
+
+def test_deactivating_the_active_policy_by_saving_is_refused():
+    latency = BatchingPolicy.objects.get(name="interactive-latency")
+    latency.active = False
+    with pytest.raises(ValidationError) as caught:
+        latency.save()
+    assert caught.value.message_dict == {"active": [
+        "interactive-latency is the active interactive policy: deactivating it would leave the "
+        "interactive lane without a policy. Activate another interactive policy instead; that "
+        "deactivates this one."]}
+    assert actives() == DEFAULT_ACTIVES
+
+
+def test_an_inactive_policy_may_move_and_then_be_activated_there():
+    spare = BatchingPolicy.objects.get(name="interactive-throughput")
+    spare.lane = "bulk"
+    spare.full_clean()
+    spare.save()
+    assert actives() == DEFAULT_ACTIVES
+    spare.activate()
+    assert actives() == {"interactive": "interactive-latency", "bulk": "interactive-throughput"}
+
+
+def test_the_database_refuses_two_active_policies_in_a_lane_even_around_the_model():
+    with pytest.raises(IntegrityError), transaction.atomic():
+        BatchingPolicy.objects.filter(name="interactive-latency").update(lane="bulk")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        BatchingPolicy.objects.filter(name="interactive-slo").update(active=True)
+    assert actives() == DEFAULT_ACTIVES
+
+
+def test_the_engine_side_warns_when_a_lane_has_no_active_record(caplog):
+    BatchingPolicy.objects.filter(lane="interactive").update(active=False)  # raw, around the model
+    source = LivePolicies()
+    with caplog.at_level(logging.WARNING, logger="policies.bridge"):
+        source.apply()
+    assert "no valid active interactive policy in the database: the lane keeps interactive-builtin" \
+        in caplog.text
+    assert source("bulk").name == "bulk-throughput"
+
+
+# -- the admin -----------------------------------------------------------------------------------
+def test_admin_change_form_refuses_moving_the_active_policy(staff):
+    latency = BatchingPolicy.objects.get(name="interactive-latency")
+    response = staff.post(CHANGELIST + f"{latency.pk}/change/", form_of(latency, lane="bulk"))
+    assert response.status_code == 200  # the form again, with the error under the lane field
+    page = response.content.decode()
+    assert "interactive-latency is the active interactive policy: moving it to bulk" in page
+    assert "errorlist" in page
+    assert actives() == DEFAULT_ACTIVES
+    latency.refresh_from_db()
+    assert latency.lane == "interactive"
+
+
+def test_admin_change_form_moves_an_inactive_policy(staff):
+    slo = BatchingPolicy.objects.get(name="interactive-slo")
+    response = staff.post(CHANGELIST + f"{slo.pk}/change/", form_of(slo, lane="bulk"))
+    assert response.status_code == 302
+    slo.refresh_from_db()
+    assert slo.lane == "bulk" and not slo.active
+    assert actives() == DEFAULT_ACTIVES
+
+
+def test_admin_add_form_cannot_create_an_active_policy(staff):
+    template = BatchingPolicy.objects.get(name="interactive-slo")
+    response = staff.post(CHANGELIST + "add/", form_of(template, name="posted-active", active="on"))
+    assert response.status_code == 302
+    assert not BatchingPolicy.objects.get(name="posted-active").active  # `active` is not a form field
+    assert actives() == DEFAULT_ACTIVES
+
+
+def test_admin_activate_action_keeps_one_per_lane_for_both_lanes_at_once(staff):
+    spare = BatchingPolicy.objects.create(name="bulk-spare", lane="bulk", max_queue=100000,
+                                          queue_timeout_ms=600000, window_us=20000)
+    slo = BatchingPolicy.objects.get(name="interactive-slo")
+    staff.post(CHANGELIST, {"action": "activate", "_selected_action": [slo.pk, spare.pk]})
+    assert actives() == {"interactive": "interactive-slo", "bulk": "bulk-spare"}
+
+
+def test_admin_cannot_delete_the_active_policy_one_by_one_or_in_bulk(staff):
+    latency = BatchingPolicy.objects.get(name="interactive-latency")
+    assert staff.get(CHANGELIST + f"{latency.pk}/delete/").status_code == 403
+    page = staff.get(CHANGELIST).content.decode()
+    assert 'value="delete_selected"' not in page
+    assert actives() == DEFAULT_ACTIVES
+
+
+# -- words (issue 13 item 8) -------------------------------------------------------------------
+def test_admin_names_the_model_in_plural_and_bounds_as_plain_numbers(staff):
+    index = staff.get("/admin/").content.decode()
+    assert "Batching policies" in index and "policys" not in index
+    add = staff.get(CHANGELIST + "add/").content.decode()
+    assert "Allowed: 0..1000000 µs." in add and "1e+06" not in add
+    assert "Allowed: 1..600000 ms." in add
