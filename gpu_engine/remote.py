@@ -299,14 +299,15 @@ class RemoteEngine:
         kind = frames[0].bytes
         if kind == wire.PONG:
             status = wire.loads(frames[2].bytes)
-            epoch = self._epoch
-            if epoch is None or status["epoch"] != getattr(self, "_epoch_json", None):
+            if self._status is None or status["epoch"] != self._status["epoch"]:
                 self._epoch = epoch_from_description(status["epoch"])
-                self._epoch_json = status["epoch"]
             self._policies = wire.policies_from_json(status["policies"])
-            self._status = status
             if self._down_reason is not None:
-                log.info("engine server %s answers (%s before)", self.url, self._down_reason)
+                if self._status is None:
+                    log.info("connected to engine server %s", self.url)
+                else:
+                    log.info("engine server %s answers again (%s)", self.url, self._down_reason)
+            self._status = status
             self._down_reason = None
             self._heard.set()
             return
