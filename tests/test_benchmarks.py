@@ -32,7 +32,8 @@ def installed_packages() -> list[str]:
 
 
 def test_the_installed_packages_hold_no_benchmark():
-    packages = installed_packages()
+    # A folder left with only __pycache__ (a checkout that had gpu_engine/bench) ships no code.
+    packages = [p for p in installed_packages() if any((REPO / p.replace(".", "/")).glob("*.py"))]
     assert {"gpu_engine", "gpu_engine.backends", "queries", "policies", "epochs",
             "morphoweb"} <= set(packages)
     assert [p for p in packages if "bench" in p] == []
