@@ -53,9 +53,9 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; exit 0; fi; exit $$rc
 
 # End-to-end HTTP timings against parties already running (start them with
-# `make run DEMO_PAGES=65536` in another terminal).
+# `make run DEMO_PAGES=65536` in another terminal). The benchmarks: benchmarks/README.md.
 bench-http: $(STAMP)
-	$(PY) -m queries.bench_http --server-a $(SERVER_A) --server-b $(SERVER_B) \
+	$(PY) benchmarks/http_timings.py --server-a $(SERVER_A) --server-b $(SERVER_B) \
 		--matrix var/demo-$(BENCH_PAGES)p.bin --out docs/benchmarks/http_cpu_$(BENCH_PAGES)p.csv
 
 # One Celery worker per visible GPU (one on the CPU when none), for bulk jobs.
@@ -64,7 +64,7 @@ gpu-workers: $(STAMP)
 
 # A 10,000-query bulk job against the engine's batch throughput on this machine.
 bench-bulk: $(STAMP)
-	$(PY) -m queries.bulk_bench --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
+	$(PY) benchmarks/bulk.py --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
 
 # Poisson sweep over HTTP, 10% to 95% of the measured capacity, of the four interactive batching
 # modes and the A/A control, each activated live in one gunicorn party that the command starts and
@@ -72,7 +72,7 @@ bench-bulk: $(STAMP)
 POLICY_HTTP_ARGS ?= --csv docs/benchmarks/policy_http_cpu.csv --png docs/benchmarks/policy_http_cpu.png
 bench-policy-http: $(STAMP)
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install --quiet 'matplotlib>=3.8,<4'
-	PY=$(PY) docs/benchmarks/policy_http_run.sh $(POLICY_HTTP_ARGS)
+	$(PY) benchmarks/policy_http.py $(POLICY_HTTP_ARGS)
 
 clean-var:
 	rm -rf var/

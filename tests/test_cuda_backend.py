@@ -343,20 +343,3 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda):
         assert page[5 * 256 : 6 * 256] == bytes(range(256))
     finally:
         engine.stop()
-
-
-def test_benchmark_script_runs_on_the_cpu_backend(tmp_path):
-    from gpu_engine.bench import pir_bench
-
-    out = tmp_path / "bench.csv"
-    assert pir_bench.main(["--backend", "cpu", "--pages", "40", "--q", "1,2", "--repeat", "1",
-                           "--dispatch", "micro_batch=0,streams=1,graph=1", "--out", str(out)]) == 0
-    lines = out.read_text().splitlines()
-    header = [line for line in lines if line.startswith("#")]
-    assert [h.split(":")[0] for h in header] == ["# gpu", "# shape", "# backend", "# dispatch", "# command", "# date"]
-    assert "pages=40, domain_bits=6" in header[1] and "graph=True" in header[3]
-    rows = [line.split(", ") for line in lines if not line.startswith("#")]
-    assert rows[0] == list(pir_bench.CSV_COLUMNS)
-    assert [r[0] for r in rows[1:]] == ["1", "2"] and all(r[-1] == "True" for r in rows[1:])
-    with pytest.raises(ValueError, match="unknown dispatch field"):
-        pir_bench.parse_dispatch("streams=2,lanes=3")

@@ -1,4 +1,4 @@
-"""The HTTP policy sweep (`python -m policies.bench_http`) without a server: the policy records it
+"""The HTTP policy sweep (benchmarks/policy_http.py) without a server: the policy records it
 writes are the engine-level bench policies field for field, every mode of a (round, fraction) gets
 the same arrivals, and what it writes is read back by `loadgen --from-csv`."""
 from __future__ import annotations
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from django.core.exceptions import ValidationError
 
-from gpu_engine.bench import loadgen, loadgen_http
-from policies import bench_http
+from benchmarks import loadgen, loadgen_http, policy_http
 from policies.bridge import engine_policy
 from policies.models import BatchingPolicy
 
@@ -17,7 +16,7 @@ from policies.models import BatchingPolicy
 def test_bench_records_are_the_engine_level_bench_policies_field_for_field():
     before = BatchingPolicy.objects.count()
     policies = loadgen.bench_policies(5000, 47.5, 32)
-    records = bench_http.sync_bench_policies(policies)
+    records = policy_http.sync_bench_policies(policies)
     assert set(records) == set(loadgen.MODES) == set(policies)
     for mode, policy in policies.items():
         record = BatchingPolicy.objects.get(name=policy.name)
@@ -26,14 +25,14 @@ def test_bench_records_are_the_engine_level_bench_policies_field_for_field():
     assert BatchingPolicy.objects.count() == before + 4
 
     # Activated live, then updated with the measured target: updated in place, still in force.
-    bench_http.activate("bench-latency")
+    policy_http.activate("bench-latency")
     again = loadgen.bench_policies(5000, 91.2, 32)
-    bench_http.sync_bench_policies(again)
+    policy_http.sync_bench_policies(again)
     assert BatchingPolicy.objects.count() == before + 4
     for policy in again.values():
         assert engine_policy(BatchingPolicy.objects.get(name=policy.name)) == policy
     assert BatchingPolicy.objects.get(lane="interactive", active=True).name == "bench-latency"
-    bench_http.activate("bench-slo")
+    policy_http.activate("bench-slo")
     assert BatchingPolicy.objects.get(lane="interactive", active=True).name == "bench-slo"
 
 
@@ -44,7 +43,7 @@ def test_bench_records_go_through_the_models_validation(monkeypatch):
 
     monkeypatch.setattr(BatchingPolicy, "clean", refuse)
     with pytest.raises(ValidationError, match="refused by clean"):
-        bench_http.sync_bench_policies(loadgen.bench_policies(5000, 47.5, 32))
+        policy_http.sync_bench_policies(loadgen.bench_policies(5000, 47.5, 32))
     assert not BatchingPolicy.objects.filter(name__startswith="bench-").exists()
 
 
@@ -62,7 +61,7 @@ def _fake_sweep(rounds=3, fractions=(0.1, 0.5, 0.95), capacity=400.0, seconds=2.
         n = len(arrivals)
         return loadgen.Run([0.010] * n, completed=n, span_s=seconds, refused=0, queries=n, launches=n)
 
-    runs = bench_http.run_sweep(loadgen.MODES, fractions, rounds, capacity, seconds, seed,
+    runs = policy_http.run_sweep(loadgen.MODES, fractions, rounds, capacity, seconds, seed,
                                 switch, offer)
     return runs, calls
 
@@ -104,14 +103,14 @@ def test_every_mode_of_a_round_and_fraction_gets_the_same_arrivals():
 def test_points_are_written_in_the_engine_level_format_and_judged(tmp_path, capsys):
     fractions = (0.3, 0.9)
     runs, _ = _fake_sweep(rounds=2, fractions=fractions)
-    points = bench_http.points_of(runs, loadgen.MODES, fractions, 400.0, 50.0)
+    points = policy_http.points_of(runs, loadgen.MODES, fractions, 400.0, 50.0)
     assert [(p.fraction, p.mode) for p in points] == [(f, m) for f in fractions for m in loadgen.MODES]
     assert all(p.p95_ms == pytest.approx(10.0) and p.mean_batch == 1 for p in points)
     path = tmp_path / "http.csv"
-    header = [line.replace("gpu_engine.bench.loadgen ", "policies.bench_http ", 1)
-              for line in loadgen.header_lines({"pages": 256}, ["--rounds", "2"])]
+    header = loadgen.header_lines({"pages": 256}, ["--rounds", "2"], "benchmarks/policy_http.py")
     loadgen.write_csv(str(path), points, header)
-    assert path.read_text().splitlines()[2] == "# command: python3 -m policies.bench_http --rounds 2"
+    command = path.read_text().splitlines()[2]
+    assert command == "# command: python3 benchmarks/policy_http.py --rounds 2"
     assert loadgen.main(["--from-csv", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == [" 30%", " 90%"]

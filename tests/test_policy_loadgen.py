@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from gpu_engine.bench import loadgen, loadgen_http
+from benchmarks import loadgen, loadgen_http
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
 from tests.conftest import REPO, http_json, server_env
 
@@ -36,7 +36,7 @@ def test_engine_sweep_writes_csv_with_header_and_judges_slo(tmp_path, capsys):
     loadgen.write_csv(str(path), points, header)
     lines = path.read_text().splitlines()
     assert [line.split(":")[0] for line in lines[:4]] == ["# machine", "# shape", "# command", "# date"]
-    assert lines[2] == "# command: python3 -m gpu_engine.bench.loadgen --pages 16"
+    assert lines[2] == "# command: python3 benchmarks/loadgen.py --pages 16"
     again, _ = loadgen.read_csv(str(path))
     assert [p.mode for p in again] == ["latency", "slo"] and again[0].answered == points[0].answered
     assert loadgen.main(["--from-csv", str(path)]) == 0

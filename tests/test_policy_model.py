@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_engine.bench import loadgen, policy_model
+from benchmarks import loadgen, policy_model
 from gpu_engine.costmodel import CostFit
 from gpu_engine.scheduler import BatchingPolicy
 
@@ -54,7 +54,7 @@ def test_model_cli_writes_a_csv_the_loadgen_verdict_reads(tmp_path, capsys):
     assert policy_model.main(["--cost-ms", "2,0.5", "--arrivals", "2000", "--fractions", "0.3,0.9",
                               "--csv", str(path)]) == 0
     points, header = loadgen.read_csv(str(path))
-    assert header[2].startswith("# command: python3 -m gpu_engine.bench.policy_model --cost-ms 2,0.5")
+    assert header[2].startswith("# command: python3 benchmarks/policy_model.py --cost-ms 2,0.5")
     assert {p.mode for p in points} == set(loadgen.MODES) and len(points) == 8
     assert " 90%: p95 " in capsys.readouterr().out
 

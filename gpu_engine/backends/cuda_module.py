@@ -13,11 +13,10 @@ from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets.
 NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",)
-KERNEL_FILES = ("dpf_scan.cu", "matrix_fill.cu", "mma_b1_probe.cu")  # the probe: bench only
+KERNEL_FILES = ("dpf_scan.cu", "matrix_fill.cu")
 _NAME_EXPRESSIONS: Dict[str, Tuple[str, ...]] = {
     "dpf_scan.cu": tuple(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
     "matrix_fill.cu": (),
-    "mma_b1_probe.cu": (),
 }
 _lock = threading.Lock()
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment, GPU tests, benchmarks; logs and CSVs under $OUT.
-#   bash gpu_engine/bench/device_suite.sh smoke|full|final
+#   bash benchmarks/device_suite.sh smoke|full|final
+# smoke: quick GPU tests and both shapes once; full: every GPU test and ncu on the scan (96 and 3
+# keys, docs/benchmarks/NOTES-cuda.md); final: the figures of docs/benchmarks/cuda_*.csv, each
+# shape with and without graph replay (the -mb0-s1-g0/-g1 files backend_batch.py writes).
 # Every step runs even when one before it failed; the table printed last says which passed.
 set -u
 export PYTHONUNBUFFERED=1
@@ -39,7 +42,7 @@ EOF
 cat "$LOGS/env.log"
 
 bench() {  # bench NAME LIMIT ARGS...: the CSV benchmark
-    step "$1" "$2" python3 -m gpu_engine.bench.pir_bench --backend cuda "${@:3}"
+    step "$1" "$2" python3 benchmarks/backend_batch.py --backend cuda "${@:3}"
 }
 
 case "$stage" in
@@ -55,33 +58,15 @@ smoke)
 full)
     step tests-all 420 python3 -m pytest tests/test_cuda_backend.py tests/test_kernels_compile.py -q \
         -p no:cacheprovider
-    step variants-mainnet 300 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
-        --q 1,8,32 --repeat 3 --variants "${VARIANTS:-g16-c7-mb0-s1-g0}" --out "$OUT/variants_mainnet.csv"
-    step variants-65536 120 python3 -m gpu_engine.bench.cuda_variants --pages 65536 --domain-bits 16 \
-        --q 1,8,32 --repeat 9 --variants "${VARIANTS_SMALL:-g16-c7-mb0-s1-g1}" --out "$OUT/variants_65536.csv"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for keys in 96 3; do
         step "ncu-k$keys" 150 "$NCU" --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
             --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active \
-            python3 -m gpu_engine.bench.profile_scan --pages 1048593 --domain-bits 25 --keys $keys
+            python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys
     done
     ;;
-experiment)
-    step tests-all 420 python3 -m pytest tests/test_cuda_backend.py tests/test_kernels_compile.py -q \
-        -p no:cacheprovider
-    step variants-mainnet 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
-        --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --out "$OUT/variants_mainnet.csv"
-    step variants-mainnet-alt 200 python3 -m gpu_engine.bench.cuda_variants --pages $MAINNET --domain-bits 25 \
-        --q 8,32 --repeat 3 --variants "${VARIANTS:-g16-c8-mb0-s1-g0}" --kernel-define "${ALT_DEFINE:-PRG_NODES_PER_STEP=1}" \
-        --out "$OUT/variants_mainnet_alt.csv"
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    step ncu-k96 150 "$NCU" --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
-        --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section Occupancy \
-        --metrics sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active \
-        python3 -m gpu_engine.bench.profile_scan --pages 1048593 --domain-bits 25 --keys 96
-    ;&
 final)
     bench bench-65536 200 --pages 65536 --domain-bits 16 --q 1,2,4,8,16,32 --repeat 9 \
         --dispatch micro_batch=0,streams=1,graph=0 --dispatch micro_batch=0,streams=1,graph=1 \
@@ -91,7 +76,7 @@ final)
         --out "$OUT/cuda_mainnet.csv"
     ;;
 *)
-    echo "unknown stage $stage (smoke|full|experiment|final)"; exit 2 ;;
+    echo "unknown stage $stage (smoke|full|final)"; exit 2 ;;
 esac
 
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"

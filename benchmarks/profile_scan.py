@@ -1,20 +1,26 @@
 """Runs a few batches of one shape on the CUDA backend, for a profiler (ncu) to watch.
 
     ncu --clock-control none -k regex:dpf_scan --launch-skip 1 --launch-count 1 \
-        python3 -m gpu_engine.bench.profile_scan --pages 1048593 --keys 96
+        python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys 96
 
-The first batch warms up (compiles, allocates); the profiler is meant to skip it.
+The first batch warms up (compiles, allocates); the profiler is meant to skip it. Needs CuPy.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from gpu_engine.backends import DispatchShape
-from gpu_engine.dpf import KeyBatch, gen_keys
-from gpu_engine.matrix import domain_bits_for
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
+from gpu_engine.backends.cuda_launch import describe_plan  # noqa: E402
+from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.matrix import domain_bits_for  # noqa: E402
 
 
 def main() -> None:
@@ -27,10 +33,8 @@ def main() -> None:
     ap.add_argument("--chunk-levels", type=int, default=None)
     args = ap.parse_args()
 
-    from gpu_engine.backends.cuda import CudaBackend
-
     d = domain_bits_for(args.pages, args.domain_bits)
-    resident = CudaBackend().generate(args.pages, seed=5, domain_bits=d)
+    resident = create_backend("cuda").generate(args.pages, seed=5, domain_bits=d)
     if args.max_group_keys:
         resident.max_group_keys = args.max_group_keys
     if args.chunk_levels:
@@ -38,8 +42,6 @@ def main() -> None:
     rng = np.random.default_rng(5)
     keys = KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng)[0] for _ in range(args.keys)])
     plan = resident.plan(args.keys)
-    from gpu_engine.backends.cuda_launch import describe_plan
-
     print(describe_plan(plan), flush=True)
     for i in range(args.batches):
         t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """Poisson sweep over HTTP of the four batching modes and an A/A control, each made live (issue 4).
 
-    make bench-policy-http    (docs/benchmarks/policy_http_run.sh, which runs this module)
-    python -m policies.bench_http --duration 20 --rounds 3 --csv FILE.csv --png FILE.png
+    python3 benchmarks/policy_http.py --csv docs/benchmarks/policy_http_cpu.csv \
+        --png docs/benchmarks/policy_http_cpu.png          (`make bench-policy-http`, ~16 minutes)
 
 Starts its own party in a temporary folder: a 256-page matrix, a SQLite database, gunicorn with
 1 worker x 32 threads, the CPU engine, the query throttle off. Writes five policy records (the
 four modes and a second latency one, the A/A control) into the interactive lane, field for field
-those of `gpu_engine.bench.loadgen.bench_policies` (so this sweep and the engine-level one
+those of `benchmarks.loadgen.bench_policies` (so this sweep and the engine-level one
 compare the same policies), measures t(1) (the slo target is 5 x t(1) unless --target-ms) and
 the capacity over HTTP, offers one stretch not measured, then for each
 round, each offered fraction of the capacity and each mode: activates the mode's record through
@@ -14,7 +14,7 @@ the database, as the admin does (no restart), waits until the server's /metrics 
 offers Poisson load. Every mode of one (round, fraction) gets the same arrival trace (common
 random numbers), so the modes differ by their policy, not by the luck of the draw; the mode order
 turns by one each round. The rounds of a point are pooled (`loadgen.summarise`) into a CSV that
-`python3 -m gpu_engine.bench.loadgen --from-csv FILE` reads, plotted, and judged (slo within 10%
+`python3 benchmarks/loadgen.py --from-csv FILE` reads, plotted, and judged (slo within 10%
 of the best static mode). The server is stopped and the folder removed on the way out, whatever
 ends the run.
 """
@@ -39,15 +39,18 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.bench import loadgen, loadgen_http
-from gpu_engine.engine_stats import percentile
-from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
-
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(BASE_DIR))
+
+from benchmarks import loadgen, loadgen_http  # noqa: E402
+from gpu_engine.engine_stats import percentile  # noqa: E402
+from gpu_engine.scheduler import BatchingPolicy as EnginePolicy  # noqa: E402
+
 LANE = "interactive"
 PAGES = 256
 WORKERS, THREADS = 1, 32
-NOTE = "Made by python -m policies.bench_http: loadgen.bench_policies, for the HTTP policy sweep."
+NOTE = "Made by benchmarks/policy_http.py: loadgen.bench_policies, for the HTTP policy sweep."
 
 
 # --- The policy records ----------------------------------------------------------------------
@@ -336,7 +339,7 @@ def sweep(args, log=print) -> Result:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m policies.bench_http",
+    parser = argparse.ArgumentParser(prog="python3 benchmarks/policy_http.py",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=20.0,
                         help="measured seconds per point, split over the rounds (default 20)")
@@ -388,8 +391,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    loadgen.report(result.points, loadgen.header_lines(result.shape, argv, "policies.bench_http"),
-                   args.csv, args.png, "Batching modes under Poisson load over HTTP (gunicorn, cpu)")
+    header = loadgen.header_lines(result.shape, argv, "benchmarks/policy_http.py")
+    loadgen.report(result.points, header, args.csv, args.png,
+                   "Batching modes under Poisson load over HTTP (gunicorn, cpu)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Virtual-time model of the engine's batching: Poisson arrivals, t(b) = a + c*b, the real decide().
 
-    python3 -m gpu_engine.bench.policy_model --cost-ms 1.89,0.394 --arrivals 40000 \
+    python3 benchmarks/policy_model.py --cost-ms 1.4,0.33 --arrivals 40000 \
         --csv docs/benchmarks/policy_model_h100.csv --png docs/benchmarks/policy_model_h100.png
 
 What the real sweeps (loadgen.py) cannot give: the p95 each mode would have on a device whose
@@ -14,14 +14,31 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.bench.loadgen import FRACTIONS, MODES, Point, bench_policies, header_lines, report
-from gpu_engine.costmodel import CostFit, RateMeter
-from gpu_engine.engine_stats import percentile
-from gpu_engine.scheduler import HEAD_REQUESTS, BatchingPolicy, LaneQueue, Launch, decide
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.loadgen import (  # noqa: E402
+    FRACTIONS,
+    MODES,
+    Point,
+    bench_policies,
+    header_lines,
+    report,
+)
+from gpu_engine.costmodel import CostFit, RateMeter  # noqa: E402
+from gpu_engine.engine_stats import percentile  # noqa: E402
+from gpu_engine.scheduler import (  # noqa: E402
+    HEAD_REQUESTS,
+    BatchingPolicy,
+    LaneQueue,
+    Launch,
+    decide,
+)
 
 # decide() waits in floating-point seconds; a wait shorter than this still moves the clock, so a
 # window that closes within rounding of `now` cannot stall the model.
@@ -93,7 +110,7 @@ def model_sweep(cost: CostFit, arrivals: int, fractions: Sequence[float] = FRACT
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python3 -m gpu_engine.bench.policy_model",
+    parser = argparse.ArgumentParser(prog="python3 benchmarks/policy_model.py",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--cost-ms", default="1.89,0.394", help="t(b) = A + C*b as 'A,C' in ms")
     parser.add_argument("--arrivals", type=int, default=40000, help="arrivals per point")
@@ -114,7 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{p.mode:>10} {p.fraction:4.0%} {p.offered_qps:8.1f} q/s: p50 {p.p50_ms:7.2f} "
               f"p95 {p.p95_ms:7.2f} p99 {p.p99_ms:7.2f} ms, batch {p.mean_batch:4.1f}")
     header = header_lines({"model": f"t(b) = {a * 1000:g} + {c * 1000:g} b ms",
-                           "arrivals_per_point": args.arrivals, **shape}, argv, "gpu_engine.bench.policy_model")
+                           "arrivals_per_point": args.arrivals, **shape}, argv,
+                          "benchmarks/policy_model.py")
     report(points, header, args.csv, args.png, "Batching modes, virtual-time model (no noise)")
     return 0
 

@@ -1,7 +1,8 @@
 """Backend benchmark: Q queries one by one vs as one batch, with answers checked; writes a CSV.
 
-    python -m gpu_engine.bench.pir_bench --backend cuda --pages 65536 --domain-bits 16 \
-        --q 1,2,4,8,16,32 --dispatch micro_batch=0,streams=1,graph=0 --out docs/benchmarks/x.csv
+    python3 benchmarks/backend_batch.py --backend cuda --pages 65536 --domain-bits 16 \
+        --q 1,2,4,8,16,32 --repeat 9 --dispatch micro_batch=0,streams=1,graph=1 \
+        --out docs/benchmarks/cuda_65536.csv
 
 Runs with numpy (+ cupy for --backend cuda) only. Every timed batch is checked twice: the
 single-query answers must equal the batch answers byte for byte, and party 0's answers XOR
@@ -12,17 +13,22 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import hashlib
+import shlex
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from gpu_engine.backends import DispatchShape, create_backend
-from gpu_engine.dpf import KeyBatch, gen_keys
-from gpu_engine.matrix import domain_bits_for, random_matrix
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
+from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.matrix import domain_bits_for, random_matrix  # noqa: E402
 
 CSV_COLUMNS = ("q", "single_ms_per_batch", "batch_ms_per_batch", "batch_vs_single_speedup",
                "single_qps", "batch_qps", "checksum_match")
@@ -109,14 +115,14 @@ def write_csv(path: str, header: Sequence[str], rows: Sequence[dict]) -> None:
 
 
 def csv_header(device: str, pages: int, domain_bits: int, backend: str, dispatch: DispatchShape,
-               extra: str = "") -> List[str]:
+               argv: Sequence[str], extra: str = "") -> List[str]:
     return [
         f"gpu: {device}",
         f"shape: pages={pages}, domain_bits={domain_bits}",
         f"backend: {backend}",
         f"dispatch: micro_batch={dispatch.micro_batch}, streams={dispatch.streams}, graph={dispatch.graph}"
         + (f"; {extra}" if extra else ""),
-        "command: " + " ".join(sys.argv),
+        "command: python3 benchmarks/backend_batch.py " + " ".join(shlex.quote(a) for a in argv),
         "date: " + _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     ]
 
@@ -162,6 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-group-keys", type=int, default=None, help="cuda: keys per block, at most")
     ap.add_argument("--chunk-levels", type=int, default=None, help="cuda: log2 pages per expanded chunk")
     ap.add_argument("--out", required=True, help="CSV path")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
 
     d = domain_bits_for(args.pages, args.domain_bits)
@@ -185,7 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"{args.backend} {device} pages={args.pages} d={d} dispatch={dispatch_tag(dispatch)}")
         rows = run(resident, page_of, args.pages, d, qs, dispatch, args.repeat, args.seed, log)
         out = args.out if len(dispatches) == 1 else args.out.replace(".csv", f"-{dispatch_tag(dispatch)}.csv")
-        write_csv(out, csv_header(device, args.pages, d, args.backend, dispatch, ", ".join(extra)), rows)
+        header = csv_header(device, args.pages, d, args.backend, dispatch, argv, ", ".join(extra))
+        write_csv(out, header, rows)
         ok &= all(r["checksum_match"] for r in rows)
     resident.release()
     return 0 if ok else 1

@@ -1,6 +1,6 @@
 """Plots the CUDA benchmark CSVs (queries/s against Q, both shapes) next to the published figures.
 
-    python -m gpu_engine.bench.plot_cuda --out docs/benchmarks/cuda_qps.png \
+    python3 benchmarks/plot_cuda.py --out docs/benchmarks/cuda_qps.png \
         docs/benchmarks/cuda_mainnet.csv docs/benchmarks/cuda_65536.csv
 """
 from __future__ import annotations

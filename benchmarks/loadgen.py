@@ -1,9 +1,12 @@
 """Poisson load against the Engine: sweep arrival rate x batching mode, report throughput and p50/p95/p99.
 
-    python3 -m gpu_engine.bench.loadgen --backend cpu --pages 256 --duration 15 \
+    python3 benchmarks/loadgen.py --backend cpu --pages 256 \
+        --modes latency,throughput,adaptive,slo,latency-control \
+        --duration 16 --rounds 4 --warmup 1 \
         --csv docs/benchmarks/policy_cpu.csv --png docs/benchmarks/policy_cpu.png
-    python3 -m gpu_engine.bench.loadgen --backend cuda --pages 65536 --duration 20 \
-        --csv docs/benchmarks/policy_h100.csv
+    python3 benchmarks/loadgen.py --from-csv low.csv,high.csv \
+        --csv docs/benchmarks/policy_cuda.csv --png docs/benchmarks/policy_cuda.png
+        (low.csv and high.csv: the two halves of benchmarks/device_policy.sh)
 
 Open loop: arrivals follow a Poisson process whatever the engine does, and each query's latency is
 counted from its scheduled arrival (so a slow engine cannot hide its queue by slowing the load).
@@ -24,18 +27,22 @@ import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.backends import create_backend
-from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix
-from gpu_engine.costmodel import CostFit, CostModel
-from gpu_engine.dpf import gen_keys
-from gpu_engine.engine import Engine, EngineBusy, static_policy
-from gpu_engine.engine_stats import percentile
-from gpu_engine.matrix import PAGE_BYTES, Epoch, random_matrix
-from gpu_engine.scheduler import BatchingPolicy
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_engine.backends import create_backend  # noqa: E402
+from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix  # noqa: E402
+from gpu_engine.costmodel import CostFit, CostModel  # noqa: E402
+from gpu_engine.dpf import gen_keys  # noqa: E402
+from gpu_engine.engine import Engine, EngineBusy, static_policy  # noqa: E402
+from gpu_engine.engine_stats import percentile  # noqa: E402
+from gpu_engine.matrix import PAGE_BYTES, Epoch, random_matrix  # noqa: E402
+from gpu_engine.scheduler import BatchingPolicy  # noqa: E402
 
 MODES = ("latency", "throughput", "adaptive", "slo")
 # The latency policy measured a second time under another name (an A/A control): how far two
@@ -361,13 +368,15 @@ def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequen
     return points, shape
 
 
-def header_lines(shape: dict, argv: Sequence[str], module: str = "gpu_engine.bench.loadgen") -> List[str]:
-    """The # machine / shape / command / date lines every policy CSV starts with."""
+def header_lines(shape: dict, argv: Sequence[str],
+                 script: str = "benchmarks/loadgen.py") -> List[str]:
+    """The # machine / shape / command / date lines every policy CSV starts with; `script` is the
+    path of the benchmark that ran, from the repository root."""
     return [
         f"# machine: {platform.node()} {platform.machine()} {platform.processor() or ''} "
         f"cpus={os.cpu_count()} python={platform.python_version()} numpy={np.__version__}",
         "# shape: " + " ".join(f"{k}={v}" for k, v in shape.items()),
-        f"# command: python3 -m {module} " + " ".join(shlex.quote(a) for a in argv),
+        f"# command: python3 {script} " + " ".join(shlex.quote(a) for a in argv),
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
     ]
 
@@ -439,7 +448,8 @@ def plot(path: str, points: Sequence[Point], header: Sequence[str], title: str) 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python3 -m gpu_engine.bench.loadgen", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 benchmarks/loadgen.py",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "auto", "sim"))
     parser.add_argument("--sim-cost-ms", default="10,4.5",
                         help="sim backend: t(b) = A + C*b as 'A,C' in ms (default: this CPU's shape)")

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The H100 Poisson sweep of issue 4 (engine level, every mode, cuda, 1,048,576 pages), in two
 # device calls because one command may run 10 minutes at most:
-#   bash gpu_engine/bench/device_policy.sh low
+#   bash benchmarks/device_policy.sh low
 #       measures the capacity and t(1); 10%, 30%, 50%, 70% of it, 4 rounds of 5 s per point, and
 #       the latency policy measured twice (A/A control)
-#   CAPACITY=<capacity_qps> TARGET=<p95_target_ms> bash gpu_engine/bench/device_policy.sh high
+#   CAPACITY=<capacity_qps> TARGET=<p95_target_ms> bash benchmarks/device_policy.sh high
 #       85% and 95% of the same capacity, same slo target, 7 rounds of 6 s per point, and the
 #       A/A control: near capacity the p95 of a few seconds moves by more than the modes differ,
 #       and the control says by how much
 # and, back here, one CSV and plot from both:
-#   python3 -m gpu_engine.bench.loadgen --from-csv low.csv,high.csv --csv docs/benchmarks/policy_cuda.csv \
+#   python3 benchmarks/loadgen.py --from-csv low.csv,high.csv --csv docs/benchmarks/policy_cuda.csv \
 #       --png docs/benchmarks/policy_cuda.png
 # numpy + cupy only. Writes under $OUT.
 set -euo pipefail
@@ -23,17 +23,17 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_thr
 trap 'kill $! 2>/dev/null' EXIT
 case "${1:-}" in
 low)
-    python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --fractions 0.1,0.3,0.5,0.7 \
+    python3 benchmarks/loadgen.py --backend cuda --pages "$PAGES" --fractions 0.1,0.3,0.5,0.7 \
         --modes latency,throughput,adaptive,slo,latency-control --duration 20 --rounds 4 --warmup 0.5 --csv "$OUT/policy_cuda_low.csv" 2>&1 | tee "$OUT/low.log" ;;
 high)
-    python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --fractions 0.85,0.95 \
+    python3 benchmarks/loadgen.py --backend cuda --pages "$PAGES" --fractions 0.85,0.95 \
         --modes latency,throughput,adaptive,slo,latency-control --duration 42 --rounds 7 --warmup 0.5 --capacity-qps "$CAPACITY" --target-ms "$TARGET" \
         --csv "$OUT/policy_cuda_high.csv" 2>&1 | tee "$OUT/high.log" ;;
 gil)
     # 90% of the same capacity with Python's GIL switch interval at its 5 ms default (0) and at 500 µs:
     # is a thread waiting for the GIL behind the near-capacity stalls?
     for interval in 0 500; do
-        python3 -m gpu_engine.bench.loadgen --backend cuda --pages "$PAGES" --fractions 0.9 \
+        python3 benchmarks/loadgen.py --backend cuda --pages "$PAGES" --fractions 0.9 \
             --duration 30 --rounds 5 --warmup 0.5 --capacity-qps "$CAPACITY" --target-ms "$TARGET" \
             --switch-interval-us "$interval" --csv "$OUT/policy_cuda_gil_$interval.csv" 2>&1 \
             | tee "$OUT/gil_$interval.log"

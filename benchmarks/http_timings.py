@@ -1,4 +1,13 @@
-"""End-to-end HTTP timings of one query and one 32-query batch against running parties (CSV)."""
+"""End-to-end HTTP timings of one query and one 32-query batch against running parties (CSV).
+
+    make run DEMO_PAGES=65536      (in another terminal: parties A and B)
+    python3 benchmarks/http_timings.py --server-a http://127.0.0.1:8001 \
+        --server-b http://127.0.0.1:8002 --matrix var/demo-65536p.bin \
+        --out docs/benchmarks/http_cpu_65536p.csv                    (`make bench-http`)
+
+With --matrix (the file the parties serve) the rows fetched are checked against it, and the same
+keys are also answered by a NumPy backend in this process: the cost without HTTP.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +20,14 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from queries.bulk_bench import cpu_model
-from queries.client import MAX_BATCH, PirClient, plan_query
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bulk import cpu_model  # noqa: E402
+from gpu_engine.backends.cpu import NumpyBackend  # noqa: E402
+from gpu_engine.dpf import DpfKey, KeyBatch  # noqa: E402
+from gpu_engine.matrix import load_matrix  # noqa: E402
+from queries.client import MAX_BATCH, PirClient, plan_query  # noqa: E402
 
 COLUMNS = "endpoint,queries,reps,mean_ms,p50_ms,p95_ms,min_ms,max_ms,queries_per_s"
 
@@ -43,8 +58,6 @@ def _row(endpoint: str, queries: int, samples: list[float]) -> str:
 def _backend_rows(matrix, plans, reps: int, batch_reps: int, warmup: int) -> list[str]:
     """The same keys answered by a NumPy backend in this process: the cost without HTTP, measured
     under the same machine load as the HTTP rows (the servers' backend may differ: see header)."""
-    from gpu_engine.backends.cpu import NumpyBackend
-    from gpu_engine.dpf import DpfKey, KeyBatch
 
     def batch(chosen) -> KeyBatch:
         return KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(key))
@@ -90,8 +103,6 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
     ]
     checked = "not checked (no --matrix)"
     if matrix:
-        from gpu_engine.matrix import load_matrix
-
         reference = load_matrix(matrix)
         got = client.fetch_rows(rows, batch=True)
         if got != [reference.row(r) for r in rows]:
@@ -105,7 +116,7 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
         f"rows={info.num_rows}, epoch_id={info.epoch_id}",
         f"# server: backend={health.get('backend')}, device={health.get('device')}; "
         f"parties {server_a} and {server_b} on this machine",
-        f"# command: python -m queries.bench_http {' '.join(sys.argv[1:])}",
+        f"# command: python3 benchmarks/http_timings.py {' '.join(sys.argv[1:])}",
         f"# load average (1, 5, 15 min) before: {_load(load_before)}, "
         f"after: {_load(os.getloadavg())}"
         f" (both parties share this machine's {os.cpu_count()} CPUs with anything else running)",
@@ -119,7 +130,7 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server-a", default="http://127.0.0.1:8001")
     parser.add_argument("--server-b", default="http://127.0.0.1:8002")
     parser.add_argument("--reps", type=int, default=10)

@@ -1,5 +1,8 @@
 """Bulk job throughput (submit to last answer stored) against the engine's batch throughput (CSV).
 
+    python3 benchmarks/bulk.py --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
+    python3 benchmarks/bulk.py --engine-only --backend cuda --pages 1048576 --out FILE.csv
+
 Three measurements over one matrix and one set of queries, on the same machine:
 `backend_batch` (the backend answering max-batch launches back to back: the ceiling),
 `engine_bulk_lane` (the Engine's bulk lane fed two requests ahead, as a worker feeds it), and
@@ -26,13 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_engine.backends import create_backend
-from gpu_engine.dpf import KeyBatch, gen_keys
-from gpu_engine.engine import Engine, static_policy
-from gpu_engine.matrix import load_epoch, write_matrix_file
-from gpu_engine.scheduler import BatchingPolicy
-
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(BASE_DIR))
+
+from gpu_engine.backends import create_backend  # noqa: E402
+from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.engine import Engine, static_policy  # noqa: E402
+from gpu_engine.matrix import load_epoch, write_matrix_file  # noqa: E402
+from gpu_engine.scheduler import BatchingPolicy  # noqa: E402
+
 COLUMNS = "measure,queries,seconds,queries_per_s,ratio_to_engine"
 # The default bulk policy's shape (policies/migrations/0002_default_policies.py).
 BULK_POLICY = BatchingPolicy(
@@ -281,7 +287,7 @@ def main(argv=None) -> int:
     ]
     engine = sum(engine_qps) / len(engine_qps)
 
-    command = "python -m queries.bulk_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python3 benchmarks/bulk.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         (
             f"# machine: {platform.node()}; {cpu_model()}; {os.cpu_count()} CPUs; load average "

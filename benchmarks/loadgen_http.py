@@ -1,14 +1,13 @@
 """Poisson load against a running party over HTTP (`POST /query/page/gpu`): throughput and p50/p95/p99.
 
-    python3 -m gpu_engine.bench.loadgen_http --url http://127.0.0.1:8001 --duration 15 \
-        --csv docs/benchmarks/policy_http_cpu.csv
+    python3 benchmarks/loadgen_http.py --url http://127.0.0.1:8001 --duration 15 --csv FILE.csv
 
 The server batches with whatever interactive policy is active (change it in the admin between
 runs; each row names the policy the server reported in /metrics). Offered rates are fractions of a
 capacity measured first with closed-loop clients, or given with --rates. Standard library + numpy.
 
 The pieces (`offer`, `http_capacity`, `active_policy`, `wait_for_policy`, `single_query_s`) also
-serve `python -m policies.bench_http`, the sweep of all four modes against a party it starts."""
+serve benchmarks/policy_http.py, the sweep of all four modes against a party it starts."""
 from __future__ import annotations
 
 import argparse
@@ -22,11 +21,15 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.bench.loadgen import (
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.loadgen import (  # noqa: E402
     FRACTIONS,
     Point,
     Run,
@@ -191,7 +194,7 @@ def run(url: str, rates: Optional[List[float]], fractions: Sequence[float], dura
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python3 -m gpu_engine.bench.loadgen_http",
+    parser = argparse.ArgumentParser(prog="python3 benchmarks/loadgen_http.py",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--url", required=True, help="the party's base URL")
     parser.add_argument("--rates", help="offered rates (queries/s), comma-separated; default: fractions")
@@ -207,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f]
     points, shape = run(args.url.rstrip("/"), rates, fractions, args.duration, args.warmup,
                         args.clients, args.seed)
-    report(points, header_lines(shape, argv, "gpu_engine.bench.loadgen_http"), args.csv, args.png,
+    report(points, header_lines(shape, argv, "benchmarks/loadgen_http.py"), args.csv, args.png,
            "Poisson load over HTTP")
     return 0
 

@@ -1,1 +1,0 @@
-"""Benchmarks of the engine backends, runnable with numpy (+ cupy) alone."""

@@ -1,0 +1,103 @@
+"""Benchmarks are in benchmarks/, not the installed packages; each shows its command and figure."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from setuptools import find_namespace_packages, find_packages
+
+from benchmarks import backend_batch
+from tests.conftest import REPO
+
+BENCHMARKS = REPO / "benchmarks"
+RESULTS = REPO / "docs" / "benchmarks"
+SCRIPTS = sorted(p for p in BENCHMARKS.iterdir() if p.suffix == ".sh"
+                 or (p.suffix == ".py" and 'if __name__ == "__main__":' in p.read_text()))
+PY_SCRIPTS = [p for p in SCRIPTS if p.suffix == ".py"]
+# Where a reader is told to run something: every benchmarks/... path named there must exist.
+DOCUMENTS = [REPO / "README.md", REPO / "Makefile", BENCHMARKS / "README.md",
+             *sorted(RESULTS.glob("*.md"))]
+
+
+def installed_packages() -> list[str]:
+    """The packages a wheel of this checkout holds, found as pyproject's packages.find does."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    find = config["tool"]["setuptools"]["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    return finder(where=str(REPO), include=find.get("include", ("*",)),
+                  exclude=find.get("exclude", ()))
+
+
+def test_the_installed_packages_hold_no_benchmark():
+    # A folder left with only __pycache__ (a checkout that had gpu_engine/bench) ships no code.
+    packages = [p for p in installed_packages() if any((REPO / p.replace(".", "/")).glob("*.py"))]
+    assert {"gpu_engine", "gpu_engine.backends", "queries", "policies", "epochs",
+            "morphoweb"} <= set(packages)
+    assert [p for p in packages if "bench" in p] == []
+    modules = [path.relative_to(REPO).as_posix() for package in packages
+               for path in (REPO / package.replace(".", "/")).glob("*.py") if "bench" in path.stem]
+    assert modules == []
+
+
+def test_backend_batch_runs_on_the_cpu_backend(tmp_path):
+    out = tmp_path / "bench.csv"
+    argv = ["--backend", "cpu", "--pages", "40", "--q", "1,2", "--repeat", "1",
+            "--dispatch", "micro_batch=0,streams=1,graph=1", "--out", str(out)]
+    assert backend_batch.main(argv) == 0
+    lines = out.read_text().splitlines()
+    header = [line for line in lines if line.startswith("#")]
+    assert [h.split(":")[0] for h in header] == ["# gpu", "# shape", "# backend", "# dispatch",
+                                                 "# command", "# date"]
+    assert "pages=40, domain_bits=6" in header[1] and "graph=True" in header[3]
+    assert header[4] == "# command: python3 benchmarks/backend_batch.py " + " ".join(argv)
+    rows = [line.split(", ") for line in lines if not line.startswith("#")]
+    assert rows[0] == list(backend_batch.CSV_COLUMNS)
+    assert [r[0] for r in rows[1:]] == ["1", "2"] and all(r[-1] == "True" for r in rows[1:])
+    with pytest.raises(ValueError, match="unknown dispatch field"):
+        backend_batch.parse_dispatch("streams=2,lanes=3")
+
+
+@pytest.mark.parametrize("script", PY_SCRIPTS, ids=lambda p: p.name)
+def test_each_script_runs_as_a_file_from_anywhere(script, tmp_path):
+    # Not installed: the script itself makes the checkout importable, whatever the working folder.
+    done = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_each_script_shows_its_command_and_is_listed(script):
+    head = script.read_text()[:1500]
+    runner = "bash" if script.suffix == ".sh" else "python3?"
+    assert re.search(rf"\b{runner} benchmarks/{re.escape(script.name)}\b", head), \
+        f"{script.name}: its docstring shows no command"
+    listed = (BENCHMARKS / "README.md").read_text()
+    assert f"`{script.name}`" in listed, f"benchmarks/README.md has no line for {script.name}"
+
+
+def test_every_benchmark_path_named_in_the_docs_exists():
+    for document in DOCUMENTS:
+        text = document.read_text()
+        # no command that runs a benchmark from where it used to be, inside the packages
+        old = re.findall(r"python3? -m (?:gpu_engine\.bench|policies\.bench_http"
+                         r"|queries\.(?:bulk_bench|bench_http))|bash gpu_engine/bench/", text)
+        assert old == [], f"{document.name}: {old}"
+        # (a path after `git show REV:` is one git keeps, not one the checkout has)
+        for name in re.findall(r"(?<![\w/:])benchmarks/([\w.-]+\.(?:py|sh|md))", text):
+            assert (BENCHMARKS / name).exists(), f"{document.name} names benchmarks/{name}"
+        for name in re.findall(r"(?<!:)docs/benchmarks/([\w.-]+\.(?:csv|png|md))", text):
+            assert (RESULTS / name).exists(), f"{document.name} names docs/benchmarks/{name}"
+
+
+def test_the_index_says_what_each_results_file_shows():
+    index = (RESULTS / "INDEX.md").read_text()
+    files = sorted(p.name for p in RESULTS.iterdir() if p.name != "INDEX.md")
+    lines = {name: [line for line in index.splitlines() if f"`{name}`" in line] for name in files}
+    undescribed = [name for name, found in lines.items() if not found]
+    assert undescribed == [], "files INDEX.md does not describe"
+    named = set(re.findall(r"^\| `([^`]+)` \|", index, re.M))  # the first column of the table
+    assert sorted(named - set(files)) == [], "INDEX.md describes files that are not there"
