@@ -1,13 +1,13 @@
 """Epoch records (a matrix file plus its metadata) and row updates pushed between epochs."""
 from __future__ import annotations
 
-import os
 import re
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from epochs.matrix_files import MatrixPathError, check_matrix_file
 from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, domain_bits_for
 
 U64_MAX = (1 << 64) - 1
@@ -65,7 +65,8 @@ class Epoch(models.Model):
     )
     matrix_path = models.CharField(
         max_length=1024,
-        help_text="Path of the matrix file, readable by every web and worker process of this party.",
+        help_text="Path of the matrix file inside the matrix directory (MORPHO_MATRIX_DIR), readable "
+                  "by every web and worker process of this party; stored resolved.",
     )
     block_number = models.PositiveBigIntegerField(default=0)
     state_root = models.CharField(
@@ -123,13 +124,14 @@ class Epoch(models.Model):
         self.matrix_path = path
         if not path:
             errors["matrix_path"] = "expected the path of a matrix file, got nothing"
-        elif not os.path.isfile(path):
-            errors["matrix_path"] = f"no matrix file at {path!r} (it must exist on this server)"
         else:
-            size = os.path.getsize(path)
-            if size == 0:
-                errors["matrix_path"] = f"matrix file {path!r} is empty"
+            try:
+                resolved, size = check_matrix_file(path)
+            except MatrixPathError as exc:
+                errors["matrix_path"] = str(exc)
             else:
+                # The resolved path is what is loaded later: no symlink can be swapped in between.
+                self.matrix_path = str(resolved)
                 self.num_pages = -(-size // PAGE_BYTES)
         try:
             self.state_root = "0x" + parse_hex(self.state_root, 32).hex()
@@ -155,9 +157,11 @@ class Epoch(models.Model):
         from gpu_engine.matrix import Epoch as EngineEpoch
         from gpu_engine.matrix import load_matrix
 
+        # Checked again: the directory setting or a folder on the way may have changed since.
+        path, _ = check_matrix_file(self.matrix_path)
         return EngineEpoch(
             epoch_id=self.epoch_id,
-            matrix=load_matrix(self.matrix_path, self.domain_bits),
+            matrix=load_matrix(path, self.domain_bits),
             block_number=self.block_number,
             state_root=parse_hex(self.state_root, 32),
             seeds=tuple(self.seeds or (0, 0, 0)),

@@ -198,6 +198,9 @@ MORPHO_ENV = _env("MORPHO_ENV", "local").strip().lower()
 
 # The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json).
 MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")))
+# The only folder epoch matrix files may come from (path; epochs/matrix_files.py). Unset = the
+# folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded.
+MORPHO_MATRIX_DIR = Path(os.environ["MORPHO_MATRIX_DIR"]) if os.environ.get("MORPHO_MATRIX_DIR") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
 if MORPHO_ENGINE_BACKEND not in ("auto", "cpu", "cuda"):
