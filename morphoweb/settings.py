@@ -104,6 +104,8 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "morphoweb.urls"
+# A form post without its CSRF token is refused in JSON too, like every other error.
+CSRF_FAILURE_VIEW = "queries.api.errors.csrf_failure"
 WSGI_APPLICATION = "morphoweb.wsgi.application"
 
 TEMPLATES = [
@@ -190,9 +192,15 @@ SPECTACULAR_SETTINGS = {
         "morphoweb.openapi.document_errors",
     ],
 }
-# Deployment kind: "production" makes the process refuse to start with DEBUG on, a default
-# SECRET_KEY or no ALLOWED_HOSTS (morphoweb/checks.py); anything else is a local run.
+# Deployment kind: "production" makes the process refuse to start with DEBUG on, a weak or
+# default SECRET_KEY or no ALLOWED_HOSTS (morphoweb/checks.py); "local" checks none of that. Any
+# other value is refused: a typo must not start a production party as a local one.
+MORPHO_ENVS = ("local", "production")
 MORPHO_ENV = _env("MORPHO_ENV", "local").strip().lower()
+if MORPHO_ENV not in MORPHO_ENVS:
+    raise ImproperlyConfigured(
+        f"MORPHO_ENV: expected {' or '.join(MORPHO_ENVS)}, got {os.environ.get('MORPHO_ENV')!r}"
+    )
 
 # --- The PIR engine ----------------------------------------------------------------------------
 
