@@ -149,6 +149,22 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     })
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# --- Cache --------------------------------------------------------------------------------------
+
+# Cache URL: unset = this process's memory (Django's LocMemCache); redis://host:6379/2 = Redis,
+# shared by every process of the party. The request limits count in Redis when it is set
+# (morphoweb/throttling.py), and per process otherwise.
+CACHE_URL = _env("CACHE_URL", "")
+if CACHE_URL.startswith(("redis://", "rediss://", "unix://")):
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                          "LOCATION": CACHE_URL}}
+elif CACHE_URL:
+    raise ImproperlyConfigured(
+        f"CACHE_URL: expected redis://host:port/db or nothing, got {CACHE_URL!r}"
+    )
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 # --- Static files, i18n ------------------------------------------------------------------------
 
 STATIC_URL = "static/"
@@ -168,11 +184,11 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "queries.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    # Anonymous requests (the public PIR endpoints) are limited per client address; signed-in
-    # operators are not.
-    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.AnonRateThrottle"],
-    # Requests per client address ("N/second|minute|hour"), counted in the process's cache;
-    # "off" lifts the limit (load generators on one address need that).
+    # Anonymous requests (the public PIR endpoints) are limited per client address, counted
+    # atomically (morphoweb/throttling.py); signed-in operators are not.
+    "DEFAULT_THROTTLE_CLASSES": ["morphoweb.throttling.AnonQueryThrottle"],
+    # Requests per client address ("N/second|minute|hour"), in Redis when CACHE_URL names one,
+    # else per process; "off" lifts the limit (load generators on one address need that).
     "DEFAULT_THROTTLE_RATES": {
         "anon": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
         else _env("MORPHO_QUERY_THROTTLE", "200/second"),
@@ -208,7 +224,7 @@ if MORPHO_ENV not in MORPHO_ENVS:
 MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")))
 # The only folder epoch matrix files may come from (path; epochs/matrix_files.py). Unset = the
 # folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded.
-MORPHO_MATRIX_DIR = Path(os.environ["MORPHO_MATRIX_DIR"]) if os.environ.get("MORPHO_MATRIX_DIR") else None
+MORPHO_MATRIX_DIR = Path(_env("MORPHO_MATRIX_DIR", "")) if _env("MORPHO_MATRIX_DIR", "") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
 if MORPHO_ENGINE_BACKEND not in ("auto", "cpu", "cuda"):
