@@ -1,4 +1,4 @@
-"""Where epoch matrix files may come from: paths confined to the party's matrix directory.
+"""Where epoch matrix files may come from (the party's matrix directory) and what they must hold.
 
 An operator who may record epochs must not be able to serve (and so publish, page by page, to
 any anonymous client) an arbitrary file of the server. Every path is resolved before use; what
@@ -8,10 +8,15 @@ exists, its size, its type), so the refusal cannot be used to probe the file sys
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
 from django.conf import settings
+
+from gpu_engine.matrix import file_digest, read_epoch_metadata
+
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class MatrixPathError(ValueError):
@@ -73,7 +78,9 @@ def check_matrix_file(given) -> tuple[Path, int]:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise MatrixPathError(f"no matrix file at {str(path)!r} (it must exist in {root})") from None
+        raise MatrixPathError(
+            f"no matrix file at {str(path)!r} (it must exist in {root})"
+        ) from None
     except OSError as exc:
         raise MatrixPathError(f"matrix file {str(path)!r} cannot be read: {exc.strerror}") from None
     if not stat.S_ISREG(info.st_mode):
@@ -83,3 +90,20 @@ def check_matrix_file(given) -> tuple[Path, int]:
     if not os.access(path, os.R_OK):
         raise MatrixPathError(f"matrix file {str(path)!r} cannot be read by this server")
     return path, info.st_size
+
+
+def file_identity(path: Path, size: int) -> tuple[int, str]:
+    """(size, SHA-256) to record for a matrix file: its sidecar's when they describe a file of
+    this size (make_matrix writes them), else read and hashed now (progress logged from 1 GiB).
+
+    Every load checks the file against what is recorded here, so a stale sidecar can only make
+    the epoch refuse to load, never serve other bytes.
+    """
+    try:
+        meta = read_epoch_metadata(path)
+    except (OSError, ValueError):
+        meta = {}
+    digest = meta.get("sha256")
+    if meta.get("size_bytes") == size and isinstance(digest, str) and _SHA256.fullmatch(digest):
+        return size, digest.lower()
+    return file_digest(path)

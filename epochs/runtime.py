@@ -8,6 +8,7 @@ right after an engine starts, and from the policies watcher when another process
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -29,7 +30,7 @@ from epochs.models import (
     parse_hex,
 )
 from gpu_engine.backends import BackendUnavailable
-from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
+from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, read_epoch_metadata
 from policies import live
 
 log = logging.getLogger(__name__)
@@ -86,15 +87,20 @@ def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
     engine = _local_engine()
     if engine is not None and (epoch_id is None or engine.epoch.epoch_id == epoch_id):
         return engine.epoch.epoch_id, engine.epoch.matrix.num_rows
-    from gpu_engine.matrix import load_epoch
-
+    # No engine in this process (a Celery worker, manage.py): the file and its sidecar say, without
+    # reading the whole matrix.
     try:
-        served = load_epoch(settings.MORPHO_MATRIX_PATH, settings.MORPHO_DOMAIN_BITS)
+        size = os.path.getsize(settings.MORPHO_MATRIX_PATH)
+        served_id = int(read_epoch_metadata(settings.MORPHO_MATRIX_PATH).get("epoch_id", 1))
     except (OSError, ValueError) as exc:
         raise LookupError(f"no epoch is being served: {exc}") from None
-    if epoch_id is not None and served.epoch_id != epoch_id:
+    if size == 0:
+        raise LookupError(
+            f"no epoch is being served: matrix file {settings.MORPHO_MATRIX_PATH} is empty"
+        )
+    if epoch_id is not None and served_id != epoch_id:
         raise LookupError(f"epoch {epoch_id} is not known to this server")
-    return served.epoch_id, served.matrix.num_rows
+    return served_id, -(-size // PAGE_BYTES) * ROWS_PER_PAGE
 
 
 def state_version() -> tuple:

@@ -1,4 +1,4 @@
-"""Times CudaBackend.load from a memory-mapped matrix file (the per-epoch upload).
+"""Times CudaBackend.load from a loaded matrix (the per-epoch upload, from host memory).
 
     python -m gpu_engine.bench.upload_probe --pages 1048576 --dir /tmp
 """
