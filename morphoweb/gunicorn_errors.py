@@ -30,7 +30,7 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
 
 
 def install() -> bool:
-    """Make this process's gunicorn write its error responses as JSON; False when not in gunicorn."""
+    """Make this process's gunicorn write its error responses as JSON; False outside gunicorn."""
     if "gunicorn" not in sys.modules:
         return False  # runserver, Celery, tests: gunicorn is not answering here
     from gunicorn import util

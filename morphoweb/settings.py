@@ -251,9 +251,10 @@ MORPHO_GIL_SWITCH_INTERVAL_US = _env_int("MORPHO_GIL_SWITCH_INTERVAL_US", 500, l
 # rather than the first query (bool).
 MORPHO_ENGINE_EAGER = _env_bool("MORPHO_ENGINE_EAGER", True)
 
-# Django's own cap on request.body/POST (bytes): only a backstop, since BodySizeLimitMiddleware
-# already refused every body over its path's limit from the declared Content-Length.
-DATA_UPLOAD_MAX_MEMORY_SIZE = max(MORPHO_MAX_BODY_BYTES, MORPHO_BULK_MAX_BODY_BYTES)
+# Django's cap on what it reads into memory at once (request.body, form fields; bytes): bulk
+# bodies are streamed (queries/api/bulk_parsing.py) and uploaded files spill to disk past 2.5 MB,
+# so nothing needs more than a query body; a large form field in a bulk upload is refused.
+DATA_UPLOAD_MAX_MEMORY_SIZE = MORPHO_MAX_BODY_BYTES
 
 # --- Celery ------------------------------------------------------------------------------------
 
@@ -289,6 +290,17 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 # Most queries in one bulk job (count).
 MORPHO_BULK_MAX_QUERIES = _env_int("MORPHO_BULK_MAX_QUERIES", 100_000, lo=1)
+# Largest query in a bulk body (bytes of JSON, or of one NDJSON line): a body is read one query
+# at a time, so this bounds what one request holds of it. A query at d = 32 is about 3.8 KB.
+MORPHO_BULK_MAX_QUERY_BYTES = _env_int("MORPHO_BULK_MAX_QUERY_BYTES", 16 * 1024, lo=1024)
+# Job submissions per user ("N/second|minute|hour"; "off" lifts the limit), counted like
+# MORPHO_QUERY_THROTTLE (in Redis with CACHE_URL, else per process).
+MORPHO_BULK_SUBMIT_THROTTLE = _env("MORPHO_BULK_SUBMIT_THROTTLE", "30/hour")
+# Jobs one user may have queued or running at once (count); one more gets 429.
+MORPHO_BULK_MAX_ACTIVE_JOBS = _env_int("MORPHO_BULK_MAX_ACTIVE_JOBS", 4, lo=1)
+# Bulk bodies one server process reads and validates at once (count); one more gets 503 with
+# Retry-After, so submissions never hold all of its threads, nor most of its GIL.
+MORPHO_BULK_PARSE_SLOTS = _env_int("MORPHO_BULK_PARSE_SLOTS", 2, lo=1)
 # Queries per chunk: one Celery task and one result write each (count).
 MORPHO_BULK_CHUNK = _env_int("MORPHO_BULK_CHUNK", 256, lo=1)
 # Celery queue every GPU worker consumes; worker i also consumes "<queue>.<i>".

@@ -73,7 +73,8 @@ def _shape(message: str, given: str) -> str:
 def test_every_escape_is_refused_in_one_message_that_reveals_nothing(layout, operator):
     shapes = set()
     for case, given in escapes(layout).items():
-        response = operator.post("/api/epochs/", {"epoch_id": 9, "matrix_path": given}, format="json")
+        response = operator.post("/api/epochs/", {"epoch_id": 9, "matrix_path": given},
+                                 format="json")
         assert response.status_code == 400, (case, response.content)
         errors = [e for e in response.json()["errors"] if e["field"] == "matrix_path"]
         assert len(errors) == 1, (case, response.json())
@@ -118,7 +119,8 @@ def test_paths_inside_are_accepted_and_stored_resolved(layout, operator):
         assert response.status_code == 201, response.content
         assert response.json()["matrix_path"] == str(stored)
         assert response.json()["num_pages"] == PAGES
-    missing = operator.post("/api/epochs/", {"epoch_id": 5, "matrix_path": "nope.bin"}, format="json")
+    missing = operator.post("/api/epochs/", {"epoch_id": 5, "matrix_path": "nope.bin"},
+                            format="json")
     assert missing.status_code == 400
     assert f"no matrix file at '{inside / 'nope.bin'}'" in missing.json()["detail"]
 

@@ -18,7 +18,8 @@ def server(start_server, vector_matrix_path, tmp_path_factory):
     var = tmp_path_factory.mktemp("json-errors-var")
     env = server_env(MORPHO_MATRIX_PATH=vector_matrix_path, MORPHO_ENGINE_BACKEND="cpu",
                      MORPHO_VAR_DIR=var, DATABASE_URL=f"sqlite:///{var / 'db.sqlite3'}")
-    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=REPO, env=env, check=True)
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=REPO, env=env,
+                   check=True)
     return start_server("gunicorn", env)
 
 

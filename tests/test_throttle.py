@@ -44,7 +44,7 @@ def test_local_counter_counts_every_hit_under_threads():
 
 
 class NetworkLikeCache(LocMemCache):
-    """A cache whose reads and writes take a round trip, as Redis's do (the GIL is free meanwhile)."""
+    """A cache whose reads and writes take a round trip, as Redis's do (the GIL free meanwhile)."""
 
     def get(self, *args, **kwargs):
         time.sleep(0.0005)

@@ -17,8 +17,9 @@ from rest_framework.response import Response
 
 from morphoweb.engine_runtime import get_engine
 from queries import bulk
+from queries.api.bulk_limits import BulkSubmitThrottle, check_quota, drain, slots
+from queries.api.bulk_parsing import StreamingBulkJSONParser
 from queries.api.bulk_serializers import BulkJobCreateSerializer, BulkJobSerializer, NDJSONSource
-from queries.api.errors import StrictJSONParser
 from queries.api.errors import exception_handler as api_exception_handler
 from queries.bulk_runner import bulk_policy
 from queries.models import KEYS_PER_QUERY, BulkJob, BulkResult, JobStatus
@@ -82,7 +83,8 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
     serializer_class = BulkJobSerializer
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [IsAuthenticated]
-    parser_classes = [StrictJSONParser, NDJSONParser, MultiPartParser]
+    # JSON read as a stream (queries/api/bulk_parsing.py): memory per request stays bounded.
+    parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
 
     def get_queryset(self):
@@ -116,6 +118,20 @@ class BulkJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
         responses={201: BulkJobSerializer},
     )
     def create(self, request):
+        # A user's quota, then one of this process's few reading slots, before the body is read.
+        check_quota(request.user)
+        with slots.reading():
+            return self._create(request)
+
+    def get_throttles(self):
+        return [BulkSubmitThrottle()] if self.action == "create" else super().get_throttles()
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        if request.method == "POST":
+            drain(request)  # refused early (401, 429, 503, a bad query): the client still sends
+        return super().finalize_response(request, response, *args, **kwargs)
+
+    def _create(self, request):
         data = request.data
         if isinstance(data, list):  # a bare JSON array of queries
             data = {"queries": data}

@@ -148,7 +148,8 @@ def bad_request(request, exception=None):
     """handler400: Django's own 400s (a Host not in ALLOWED_HOSTS, an oversized form) as JSON."""
     if isinstance(exception, DisallowedHost):
         host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
-        message = f"expected a host name this server answers for (ALLOWED_HOSTS), got {host[:200]!r}"
+        message = (f"expected a host name this server answers for (ALLOWED_HOSTS), "
+                   f"got {host[:200]!r}")
         return JsonResponse({"detail": f"Host: {message}",
                              "errors": [{"field": "Host", "message": message}]}, status=400)
     if isinstance(exception, RequestDataTooBig):
