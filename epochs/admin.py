@@ -13,7 +13,8 @@ class EpochAdmin(admin.ModelAdmin):
     list_display = ("epoch_id", "block_number", "state", "num_pages", "switch_mode",
                     "pending_updates", "activated", "short_message")
     list_filter = ("state",)
-    readonly_fields = ("state", "num_pages", "message", "created", "activated", "created_by")
+    readonly_fields = ("state", "num_pages", "size_bytes", "sha256", "message", "created",
+                       "activated", "created_by")
     actions = ["activate_beside", "activate_stop_the_world"]
 
     @admin.display(description="last switch problem")

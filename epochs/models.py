@@ -1,14 +1,22 @@
 """Epoch records (a matrix file plus its metadata) and row updates pushed between epochs."""
 from __future__ import annotations
 
-import os
 import re
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 
-from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, domain_bits_for
+from epochs.matrix_files import MatrixPathError, check_matrix_file, file_identity
+from gpu_engine.matrix import Epoch as EngineEpoch
+from gpu_engine.matrix import (
+    PAGE_BYTES,
+    ROW_BYTES,
+    ROWS_PER_PAGE,
+    MatrixChanged,
+    domain_bits_for,
+    load_matrix,
+)
 
 U64_MAX = (1 << 64) - 1
 _HEX = re.compile(r"[0-9a-fA-F]*")
@@ -65,7 +73,8 @@ class Epoch(models.Model):
     )
     matrix_path = models.CharField(
         max_length=1024,
-        help_text="Path of the matrix file, readable by every web and worker process of this party.",
+        help_text="Path of the matrix file inside the matrix directory (MORPHO_MATRIX_DIR), "
+                  "readable by every web and worker process of this party; stored resolved.",
     )
     block_number = models.PositiveBigIntegerField(default=0)
     state_root = models.CharField(
@@ -90,6 +99,15 @@ class Epoch(models.Model):
         max_length=16, choices=EpochState.choices, default=EpochState.LOADED, editable=False
     )
     num_pages = models.PositiveBigIntegerField(null=True, editable=False)
+    size_bytes = models.PositiveBigIntegerField(
+        null=True, editable=False,
+        help_text="Size of the matrix file in bytes when recorded; checked at every load.",
+    )
+    sha256 = models.CharField(
+        max_length=64, blank=True, editable=False,
+        help_text="SHA-256 of the matrix file when recorded (from its sidecar, else computed); "
+                  "a load of other bytes is refused, so one epoch_id never names two contents.",
+    )
     message = models.TextField(
         blank=True, editable=False, help_text="Why the last switch to this epoch failed, if it did."
     )
@@ -123,14 +141,18 @@ class Epoch(models.Model):
         self.matrix_path = path
         if not path:
             errors["matrix_path"] = "expected the path of a matrix file, got nothing"
-        elif not os.path.isfile(path):
-            errors["matrix_path"] = f"no matrix file at {path!r} (it must exist on this server)"
         else:
-            size = os.path.getsize(path)
-            if size == 0:
-                errors["matrix_path"] = f"matrix file {path!r} is empty"
+            try:
+                resolved, size = check_matrix_file(path)
+            except MatrixPathError as exc:
+                errors["matrix_path"] = str(exc)
             else:
+                # The resolved path is what is loaded later: no symlink can be swapped in between.
+                self.matrix_path = str(resolved)
                 self.num_pages = -(-size // PAGE_BYTES)
+                problem = self._record_identity(resolved, size)
+                if problem:
+                    errors["matrix_path"] = problem
         try:
             self.state_root = "0x" + parse_hex(self.state_root, 32).hex()
         except ValueError as exc:
@@ -150,14 +172,39 @@ class Epoch(models.Model):
         if errors:
             raise ValidationError(errors)
 
-    def load(self):
-        """The gpu_engine Epoch of this record: the matrix memory-mapped, metadata from here."""
-        from gpu_engine.matrix import Epoch as EngineEpoch
-        from gpu_engine.matrix import load_matrix
+    def _record_identity(self, path, size: int) -> str | None:
+        """Record the file's size and SHA-256 once; afterwards the file must keep that size."""
+        recorded_path = None
+        if self.pk is not None:
+            recorded_path = (Epoch.objects.filter(pk=self.pk)
+                             .values_list("matrix_path", flat=True).first())
+        if self.sha256 and recorded_path == str(path):
+            if self.size_bytes is not None and size != self.size_bytes:
+                return (f"matrix file {str(path)!r} changed since epoch {self.epoch_id} was "
+                        f"recorded: {size} bytes, expected {self.size_bytes}")
+            return None
+        self.size_bytes, self.sha256 = file_identity(path, size)
+        return None
 
+    def load(self) -> EngineEpoch:
+        """The gpu_engine Epoch of this record: the file read into memory and checked against the
+        size and SHA-256 recorded with it (MatrixChanged, a ValueError, when it differs)."""
+        # Checked again: the directory setting or a folder on the way may have changed since.
+        path, _ = check_matrix_file(self.matrix_path)
+        matrix = load_matrix(path, self.domain_bits, size_bytes=self.size_bytes,
+                             sha256=self.sha256 or None)
+        if not self.sha256:
+            # Recorded before digests were: the first load pins what this epoch_id serves.
+            Epoch.objects.filter(pk=self.pk, sha256="").update(
+                size_bytes=matrix.size_bytes, sha256=matrix.sha256)
+            pinned = Epoch.objects.filter(pk=self.pk).values_list("sha256", flat=True).first()
+            if pinned and pinned != matrix.sha256:
+                raise MatrixChanged(f"matrix file {path} changed since epoch {self.epoch_id} was "
+                                    f"first loaded: sha256 {matrix.sha256}, expected {pinned}")
+            self.size_bytes, self.sha256 = matrix.size_bytes, matrix.sha256
         return EngineEpoch(
             epoch_id=self.epoch_id,
-            matrix=load_matrix(self.matrix_path, self.domain_bits),
+            matrix=matrix,
             block_number=self.block_number,
             state_root=parse_hex(self.state_root, 32),
             seeds=tuple(self.seeds or (0, 0, 0)),

@@ -32,7 +32,7 @@ from epochs.models import (
 )
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.engine import EngineBusy
-from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, load_epoch
+from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, read_epoch_metadata
 from gpu_engine.remote import RemoteError
 from morphoweb import engine_runtime
 from policies import live
@@ -116,13 +116,20 @@ def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
             return served.epoch_id, served.matrix.num_rows
         if engine_runtime.is_remote():
             raise LookupError(f"epoch {epoch_id} is not known to this server")
+    # No engine in this process (a Celery worker, manage.py): the file and its sidecar say, without
+    # reading the whole matrix.
     try:
-        served = load_epoch(settings.MORPHO_MATRIX_PATH, settings.MORPHO_DOMAIN_BITS)
+        size = os.path.getsize(settings.MORPHO_MATRIX_PATH)
+        served_id = int(read_epoch_metadata(settings.MORPHO_MATRIX_PATH).get("epoch_id", 1))
     except (OSError, ValueError) as exc:
         raise LookupError(f"no epoch is being served: {exc}") from None
-    if epoch_id is not None and served.epoch_id != epoch_id:
+    if size == 0:
+        raise LookupError(
+            f"no epoch is being served: matrix file {settings.MORPHO_MATRIX_PATH} is empty"
+        )
+    if epoch_id is not None and served_id != epoch_id:
         raise LookupError(f"epoch {epoch_id} is not known to this server")
-    return served.epoch_id, served.matrix.num_rows
+    return served_id, -(-size // PAGE_BYTES) * ROWS_PER_PAGE
 
 
 def state_version() -> tuple:

@@ -1,11 +1,13 @@
 """The page matrix (docs/PROTOCOL.md section 1) and epochs: load, generate, metadata, row writes."""
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -15,6 +17,14 @@ ROWS_PER_PAGE = PAGE_BYTES // ROW_BYTES  # 16
 WORDS_PER_PAGE = PAGE_BYTES // 4  # 1024 u32 words
 WORDS_PER_ROW = ROW_BYTES // 4
 _GEN_CHUNK_PAGES = 4096  # pages drawn per RNG call (16 MiB) when generating
+READ_CHUNK_BYTES = 64 << 20  # a matrix file is read and hashed 64 MiB at a time
+LOG_PROGRESS_BYTES = 1 << 30  # files from 1 GiB on log their loading every tenth
+
+log = logging.getLogger(__name__)
+
+
+class MatrixChanged(ValueError):
+    """The matrix file is not the one its epoch recorded (size or content), or changed in a read."""
 
 
 def domain_bits_for(num_pages: int, configured: Optional[int] = None) -> int:
@@ -48,10 +58,11 @@ class _Shape:
 
 
 class PageMatrix(_Shape):
-    """num_pages pages of 4096 bytes as u32 words; the body may be a copy-on-write memmap.
+    """num_pages pages of 4096 bytes as u32 words, in memory private to this process.
 
-    A file whose length is not a multiple of 4096 keeps its full pages mapped and its last,
-    zero-padded page in memory: read pages through block()/iter_blocks(), not a single array.
+    The body may be followed by a one-page tail (zero-padded): read pages through
+    block()/iter_blocks(), not a single array. A matrix loaded from a file carries the file's
+    size and SHA-256 (`size_bytes`, `sha256`), which its bytes were checked against.
     """
 
     def __init__(
@@ -75,6 +86,8 @@ class PageMatrix(_Shape):
         self.num_pages = body.shape[0] + (0 if tail is None else 1)
         self.domain_bits = domain_bits_for(self.num_pages, domain_bits)
         self.source = source  # file path, or None for a generated matrix
+        self.size_bytes: Optional[int] = None  # of the file, for a matrix loaded from one
+        self.sha256: Optional[str] = None  # hex digest of the file's bytes, as loaded
 
     def block(self, start: int, stop: int) -> np.ndarray:
         """Pages [start, stop) as a (n, 1024) u32 array: a view where it can be, else a copy."""
@@ -113,25 +126,94 @@ class PageMatrix(_Shape):
         target[local, slot * WORDS_PER_ROW : (slot + 1) * WORDS_PER_ROW] = words
 
 
-def load_matrix(path, domain_bits: Optional[int] = None) -> PageMatrix:
-    """Memory-map a matrix file copy-on-write; a partial last page is zero-padded."""
+ProgressFn = Callable[[int, int], None]  # progress(done_bytes, total_bytes)
+
+
+def _progress_logger(path, total: int) -> Optional[ProgressFn]:
+    if total < LOG_PROGRESS_BYTES:
+        return None
+    last = [-1]
+
+    def report(done: int, _total: int) -> None:
+        tenth = done * 10 // total
+        if tenth != last[0]:
+            last[0] = tenth
+            log.info("reading and hashing matrix file %s: %d%% (%.1f of %.1f GiB)",
+                     path, tenth * 10, done / (1 << 30), total / (1 << 30))
+
+    return report
+
+
+def file_digest(path, progress: Optional[ProgressFn] = None) -> Tuple[int, str]:
+    """(size in bytes, SHA-256 hex) of a file, read 64 MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        total = os.fstat(fh.fileno()).st_size
+        report = progress or _progress_logger(path, total)
+        done = 0
+        while chunk := fh.read(READ_CHUNK_BYTES):
+            digest.update(chunk)
+            done += len(chunk)
+            if report:
+                report(done, total)
+    return done, digest.hexdigest()
+
+
+def load_matrix(
+    path,
+    domain_bits: Optional[int] = None,
+    size_bytes: Optional[int] = None,
+    sha256: Optional[str] = None,
+    progress: Optional[ProgressFn] = None,
+) -> PageMatrix:
+    """Read a matrix file into this process's memory and hash it; a partial last page is padded.
+
+    The pages served are a private copy of exactly the bytes hashed: the file may be overwritten
+    or truncated afterwards without changing an answer or faulting (a mapping of the file
+    would do both). `size_bytes` and `sha256`, when given (the epoch's record), must match, else
+    MatrixChanged says what differs; the file growing or shrinking while it is read is refused too.
+    Progress: progress(done, total), else a log line every tenth for files from 1 GiB.
+    """
     path = Path(path)
-    size = path.stat().st_size
-    if size == 0:
-        raise ValueError(f"matrix file {path} is empty")
-    full, rest = divmod(size, PAGE_BYTES)
-    if full:
-        body = np.memmap(path, dtype="<u4", mode="c", shape=(full, WORDS_PER_PAGE))
-    else:
-        body = np.zeros((0, WORDS_PER_PAGE), dtype=np.uint32)
-    tail = None
-    if rest:
-        raw = bytearray(PAGE_BYTES)
-        with open(path, "rb") as fh:
-            fh.seek(full * PAGE_BYTES)
-            raw[:rest] = fh.read(rest)
-        tail = np.frombuffer(bytes(raw), dtype="<u4").astype(np.uint32).reshape(1, WORDS_PER_PAGE)
-    return PageMatrix(body, tail, domain_bits=domain_bits, source=str(path))
+    with open(path, "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise ValueError(f"matrix file {path} is empty")
+        if size_bytes is not None and size != size_bytes:
+            raise MatrixChanged(
+                f"matrix file {path} changed since its epoch was recorded: {size} bytes, "
+                f"expected {size_bytes}"
+            )
+        num_pages = -(-size // PAGE_BYTES)
+        # Zeroed pages come from the OS untouched, so the padding of a partial page costs nothing.
+        body = np.zeros((num_pages, WORDS_PER_PAGE), dtype=np.uint32)
+        view = memoryview(body).cast("B")
+        digest = hashlib.sha256()
+        report = progress or _progress_logger(path, size)
+        done = 0
+        while done < size:
+            got = fh.readinto(view[done : min(size, done + READ_CHUNK_BYTES)])
+            if not got:
+                raise MatrixChanged(
+                    f"matrix file {path} shrank while it was read: {done} of {size} bytes"
+                )
+            digest.update(view[done : done + got])  # hashlib frees the GIL for large buffers
+            done += got
+            if report:
+                report(done, size)
+        if fh.read(1):
+            raise MatrixChanged(f"matrix file {path} grew while it was read (from {size} bytes)")
+    found = digest.hexdigest()
+    if sha256 is not None and found != sha256.lower():
+        raise MatrixChanged(
+            f"matrix file {path} changed since its epoch was recorded: sha256 {found}, "
+            f"expected {sha256.lower()}"
+        )
+    if not np.little_endian:  # the file holds little-endian u32 words
+        body.byteswap(inplace=True)
+    matrix = PageMatrix(body, domain_bits=domain_bits, source=str(path))
+    matrix.size_bytes, matrix.sha256 = size, found
+    return matrix
 
 
 def _random_blocks(num_pages: int, seed: int) -> Iterator[np.ndarray]:
@@ -227,25 +309,44 @@ def metadata_path(matrix_path) -> Path:
     return Path(str(matrix_path) + ".epoch.json")
 
 
+def read_epoch_metadata(matrix_path) -> dict:
+    """The sidecar `<path>.epoch.json` of a matrix file, or {} when there is none."""
+    meta_file = metadata_path(matrix_path)
+    return json.loads(meta_file.read_text()) if meta_file.exists() else {}
+
+
 def write_epoch_metadata(
     matrix_path, epoch_id: int = 1, block_number: int = 0, state_root: bytes = bytes(32),
-    seeds: Tuple[int, int, int] = (0, 0, 0),
+    seeds: Tuple[int, int, int] = (0, 0, 0), progress: Optional[ProgressFn] = None,
 ) -> Path:
+    """Write the sidecar, with the file's size and SHA-256 (read now) that every load checks."""
+    size, digest = file_digest(matrix_path, progress)
     out = metadata_path(matrix_path)
     out.write_text(json.dumps({
         "epoch_id": epoch_id,
         "block_number": block_number,
         "state_root": "0x" + state_root.hex(),
         "seeds": list(seeds),
+        "size_bytes": size,
+        "sha256": digest,
     }, indent=2) + "\n")
     return out
 
 
 def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> Epoch:
-    """The matrix file plus its sidecar `<path>.epoch.json` (epoch 1 with zero metadata if absent)."""
-    matrix = load_matrix(matrix_path, domain_bits)
-    meta_file = metadata_path(matrix_path)
-    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    """The matrix file plus its sidecar `<path>.epoch.json` (epoch 1 with zero metadata if absent).
+
+    The file must have the size and SHA-256 its sidecar records (MatrixChanged otherwise), so a
+    file changed in place is never served under the sidecar's epoch_id. A sidecar without them
+    (written before they were recorded) is loaded with a warning.
+    """
+    meta = read_epoch_metadata(matrix_path)
+    if meta and "sha256" not in meta:
+        log.warning("%s records no size and sha256: the matrix file cannot be checked against "
+                    "epoch %s (`manage.py make_matrix` writes them)", metadata_path(matrix_path),
+                    meta.get("epoch_id", 1))
+    matrix = load_matrix(matrix_path, domain_bits, size_bytes=meta.get("size_bytes"),
+                         sha256=meta.get("sha256"))
     root = meta.get("state_root", "0x" + "00" * 32)
     return Epoch(
         epoch_id=int(meta.get("epoch_id", 1)),

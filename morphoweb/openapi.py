@@ -115,7 +115,8 @@ ERRORS = {
     "413": "Body over MORPHO_MAX_BODY_BYTES (MORPHO_BULK_MAX_BODY_BYTES under /bulk/).",
     "415": "Body not of a media type the operation accepts (application/json; the query endpoints "
            "and bulk jobs also application/octet-stream).",
-    "429": "Too many requests from this client address (MORPHO_QUERY_THROTTLE); see Retry-After.",
+    "429": "Too many requests from this client address (MORPHO_QUERY_THROTTLE), or bulk jobs from "
+           "this user (MORPHO_BULK_SUBMIT_THROTTLE, MORPHO_BULK_MAX_ACTIVE_JOBS); see Retry-After.",
     "503": "Cannot answer now (epoch switching, engine down, overloaded); see Retry-After.",
 }
 
@@ -124,7 +125,7 @@ def document_errors(result, generator, request, public):
     """Postprocessing hook: add the error responses each operation can give, with their body."""
     result.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
     error = {"schema": {"$ref": "#/components/schemas/Error"}}
-    for path_item in result.get("paths", {}).values():
+    for path, path_item in result.get("paths", {}).items():
         # An error is rendered in whichever media type the client asked for (JSON, NDJSON), but
         # as JSON when binary was asked for; an operation without a body (a 204) still renders
         # its errors like its siblings.
@@ -138,6 +139,8 @@ def document_errors(result, generator, request, public):
             codes += ["401", "403"] if signed_in else ["429", "503"]
             if method in ("post", "put", "patch"):
                 codes += ["413", "415"]
+            if signed_in and method == "post" and path.startswith("/bulk/"):
+                codes += ["429", "503"]  # queries/api/bulk_limits.py: rate, quota, reading slots
             responses = operation.setdefault("responses", {})
             for code in codes:
                 responses.setdefault(code, {"description": ERRORS[code], "content": body})

@@ -117,6 +117,8 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "morphoweb.urls"
+# A form post without its CSRF token is refused in JSON too, like every other error.
+CSRF_FAILURE_VIEW = "queries.api.errors.csrf_failure"
 WSGI_APPLICATION = "morphoweb.wsgi.application"
 
 TEMPLATES = [
@@ -160,6 +162,22 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     })
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# --- Cache --------------------------------------------------------------------------------------
+
+# Cache URL: unset = this process's memory (Django's LocMemCache); redis://host:6379/2 = Redis,
+# shared by every process of the party. The request limits count in Redis when it is set
+# (morphoweb/throttling.py), and per process otherwise.
+CACHE_URL = _env("CACHE_URL", "")
+if CACHE_URL.startswith(("redis://", "rediss://", "unix://")):
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                          "LOCATION": CACHE_URL}}
+elif CACHE_URL:
+    raise ImproperlyConfigured(
+        f"CACHE_URL: expected redis://host:port/db or nothing, got {CACHE_URL!r}"
+    )
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 # --- Static files, i18n ------------------------------------------------------------------------
 
 STATIC_URL = "static/"
@@ -189,11 +207,11 @@ REST_FRAMEWORK = {
     # Every listing (/api/*, /bulk/jobs) is paged alike: ?limit= (default 100, at most 1000)
     # and ?offset=, answered as {"count", "next", "previous", "results"}.
     "DEFAULT_PAGINATION_CLASS": "morphoweb.pagination.ListPagination",
-    # Anonymous requests (the public PIR endpoints) are limited per client address; signed-in
-    # operators are not.
-    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.AnonRateThrottle"],
-    # Requests per client address ("N/second|minute|hour"), counted in the process's cache;
-    # "off" lifts the limit (load generators on one address need that).
+    # Anonymous requests (the public PIR endpoints) are limited per client address, counted
+    # atomically (morphoweb/throttling.py); signed-in operators are not.
+    "DEFAULT_THROTTLE_CLASSES": ["morphoweb.throttling.AnonQueryThrottle"],
+    # Requests per client address ("N/second|minute|hour"), in Redis when CACHE_URL names one,
+    # else per process; "off" lifts the limit (load generators on one address need that).
     "DEFAULT_THROTTLE_RATES": {
         "anon": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
         else _env("MORPHO_QUERY_THROTTLE", "200/second"),
@@ -216,14 +234,23 @@ SPECTACULAR_SETTINGS = {
         "morphoweb.openapi.document_errors",
     ],
 }
-# Deployment kind: "production" makes the process refuse to start with DEBUG on, a default
-# SECRET_KEY or no ALLOWED_HOSTS (morphoweb/checks.py); anything else is a local run.
+# Deployment kind: "production" makes the process refuse to start with DEBUG on, a weak or
+# default SECRET_KEY or no ALLOWED_HOSTS (morphoweb/checks.py); "local" checks none of that. Any
+# other value is refused: a typo must not start a production party as a local one.
+MORPHO_ENVS = ("local", "production")
 MORPHO_ENV = _env("MORPHO_ENV", "local").strip().lower()
+if MORPHO_ENV not in MORPHO_ENVS:
+    raise ImproperlyConfigured(
+        f"MORPHO_ENV: expected {' or '.join(MORPHO_ENVS)}, got {os.environ.get('MORPHO_ENV')!r}"
+    )
 
 # --- The PIR engine ----------------------------------------------------------------------------
 
 # The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json).
 MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")))
+# The only folder epoch matrix files may come from (path; epochs/matrix_files.py). Unset = the
+# folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded.
+MORPHO_MATRIX_DIR = Path(_env("MORPHO_MATRIX_DIR", "")) if _env("MORPHO_MATRIX_DIR", "") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
 if MORPHO_ENGINE_BACKEND not in ("auto", "cpu", "cuda"):
@@ -259,9 +286,10 @@ MORPHO_ENGINE_DEADLINE = _env_float("MORPHO_ENGINE_DEADLINE", 5.0, lo=0.5)
 # Warm the engine up (every batch size on CUDA) before the engine server takes queries (bool).
 MORPHO_ENGINE_WARMUP = _env_bool("MORPHO_ENGINE_WARMUP", True)
 
-# Django's own cap on request.body/POST (bytes): only a backstop, since BodySizeLimitMiddleware
-# already refused every body over its path's limit from the declared Content-Length.
-DATA_UPLOAD_MAX_MEMORY_SIZE = max(MORPHO_MAX_BODY_BYTES, MORPHO_BULK_MAX_BODY_BYTES)
+# Django's cap on what it reads into memory at once (request.body, form fields; bytes): bulk
+# bodies are streamed (queries/api/bulk_parsing.py) and uploaded files spill to disk past 2.5 MB,
+# so nothing needs more than a query body; a large form field in a bulk upload is refused.
+DATA_UPLOAD_MAX_MEMORY_SIZE = MORPHO_MAX_BODY_BYTES
 
 # --- Celery ------------------------------------------------------------------------------------
 
@@ -297,6 +325,17 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 # Most queries in one bulk job (count).
 MORPHO_BULK_MAX_QUERIES = _env_int("MORPHO_BULK_MAX_QUERIES", 100_000, lo=1)
+# Largest query in a bulk body (bytes of JSON, or of one NDJSON line): a body is read one query
+# at a time, so this bounds what one request holds of it. A query at d = 32 is about 3.8 KB.
+MORPHO_BULK_MAX_QUERY_BYTES = _env_int("MORPHO_BULK_MAX_QUERY_BYTES", 16 * 1024, lo=1024)
+# Job submissions per user ("N/second|minute|hour"; "off" lifts the limit), counted like
+# MORPHO_QUERY_THROTTLE (in Redis with CACHE_URL, else per process).
+MORPHO_BULK_SUBMIT_THROTTLE = _env("MORPHO_BULK_SUBMIT_THROTTLE", "30/hour")
+# Jobs one user may have queued or running at once (count); one more gets 429.
+MORPHO_BULK_MAX_ACTIVE_JOBS = _env_int("MORPHO_BULK_MAX_ACTIVE_JOBS", 4, lo=1)
+# Bulk bodies one server process reads and validates at once (count); one more gets 503 with
+# Retry-After, so submissions never hold all of its threads, nor most of its GIL.
+MORPHO_BULK_PARSE_SLOTS = _env_int("MORPHO_BULK_PARSE_SLOTS", 2, lo=1)
 # Queries per chunk: one Celery task and one result write each (count).
 MORPHO_BULK_CHUNK = _env_int("MORPHO_BULK_CHUNK", 256, lo=1)
 # Celery queue every GPU worker consumes; worker i also consumes "<queue>.<i>".

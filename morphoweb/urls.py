@@ -22,6 +22,8 @@ urlpatterns = [
     path("", include("django_prometheus.urls")),
 ]
 
-# Unknown paths and crashes answer JSON too: API clients parse every response body.
+# Unknown paths, bad Host headers and crashes answer JSON too: API clients parse every body.
+handler400 = "queries.api.errors.bad_request"
+handler403 = "queries.api.errors.permission_denied"
 handler404 = "queries.api.errors.not_found"
 handler500 = "queries.api.errors.server_error"

@@ -4,9 +4,14 @@ import os
 from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 
+from morphoweb.gunicorn_errors import install as json_gunicorn_errors
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "morphoweb.settings")
 
 application = get_wsgi_application()
+
+# Requests gunicorn cannot parse are answered by gunicorn itself: make those answers JSON too.
+json_gunicorn_errors()
 
 if settings.MORPHO_ENGINE_EAGER:
     # Each gunicorn worker imports this module after the fork, so the engine (and its scheduler

@@ -185,6 +185,14 @@ def start_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_request_counters():
+    """Each test starts with no request counted against any limit (user ids repeat per test)."""
+    from morphoweb.throttling import reset_counter
+
+    reset_counter()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_live_watcher_at_the_end():
     """Stop this process's live-policy watcher before pytest closes its output streams, so the

@@ -254,10 +254,11 @@ def test_admin_records_and_activates_an_epoch(served, client, matrices):
     record = Epoch.objects.get(epoch_id=3)
     assert record.num_pages == PAGES and record.state_root == "0x" + "03" * 32
     bad = client.post("/admin/epochs/epoch/add/", {
-        "epoch_id": 4, "matrix_path": "/nowhere.bin", "block_number": 0, "state_root": "00" * 32,
+        "epoch_id": 4, "matrix_path": "nowhere.bin", "block_number": 0, "state_root": "00" * 32,
         "seeds": "[1, 2]", "pending_updates": "absorb", "switch_mode": "beside"})
     text = bad.content.decode()
-    assert "no matrix file at &#x27;/nowhere.bin&#x27;" in text and "expected three integers" in text
+    missing = matrices[3].parent / "nowhere.bin"  # a relative path is taken from the matrix directory
+    assert f"no matrix file at &#x27;{missing}&#x27;" in text and "expected three integers" in text
     response = client.post("/admin/epochs/epoch/", {"action": "activate_beside",
                                                     "_selected_action": [record.pk]}, follow=True)
     assert "Epoch 3 is active" in response.content.decode()

@@ -30,6 +30,8 @@ def serving(db, serve_matrix, vector_matrix_path, settings):
     from rest_framework.throttling import AnonRateThrottle
 
     settings.MORPHO_QUERY_TIMEOUT = 30
+    settings.MORPHO_BULK_SUBMIT_THROTTLE = "off"
+    settings.MORPHO_BULK_MAX_ACTIVE_JOBS = 1_000_000
     rates = AnonRateThrottle.THROTTLE_RATES
     AnonRateThrottle.THROTTLE_RATES = {"anon": None}
     serve_matrix(vector_matrix_path)

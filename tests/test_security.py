@@ -3,6 +3,7 @@ state changes, staff-only admin and dashboard, production settings that refuse t
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 import urllib.error
@@ -11,6 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 from django.contrib.auth.models import User
+from django.core.management.utils import get_random_secret_key
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
@@ -117,12 +119,34 @@ def test_production_refuses_debug_default_key_and_no_hosts():
     assert result.returncode != 0
     assert "refusing to start with MORPHO_ENV=production" in result.stderr
     assert "[morphoweb.E001] DEBUG is on in production" in result.stderr
-    assert "[morphoweb.E002] SECRET_KEY is a default" in result.stderr
+    assert "[morphoweb.E002] SECRET_KEY is a default that ships in code" in result.stderr
     assert "[morphoweb.E003] ALLOWED_HOSTS is []" in result.stderr
 
 
 def test_production_starts_with_safe_settings_and_local_runs_are_not_checked():
-    safe = _check(MORPHO_ENV="production", SECRET_KEY="k" * 50, ALLOWED_HOSTS="pir.example.org")
-    assert safe.returncode == 0, safe.stderr
+    for key in (secrets.token_urlsafe(50), secrets.token_hex(32), get_random_secret_key()):
+        safe = _check(MORPHO_ENV="production", SECRET_KEY=key, ALLOWED_HOSTS="pir.example.org")
+        assert safe.returncode == 0, safe.stderr
     local = _check(DEBUG="true")
     assert local.returncode == 0, local.stderr
+
+
+@pytest.mark.parametrize("key, problem", [
+    (" " * 34, "has 0 characters besides surrounding whitespace, expected at least 50"),
+    ("a" * 40, "has 40 characters besides surrounding whitespace, expected at least 50"),
+    ("k" * 60, "has 1 distinct characters, expected at least 20"),
+    ("pir-" * 20, "has 4 distinct characters, expected at least 20"),
+    ("ab" * 40, "is 80 hex digits with 2 distinct ones, expected at least 64 digits with 10"),
+    ("  " + secrets.token_urlsafe(30) + "  ", "characters besides surrounding whitespace"),
+])
+def test_production_refuses_a_secret_key_without_entropy(key, problem):
+    result = _check(MORPHO_ENV="production", SECRET_KEY=key, ALLOWED_HOSTS="pir.example.org")
+    assert result.returncode != 0
+    assert "[morphoweb.E002] SECRET_KEY" in result.stderr and problem in result.stderr
+
+
+@pytest.mark.parametrize("value", ["prod", "Production1", "dev", "staging"])
+def test_an_unknown_deployment_kind_is_refused_naming_the_allowed_ones(value):
+    result = _check(MORPHO_ENV=value, DEBUG="true")
+    assert result.returncode != 0
+    assert f"MORPHO_ENV: expected local or production, got {value!r}" in result.stderr

@@ -125,10 +125,11 @@ class EpochSerializer(ValidatedModelSerializer):
         model = Epoch
         fields = ["id", "epoch_id", "matrix_path", "block_number", "state_root", "seeds",
                   "domain_bits", "pending_updates", "switch_mode", "state", "num_pages",
-                  "message", "created", "activated"]
-        read_only_fields = ["state", "num_pages", "message", "created", "activated"]
+                  "size_bytes", "sha256", "message", "created", "activated"]
+        read_only_fields = ["state", "num_pages", "size_bytes", "sha256", "message", "created",
+                            "activated"]
         extra_kwargs = {"matrix_path": {"min_length": 1}}
-        clean_sets = ["num_pages"]
+        clean_sets = ["num_pages", "size_bytes", "sha256"]
 
 
 class ActivateSerializer(serializers.Serializer):

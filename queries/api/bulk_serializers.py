@@ -10,11 +10,12 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 
 from queries.api.binary import body_bytes, check_body, parse_query, query_bytes
+from queries.api.bulk_parsing import JSONQueryArray, QuerySpool, ndjson_lines
 from queries.api.serializers import PageQuerySerializer, json_type
 from queries.models import BulkJob, JobStatus
 
-# Invalid queries listed in a 400 at most; the rest are counted, so a broken file of 100,000
-# lines does not answer with 100,000 messages.
+# Invalid queries listed in a 400 at most; reading stops there, so a broken file of 100,000 lines
+# neither answers with 100,000 messages nor takes the time to find them.
 MAX_LISTED_ERRORS = 1000
 
 
@@ -27,9 +28,14 @@ class NDJSONSource:
 
     def __iter__(self) -> Iterator[tuple[int, object]]:
         """(line number from 1, parsed value or a ValueError saying why the line is not JSON)."""
-        for number, raw in enumerate(iter(self.fileobj.readline, b""), start=1):
-            if isinstance(raw, str):
-                raw = raw.encode()
+        cap = settings.MORPHO_BULK_MAX_QUERY_BYTES
+        for number, raw in ndjson_lines(self.fileobj, cap):
+            if raw is None:  # skipped, never held whole
+                yield number, ValueError(
+                    f"line {number}: expected at most {cap} bytes per line "
+                    f"(MORPHO_BULK_MAX_QUERY_BYTES), got more"
+                )
+                continue
             if not raw.strip():
                 continue
             try:
@@ -42,7 +48,7 @@ class NDJSONSource:
 
 
 def _items(data) -> Iterable[tuple[object, object]]:
-    if isinstance(data, NDJSONSource):
+    if isinstance(data, (NDJSONSource, JSONQueryArray)):
         return iter(data)
     return ((None, item) for item in data)
 
@@ -60,7 +66,7 @@ class BulkQueriesField(serializers.Field):
 
     def to_internal_value(self, data) -> list[bytes]:
         limit = settings.MORPHO_BULK_MAX_QUERIES
-        if not isinstance(data, (list, NDJSONSource)):
+        if not isinstance(data, (list, NDJSONSource, JSONQueryArray)):
             raise serializers.ValidationError(
                 f"expected an array of queries, got {json_type(data)}", code="not_a_list"
             )
@@ -70,7 +76,7 @@ class BulkQueriesField(serializers.Field):
                 code="count",
             )
         context = {"domain_bits": self.context["domain_bits"]}
-        queries: list[bytes] = []
+        queries = QuerySpool()  # key bytes only, and on disk past a few MiB
         errors: dict = {}
         bad = 0
         index = -1
@@ -95,17 +101,19 @@ class BulkQueriesField(serializers.Field):
                     continue
                 detail = query.errors
             bad += 1
-            if len(errors) < MAX_LISTED_ERRORS:
-                errors[index] = detail
+            errors[index] = detail
+            if bad >= MAX_LISTED_ERRORS:
+                break  # the job is refused anyway: reading on would only cost time
         if index < 0:
             raise serializers.ValidationError(
                 f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got 0", code="count"
             )
         if bad:
-            if bad > len(errors):
+            if bad >= MAX_LISTED_ERRORS:
                 errors["more"] = [
                     serializers.ErrorDetail(
-                        f"{bad} queries are invalid; the first {len(errors)} are listed",
+                        f"reading stopped at query {index}: {bad} queries are invalid, "
+                        f"and the rest were not checked",
                         code="more_errors",
                     )
                 ]
@@ -145,13 +153,17 @@ class BulkJobCreateSerializer(serializers.Serializer):
         from queries import bulk
 
         queries = validated_data["queries"]
-        return bulk.create_job(
-            self.context["owner"],
-            queries,
-            len(queries),
-            self.context["domain_bits"],
-            self.context["chunk_size"],
-        )
+        try:
+            return bulk.create_job(
+                self.context["owner"],
+                queries,
+                len(queries),
+                self.context["domain_bits"],
+                self.context["chunk_size"],
+            )
+        finally:
+            if isinstance(queries, QuerySpool):
+                queries.close()
 
 
 class BulkBinaryJobSerializer(BulkJobCreateSerializer):

@@ -36,7 +36,8 @@ from queries.api.bulk_serializers import (
     BulkJobSerializer,
     NDJSONSource,
 )
-from queries.api.errors import StrictJSONParser
+from queries.api.bulk_limits import BulkSubmitThrottle, check_quota, drain, slots
+from queries.api.bulk_parsing import StreamingBulkJSONParser
 from queries.api.errors import exception_handler as api_exception_handler
 from queries.bulk_runner import bulk_policy
 from queries.models import KEYS_PER_QUERY, BulkJob, BulkResult
@@ -140,7 +141,9 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
     serializer_class = BulkJobSerializer
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [IsAuthenticated]
-    parser_classes = [StrictJSONParser, NDJSONParser, MultiPartParser, OctetStreamParser]
+    # JSON read as a stream (queries/api/bulk_parsing.py): memory per request stays bounded; a
+    # binary body is read whole, bounded by MORPHO_BULK_MAX_BODY_BYTES.
+    parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser, OctetStreamParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
     content_negotiation_class = FormatNegotiation
 
@@ -181,6 +184,20 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
         responses={201: BulkJobSerializer},
     )
     def create(self, request):
+        # A user's quota, then one of this process's few reading slots, before the body is read.
+        check_quota(request.user)
+        with slots.reading():
+            return self._create(request)
+
+    def get_throttles(self):
+        return [BulkSubmitThrottle()] if self.action == "create" else super().get_throttles()
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        if request.method == "POST":
+            drain(request)  # refused early (401, 429, 503, a bad query): the client still sends
+        return super().finalize_response(request, response, *args, **kwargs)
+
+    def _create(self, request):
         data = request.data
         if isinstance(data, list):  # a bare JSON array of queries
             data = {"queries": data}

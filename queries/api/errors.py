@@ -1,9 +1,10 @@
-"""Error responses of the API: field-keyed 400s, 503 + Retry-After for refusals, JSON 404/500."""
+"""Error responses: field-keyed 400s, 503 + Retry-After for refusals, JSON 400/403/404/500."""
 from __future__ import annotations
 
 import math
 from typing import Any, Iterator, Optional
 
+from django.core.exceptions import DisallowedHost, RequestDataTooBig
 from django.http import JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
@@ -142,3 +143,28 @@ def not_found(request, exception=None):
 def server_error(request):
     """handler500: a bug; the body says so without a traceback."""
     return JsonResponse({"detail": "internal server error"}, status=500)
+
+
+def bad_request(request, exception=None):
+    """handler400: Django's own 400s (a Host not in ALLOWED_HOSTS, an oversized form) as JSON."""
+    if isinstance(exception, DisallowedHost):
+        host = request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
+        message = (f"expected a host name this server answers for (ALLOWED_HOSTS), "
+                   f"got {host[:200]!r}")
+        return JsonResponse({"detail": f"Host: {message}",
+                             "errors": [{"field": "Host", "message": message}]}, status=400)
+    if isinstance(exception, RequestDataTooBig):
+        message = "expected a smaller form body (DATA_UPLOAD_MAX_MEMORY_SIZE)"
+        return JsonResponse({"detail": f"body: {message}",
+                             "errors": [{"field": "body", "message": message}]}, status=400)
+    return JsonResponse({"detail": "bad request"}, status=400)
+
+
+def permission_denied(request, exception=None):
+    """handler403: outside the API (whose 403s DRF writes), still JSON."""
+    return JsonResponse({"detail": "permission denied"}, status=403)
+
+
+def csrf_failure(request, reason=""):
+    """CSRF_FAILURE_VIEW: a form post without a valid CSRF token (the admin's, the dashboard's)."""
+    return JsonResponse({"detail": f"CSRF verification failed: {reason}"}, status=403)

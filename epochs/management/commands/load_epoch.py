@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from epochs import runtime
+from epochs.matrix_files import MatrixPathError, confine
 from epochs.models import Epoch, PendingUpdates, SwitchMode
 from gpu_engine.matrix import metadata_path
 
@@ -16,7 +17,8 @@ class Command(BaseCommand):
             "<path>.epoch.json sidecar) and, with --activate, switch this party to it.")
 
     def add_arguments(self, parser):
-        parser.add_argument("path", help="matrix file, readable by every web and worker process")
+        parser.add_argument("path", help="matrix file inside the matrix directory (MORPHO_MATRIX_DIR), "
+                                         "readable by every web and worker process")
         parser.add_argument("--epoch-id", type=int, help="default: the sidecar's, else the highest + 1")
         parser.add_argument("--block-number", type=int)
         parser.add_argument("--state-root", help="32 bytes as hex")
@@ -29,6 +31,11 @@ class Command(BaseCommand):
         parser.add_argument("--activate", action="store_true", help="make it the active epoch now")
 
     def handle(self, *args, path, **options):
+        try:
+            # Before the sidecar is read: nothing outside the matrix directory is opened.
+            path = str(confine(path))
+        except MatrixPathError as exc:
+            raise CommandError(f"matrix_path: {exc}") from None
         sidecar = metadata_path(path)
         meta = json.loads(sidecar.read_text()) if sidecar.exists() else {}
         epoch_id = options["epoch_id"]
