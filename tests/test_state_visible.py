@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -60,10 +61,11 @@ def test_the_epoch_a_fresh_party_serves_is_listed(serve_matrix, vector_matrix_pa
     assert Epoch.objects.count() == 1
 
 
-def test_an_active_record_is_served_not_overwritten(serve_matrix, vector_matrix_path, tmp_path):
+def test_an_active_record_is_served_not_overwritten(serve_matrix, vector_matrix_path):
     from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
 
-    other = write_matrix_file(tmp_path / "e9.bin", 64, seed=9)
+    # beside the served file: epochs come from the matrix directory (MORPHO_MATRIX_DIR)
+    other = write_matrix_file(Path(vector_matrix_path).with_name("state-visible-e9.bin"), 64, seed=9)
     write_epoch_metadata(other, epoch_id=9)
     Epoch.objects.create(epoch_id=9, matrix_path=str(other), num_pages=64, state=EpochState.ACTIVE)
     serve_matrix(vector_matrix_path)
