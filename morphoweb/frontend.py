@@ -22,13 +22,15 @@ import re
 import resource
 import signal
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Optional
 from urllib.parse import unquote, urlsplit
 
 from django.conf import settings
 
-from morphoweb.middleware import declared_length_error, header_error, length_required
+from morphoweb.httphead import (
+    MAX_FIELD_BYTES, Refusal, Request, check_line, declared_length, parse_head, refusal_bytes,
+    refuse,
+)
 from morphoweb.spool import Spool
 
 log = logging.getLogger("morphoweb.frontend")
@@ -40,8 +42,6 @@ CONNECT_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 2  # gunicorn not accepting connections: starting, restarting or stopped
 SHUTDOWN_GRACE_S = 5.0  # requests in flight at SIGTERM get this long to finish
 LINGER_S = 2.0  # after an early answer (408, 413, ...) what the client still sends is read so long
-TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-TARGET = re.compile(rb"[\x21-\x7e]+")
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] [1-5][0-9][0-9][ \r]")
 # Headers about one connection, not the request: the front end sets its own to gunicorn.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -67,79 +67,6 @@ class Limits:
     def from_settings(cls) -> "Limits":
         return cls(**{name: getattr(settings, f"MORPHO_FRONTEND_{name.upper()}")
                       for name in cls.__dataclass_fields__})
-
-
-class Refusal(Exception):
-    """A request answered by the front end itself, after which the connection is closed."""
-
-    def __init__(self, response, headers: Optional[dict] = None) -> None:
-        super().__init__(response.status_code)
-        self.response, self.headers = response, headers or {}
-
-
-def refuse(status: int, field: str, code: str, message: str, headers=None) -> Refusal:
-    """A Refusal whose body has the shape of the API's errors (morphoweb.middleware)."""
-    return Refusal(header_error(status, field, code, message), headers)
-
-
-@dataclass
-class Request:
-    method: bytes
-    target: bytes
-    version: bytes
-    headers: list[tuple[str, bytes, bytes]]  # (lower-case name, name, value)
-    length: Optional[int]  # the declared Content-Length; None without one
-    body: Spool
-
-    def values(self, name: str) -> list[bytes]:
-        return [value for lower, _, value in self.headers if lower == name]
-
-    def wants_keepalive(self) -> bool:
-        tokens = {t.strip().lower() for v in self.values("connection") for t in v.split(b",")}
-        if self.version == b"HTTP/1.1":
-            return b"close" not in tokens
-        return b"keep-alive" in tokens
-
-
-def _text(raw: bytes) -> str:
-    return raw[:100].decode("latin-1").rstrip("\r\n")
-
-
-def parse_head(lines: list[bytes]) -> tuple[bytes, bytes, bytes, list]:
-    """(method, target, version, headers) of a request head; Refusal 400 or 505 if malformed."""
-    parts = lines[0].rstrip(b"\r\n").split(b" ")
-    if len(parts) != 3 or not TOKEN.fullmatch(parts[0]) or not TARGET.fullmatch(parts[1]):
-        raise refuse(400, "request line", "malformed",
-                     f"expected METHOD TARGET HTTP/1.1, got {_text(lines[0])!r}")
-    method, target, version = parts
-    if version not in (b"HTTP/1.0", b"HTTP/1.1"):
-        raise refuse(505, "request line", "http_version",
-                     f"expected HTTP/1.0 or HTTP/1.1, got {_text(version)!r}")
-    headers = []
-    for line in lines[1:]:
-        line = line.rstrip(b"\r\n")
-        name, colon, value = line.partition(b":")
-        # No folded lines, no space before the colon, no bare CR: each is a way to make two
-        # parsers disagree on where a header (or the request) ends.
-        if not colon or not TOKEN.fullmatch(name) or b"\r" in value or b"\0" in value:
-            raise refuse(400, "headers", "malformed", f"expected Name: value, got {_text(line)!r}")
-        headers.append((name.decode("latin-1").lower(), name, value.strip(b" \t")))
-    return method, target, version, headers
-
-
-def declared_length(path: str, headers: list) -> Optional[int]:
-    """The body's length from Content-Length; Refusal 411 for a chunked one, 400 or 413."""
-    if any(lower == "transfer-encoding" for lower, _, _ in headers):
-        raise Refusal(length_required())
-    values = {v.strip() for lower, _, value in headers if lower == "content-length"
-              for v in value.split(b",")}
-    if not values:
-        return None
-    raw = b", ".join(sorted(values)).decode("latin-1")  # several different ones: a 400
-    error = declared_length_error(path, raw)
-    if error is not None:
-        raise Refusal(error)
-    return int(raw)
 
 
 class Upstream(asyncio.Protocol):
@@ -288,13 +215,14 @@ class FrontEnd:
                 while True:
                     line = first if first == b"\n" else first + await reader.readuntil(b"\n")
                     first = b""
-                    size += len(line)
-                    if size > limits.max_header_bytes:
-                        raise asyncio.LimitOverrunError("head", 0)
                     if line in (b"\r\n", b"\n"):
                         if lines:
                             break
                         continue  # an empty line before the request line is allowed
+                    check_line(line, len(lines))
+                    size += len(line)
+                    if size > limits.max_header_bytes:
+                        raise asyncio.LimitOverrunError("head", 0)
                     lines.append(line)
         except TimeoutError:
             raise refuse(408, "headers", "header_timeout",
@@ -455,13 +383,8 @@ class FrontEnd:
 
     async def reply(self, writer, refusal: Refusal) -> None:
         """The front end's own error answer; the connection is closed after it."""
-        response = refusal.response
-        head = [f"HTTP/1.1 {response.status_code} {HTTPStatus(response.status_code).phrase}",
-                "Content-Type: application/json", f"Content-Length: {len(response.content)}",
-                *(f"{name}: {value}" for name, value in refusal.headers.items()),
-                "Connection: close"]
         with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-            await self.send(writer, ("\r\n".join(head) + "\r\n\r\n").encode() + response.content)
+            await self.send(writer, refusal_bytes(refusal))
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -472,8 +395,9 @@ def _address(text: str) -> tuple[str, int]:
 async def serve(listen: str, upstream: str, limits: Limits) -> None:
     front = FrontEnd(upstream, limits)
     host, port = _address(listen)
+    # The reader's limit is on one line: the longest gunicorn takes, with its CRLF.
     server = await asyncio.start_server(front.handle, host, port, backlog=1024,
-                                        limit=limits.max_header_bytes, reuse_address=True)
+                                        limit=MAX_FIELD_BYTES + 2, reuse_address=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

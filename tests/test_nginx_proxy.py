@@ -133,9 +133,17 @@ def test_nginx_answers_its_own_errors_as_json(nginx, tmp_path):
     assert error["errors"][0]["code"] == "too_large" and "262145" in error["detail"]
     error = error_of(get(nginx, "/health", b"X-Big: " + b"a" * 9000 + b"\r\n"), 431)
     assert error["errors"][0]["code"] == "headers_too_large"
+    # A request line gunicorn would refuse is refused here (in nginx's own words: it has not
+    # parsed the URI, so no page of ours can answer).
+    answer = read_all(nginx.raw(b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert answer.startswith(b"HTTP/1.1 414 ")
     error = error_of(read_all(nginx.raw(b"GET /health HTTP/1.1\r\nno colon\r\n\r\n")), 400)
     assert error["errors"][0]["code"] == "malformed"
     assert len(Upstream.seen) == seen
+    # A chunked body is read whole and passed on with its length.
+    answer = read_all(nginx.raw(b"POST /query/page/gpu HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"))
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["length"] == 5
     # A body over the query endpoints' limit is the bulk endpoints' to take.
     body = b"x" * 300_000
     answer = read_all(nginx.raw(b"POST /bulk/jobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
