@@ -213,7 +213,10 @@ class FrontEnd:
         try:
             async with asyncio.timeout(limits.header_timeout):
                 while True:
-                    line = first if first == b"\n" else first + await reader.readuntil(b"\n")
+                    try:
+                        line = first if first == b"\n" else first + await reader.readuntil(b"\n")
+                    except asyncio.LimitOverrunError:  # a line longer than gunicorn takes
+                        check_line(None, len(lines))
                     first = b""
                     if line in (b"\r\n", b"\n"):
                         if lines:
@@ -222,16 +225,14 @@ class FrontEnd:
                     check_line(line, len(lines))
                     size += len(line)
                     if size > limits.max_header_bytes:
-                        raise asyncio.LimitOverrunError("head", 0)
+                        raise refuse(431, "headers", "headers_too_large",
+                                     f"expected at most {limits.max_header_bytes} bytes of "
+                                     f"request line and headers")
                     lines.append(line)
         except TimeoutError:
             raise refuse(408, "headers", "header_timeout",
                          f"expected the request line and headers within "
                          f"{limits.header_timeout:g} s") from None
-        except (asyncio.LimitOverrunError, ValueError):
-            raise refuse(431, "headers", "headers_too_large",
-                         f"expected at most {limits.max_header_bytes} bytes of request line and "
-                         f"headers") from None
         except asyncio.IncompleteReadError:
             return None
         method, target, version, headers = parse_head(lines)

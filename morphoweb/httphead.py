@@ -12,8 +12,8 @@ from morphoweb.spool import Spool
 
 # gunicorn's own limits (limit_request_line, limit_request_field_size, limit_request_fields):
 # refused here first, in JSON, since gunicorn's refusals are plain text.
-MAX_REQUEST_LINE_BYTES = 4094
-MAX_FIELD_BYTES = 8190
+MAX_REQUEST_LINE_BYTES = 4094  # without its CRLF
+MAX_FIELD_BYTES = 8188  # a header line without its CRLF (gunicorn's 8190 counts it)
 MAX_FIELDS = 100
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 TARGET = re.compile(rb"[\x21-\x7e]+")
@@ -77,15 +77,17 @@ def parse_head(lines: list[bytes]) -> tuple[bytes, bytes, bytes, list]:
     return method, target, version, headers
 
 
-def check_line(line: bytes, index: int) -> None:
-    """Refusal 414 or 431 for a request line or header past gunicorn's limits."""
-    size = len(line.rstrip(b"\r\n"))
+def check_line(line: Optional[bytes], index: int) -> None:
+    """Refusal 414 or 431 for line `index` of a head (0: the request line) past gunicorn's
+    limits; None for a line longer than the front end reads (MAX_FIELD_BYTES)."""
+    size = MAX_FIELD_BYTES + 1 if line is None else len(line.rstrip(b"\r\n"))
+    got = f"more than {MAX_FIELD_BYTES}" if line is None else str(size)
     if index == 0 and size > MAX_REQUEST_LINE_BYTES:
         raise refuse(414, "request line", "uri_too_long",
-                     f"expected at most {MAX_REQUEST_LINE_BYTES} bytes, got {size}")
+                     f"expected at most {MAX_REQUEST_LINE_BYTES} bytes, got {got}")
     if index > 0 and size > MAX_FIELD_BYTES:
         raise refuse(431, "headers", "headers_too_large",
-                     f"expected at most {MAX_FIELD_BYTES} bytes a header, got {size}")
+                     f"expected at most {MAX_FIELD_BYTES} bytes a header, got {got}")
     if index > MAX_FIELDS:
         raise refuse(431, "headers", "headers_too_large", f"expected at most {MAX_FIELDS} headers")
 
