@@ -2,7 +2,9 @@
 
 Each party is its own operator: its own SQLite database, Celery file broker and engine server
 under the state folder (MORPHO_VAR_DIR, default var/). The engine server owns the matrix and the
-device; the web processes and the bulk worker reach it over an ipc:// socket. An engine server
+device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
+served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
+it to gunicorn on a Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
 that dies is started again; any other process that dies stops everything.
 """
 from __future__ import annotations
@@ -68,12 +70,16 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _engine_url(var_dir: Path, name: str) -> str:
-    path = var_dir / f"engine-{name}.sock"
+def _socket_path(var_dir: Path, filename: str) -> Path:
+    path = var_dir / filename
     if len(str(path)) > IPC_PATH_MAX:
         raise SystemExit(f"the state folder {var_dir} is too deep for a Unix socket path "
                          f"({len(str(path))} > {IPC_PATH_MAX} bytes): choose a shorter VAR=")
-    return f"ipc://{path}"
+    return path
+
+
+def _engine_url(var_dir: Path, name: str) -> str:
+    return f"ipc://{_socket_path(var_dir, f'engine-{name}.sock')}"
 
 
 def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
@@ -86,6 +92,9 @@ def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
         CELERY_FILESYSTEM_BROKER_DIR=str(var_dir / f"celery-broker-{name}"),
         MORPHO_ENGINE_URL=_engine_url(var_dir, name),
         MORPHO_GUNICORN_CONTROL_SOCKET=str(var_dir / f"gunicorn-{name}.ctl"),
+        # The front end is the one proxy before gunicorn: the throttle counts requests per
+        # address from the last entry of X-Forwarded-For, the one the front end writes.
+        MORPHO_NUM_PROXIES="1",
     )
     return env
 
@@ -121,10 +130,16 @@ def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_wor
     env = _party_env(name, matrix, var_dir)
     _manage(["migrate", "--no-input", "-v0"], env)
     py = sys.executable
+    web_socket = _socket_path(var_dir, f"web-{name}.sock")
     return [
         # The one process that loads the matrix and owns the device; restarted if it dies.
         Child(f"engine-{name}", [py, "manage.py", "serve_engine"], env, restart=True),
-        Child(f"web-{name}", [py, "-m", "gunicorn", "morphoweb.wsgi", "--bind", f"{host}:{port}",
+        # The party's port: requests are read whole here (header and body deadlines), so a
+        # slow client holds a socket of this asyncio process, not a gunicorn thread.
+        Child(f"front-{name}", [py, "-m", "morphoweb.frontend", "--listen", f"{host}:{port}",
+                                "--upstream", f"unix:{web_socket}"], env),
+        Child(f"web-{name}", [py, "-m", "gunicorn", "morphoweb.wsgi",
+                              "--bind", f"unix:{web_socket}",
                               "--workers", str(web_workers), "--threads", str(threads),
                               "--name", f"morphoweb-party-{name}"], env),
         # Bulk jobs: Celery workers over the party's database and file broker, submitting to
@@ -178,8 +193,9 @@ def main(argv=None) -> int:
         print(
             f"\nparty A: {urls['a']}  (GET /health, /epoch; POST /query/page/gpu[/batch])\n"
             f"party B: {urls['b']}\n"
-            f"each: an engine server ({var_dir}/engine-<party>.sock), {args.web_workers} web "
-            f"processes x {args.threads} threads, bulk workers\n"
+            f"each: a front end on its port, gunicorn on {var_dir}/web-<party>.sock with "
+            f"{args.web_workers} web processes x {args.threads} threads, an engine server "
+            f"({var_dir}/engine-<party>.sock), bulk workers\n"
             f"matrix:  {matrix}\n\n"
             f"try:  .venv/bin/python -m queries.client --server-a {urls['a']} "
             f"--server-b {urls['b']} --row 1234 --row 99 --batch\n\n"

@@ -291,6 +291,26 @@ MORPHO_ENGINE_WARMUP = _env_bool("MORPHO_ENGINE_WARMUP", True)
 # so nothing needs more than a query body; a large form field in a bulk upload is refused.
 DATA_UPLOAD_MAX_MEMORY_SIZE = MORPHO_MAX_BODY_BYTES
 
+# --- The front end of `make run` (morphoweb/frontend.py) ---------------------------------------
+# It reads each request whole before gunicorn sees it, so a slow client holds a socket, not one
+# of gunicorn's threads. docker compose puts nginx there with the same limits (deploy/nginx/).
+
+# From a request's first byte to the end of its head (request line and headers), else 408 (s).
+MORPHO_FRONTEND_HEADER_TIMEOUT = _env_float("MORPHO_FRONTEND_HEADER_TIMEOUT", 10.0, lo=0.1)
+# Largest request head, request line and headers together, else 431 (bytes).
+MORPHO_FRONTEND_MAX_HEADER_BYTES = _env_int("MORPHO_FRONTEND_MAX_HEADER_BYTES", 32 * 1024, lo=1024)
+# A body of n bytes must arrive within BODY_TIMEOUT + n / BODY_MIN_RATE seconds, else 408: 10 s
+# for a query's body, about 2 h 20 min for a bulk job's 512 MiB.
+MORPHO_FRONTEND_BODY_TIMEOUT = _env_float("MORPHO_FRONTEND_BODY_TIMEOUT", 10.0, lo=0.1)
+MORPHO_FRONTEND_BODY_MIN_RATE = _env_int("MORPHO_FRONTEND_BODY_MIN_RATE", 64 * 1024, lo=1)
+# An idle keep-alive connection is closed after this long (seconds).
+MORPHO_FRONTEND_KEEPALIVE_TIMEOUT = _env_float("MORPHO_FRONTEND_KEEPALIVE_TIMEOUT", 15.0, lo=0.1)
+# A client that takes none of its response for this long is cut off (seconds).
+MORPHO_FRONTEND_SEND_TIMEOUT = _env_float("MORPHO_FRONTEND_SEND_TIMEOUT", 60.0, lo=0.1)
+# Silence from gunicorn after which a request gets 504 (seconds): above gunicorn's own worker
+# timeout (gunicorn.conf.py, 120 s), so a request that long is gunicorn's to end.
+MORPHO_FRONTEND_UPSTREAM_TIMEOUT = _env_float("MORPHO_FRONTEND_UPSTREAM_TIMEOUT", 180.0, lo=0.1)
+
 # --- Celery ------------------------------------------------------------------------------------
 
 # Broker URL. Default: Kombu's filesystem transport under MORPHO_VAR_DIR, which needs no server.

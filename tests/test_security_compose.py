@@ -9,7 +9,9 @@ import subprocess
 
 import pytest
 import yaml
+from django.conf import settings
 
+from morphoweb.frontend import SPOOL_MEMORY_BYTES
 from tests.conftest import REPO
 
 COMPOSE = REPO / "docker-compose.yml"
@@ -158,3 +160,57 @@ def test_both_parties_with_a_worker_each_health_checks_and_named_volumes(profile
     urls = {svc["environment"]["DATABASE_URL"].rsplit("/", 1)[1] for svc in webs.values()}
     brokers = {svc["environment"]["CELERY_BROKER_URL"] for svc in webs.values()}
     assert urls == {"party_a", "party_b"} and len(brokers) == 2
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_each_party_is_published_only_through_its_buffering_proxy(profile):
+    """Slow clients (issue 14): the published ports are nginx's, which reads requests whole
+    before the web container sees them; the web containers count clients by the address nginx
+    appends to X-Forwarded-For."""
+    services = in_profile(compose(), profile)
+    published = {}
+    for party in ("a", "b"):
+        web, proxy = services[f"party-{party}"], services[f"proxy-{party}"]
+        assert "ports" not in web, f"party-{party} must be reached through proxy-{party} only"
+        assert web["environment"]["MORPHO_NUM_PROXIES"] == "1"
+        assert proxy["image"].startswith("nginx:")
+        assert ("./deploy/nginx/party.conf.template:/etc/nginx/templates/default.conf.template:ro"
+                in proxy["volumes"])
+        assert proxy["environment"]["MORPHO_WEB_UPSTREAM"] == f"party-{party}:8000"
+        assert proxy["environment"]["MORPHO_PROXY_PORT"] == "8000"
+        assert proxy["depends_on"] == {f"party-{party}": {"condition": "service_started"}}
+        assert proxy["healthcheck"]["test"]
+        # The proxy refuses exactly the bodies its web server would.
+        for limit in ("MORPHO_MAX_BODY_BYTES", "MORPHO_BULK_MAX_BODY_BYTES"):
+            assert proxy["environment"][limit] == web["environment"][limit]
+        published[party] = proxy["ports"]
+    assert published == {"a": ["127.0.0.1:8001:8000"], "b": ["127.0.0.1:8002:8000"]}
+    assert not [name for name, svc in services.items()
+                if svc.get("ports") and not name.startswith("proxy-") and name != "prometheus"]
+
+
+def test_the_proxy_limits_are_the_services():
+    """deploy/nginx's deadlines and sizes are the front end's settings (morphoweb/frontend.py)
+    and the service's body limits, so `make run` and compose hold slow clients alike."""
+    conf = (REPO / "deploy" / "nginx" / "party.conf.template").read_text()
+
+    def directive(name: str) -> str:
+        values = re.findall(rf"^\s*{name}\s+([^;]+);", conf, re.MULTILINE)
+        assert len(values) == 1, (name, values)
+        return values[0]
+
+    assert directive("client_header_timeout") == f"{settings.MORPHO_FRONTEND_HEADER_TIMEOUT:g}s"
+    assert directive("client_body_timeout") == f"{settings.MORPHO_FRONTEND_BODY_TIMEOUT:g}s"
+    assert directive("keepalive_timeout") == f"{settings.MORPHO_FRONTEND_KEEPALIVE_TIMEOUT:g}s"
+    assert directive("send_timeout") == f"{settings.MORPHO_FRONTEND_SEND_TIMEOUT:g}s"
+    assert directive("proxy_read_timeout") == f"{settings.MORPHO_FRONTEND_UPSTREAM_TIMEOUT:g}s"
+    count, size = directive("large_client_header_buffers").split()
+    assert int(count) * int(size.rstrip("k")) * 1024 == settings.MORPHO_FRONTEND_MAX_HEADER_BYTES
+    assert directive("client_body_buffer_size") == f"{SPOOL_MEMORY_BYTES >> 20}m"
+    assert directive("proxy_request_buffering") == "on" and directive("proxy_buffering") == "on"
+    assert "X-Forwarded-For $proxy_add_x_forwarded_for" in conf
+    limits = re.findall(r"client_max_body_size\s+\$\{(\w+)\};", conf)
+    assert limits == ["MORPHO_MAX_BODY_BYTES", "MORPHO_BULK_MAX_BODY_BYTES"]
+    defaults = compose()["x-body-limits"]
+    assert defaults == {"MORPHO_MAX_BODY_BYTES": str(settings.MORPHO_MAX_BODY_BYTES),
+                        "MORPHO_BULK_MAX_BODY_BYTES": str(settings.MORPHO_BULK_MAX_BODY_BYTES)}
