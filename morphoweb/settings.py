@@ -199,7 +199,7 @@ USE_TZ = True
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["queries.api.errors.StrictJSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["queries.api.parsers.StrictJSONParser"],
     # Parse errors, validation errors and engine refusals all become JSON with the field named.
     "EXCEPTION_HANDLER": "queries.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,

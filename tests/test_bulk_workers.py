@@ -65,6 +65,9 @@ class Stack:
             "MORPHO_BULK_SWEEP_SECONDS": 0.5,
             # no GPU for these workers even where one exists: one cpu0 worker
             "CUDA_VISIBLE_DEVICES": "",
+            # these tests submit many jobs as one user: the per-user limits are not under test
+            "MORPHO_BULK_SUBMIT_THROTTLE": "off",
+            "MORPHO_BULK_MAX_ACTIVE_JOBS": 1000,
             **env,  # a test's own settings win
         })
         self.manage("migrate", "--no-input", "-v0")

@@ -7,7 +7,6 @@ from typing import Any, Iterator, Optional
 from django.core.exceptions import DisallowedHost, RequestDataTooBig
 from django.http import JsonResponse
 from rest_framework import exceptions, status
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
@@ -22,16 +21,6 @@ class Unavailable(Exception):
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
-
-
-class StrictJSONParser(JSONParser):
-    """DRF's JSON parser, but a body nested too deeply for Python's parser is a 400, not a 500."""
-
-    def parse(self, stream, media_type=None, parser_context=None):
-        try:
-            return super().parse(stream, media_type, parser_context)
-        except RecursionError:
-            raise exceptions.ParseError("JSON parse error - nested too deeply") from None
 
 
 def _walk(detail: Any, path: list) -> Iterator[tuple[list, Any]]:

@@ -35,7 +35,8 @@ from queries.api.binary import (
     state_headers,
     wants_binary,
 )
-from queries.api.errors import StrictJSONParser, Unavailable, unavailable
+from queries.api.errors import Unavailable, unavailable
+from queries.api.parsers import StrictJSONParser
 from queries.api.serializers import (
     BatchQuerySerializer,
     EpochSerializer,
