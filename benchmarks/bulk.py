@@ -33,6 +33,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(BASE_DIR))
 
+from benchmarks.report import cpu_model  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, static_policy  # noqa: E402
@@ -49,16 +50,6 @@ BULK_POLICY = BatchingPolicy(
     max_queue=100_000,
     queue_timeout_ms=600_000,
 )
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def workload(pages: int, queries: int, pool_size: int, seed: int):

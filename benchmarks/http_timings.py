@@ -23,7 +23,7 @@ from typing import Callable, Optional
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bulk import cpu_model  # noqa: E402
+from benchmarks.report import cpu_model  # noqa: E402
 from gpu_engine.backends.cpu import NumpyBackend  # noqa: E402
 from gpu_engine.dpf import DpfKey, KeyBatch  # noqa: E402
 from gpu_engine.matrix import load_matrix  # noqa: E402

@@ -14,7 +14,6 @@ the engine figure of the same run. Answers over HTTP are checked against the bac
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -31,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.http_load import Load, closed_loop, poisson  # noqa: E402
+from benchmarks.report import cpu_model, write_csv  # noqa: E402
 from benchmarks.stack import Party  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.dpf import random_keys  # noqa: E402
@@ -248,16 +248,14 @@ def main(argv=None) -> int:
         folder = Path(args.folder or tmp)
         for pages in (int(p) for p in args.pages.split(",")):
             rows += run_shape(args, pages, folder, rng)
-    with open(args.out, "w", newline="") as fh:
-        fh.write(f"# machine: {device_name(args.backend)}; host {platform.node()} "
-                 f"cpus={os.cpu_count()}; web workers {args.web_workers} x 8 threads, "
-                 f"{args.client_procs} client processes\n")
-        fh.write(f"# command: python3 benchmarks/http_vs_engine.py "
-                 f"{' '.join(shlex.quote(a) for a in (argv or sys.argv[1:]))}\n")
-        fh.write(f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}\n")
-        writer = csv.DictWriter(fh, COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, [
+        f"# machine: {device_name(args.backend)}; host {platform.node()}, {cpu_model()}, "
+        f"cpus={os.cpu_count()}; web workers {args.web_workers} x 8 threads, "
+        f"{args.client_procs} client processes",
+        "# command: python3 benchmarks/http_vs_engine.py "
+        + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    ], COLUMNS, rows)
     log(f"wrote {args.out}")
     return 0
 

@@ -10,7 +10,6 @@ the keys: both parties' keys as hex strings.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import platform
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.report import cpu_model, write_csv  # noqa: E402
 from gpu_engine.dpf import gen_keys  # noqa: E402
 from gpu_engine.keygen import gen_key_pairs  # noqa: E402
 
@@ -32,20 +32,10 @@ FIELDS = ["method", "domain_bits", "keys", "repeats", "best_s", "median_s", "pai
           "pairs_per_s_median"]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def header_lines(args: argparse.Namespace, argv: list[str]) -> list[str]:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return [
-        f"# machine: {platform.node()}; {_cpu_model()}; {os.cpu_count()} CPUs; "
+        f"# machine: {platform.node()}; {cpu_model()}; {os.cpu_count()} CPUs; "
         f"python {platform.python_version()}, numpy {np.__version__}; "
         f"load average {load} at the end",
         f"# shape: domain_bits={','.join(map(str, args.domain_bits))}, keys={args.keys} "
@@ -102,12 +92,7 @@ def main(argv=None) -> int:
                   f"(median {row['pairs_per_s_median']}), best {float(row['best_s']) * 1e3:.1f} ms "
                   f"per {args.keys} pairs", flush=True)
     if args.out:
-        with open(args.out, "w", newline="") as fh:
-            for line in header_lines(args, argv):
-                fh.write(line + "\n")
-            writer = csv.DictWriter(fh, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.out, header_lines(args, argv), FIELDS, rows)
         print(f"wrote {args.out}")
     return 0
 

@@ -233,6 +233,16 @@ class PirClient:
     def _call(self, base: str, path: str, body: Optional[dict] = None) -> dict:
         return self._request(base, path, body)[0]
 
+    def _open(self, request: urllib.request.Request, url: str):
+        """(body, headers) of one request; a party's error status or silence is a ServerError."""
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return response.read(), response.headers
+        except urllib.error.HTTPError as exc:
+            raise _http_error(url, exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ServerError(f"{url}: cannot reach the server ({exc})") from None
+
     def _request(self, base: str, path: str, body: Optional[dict] = None):
         """(parsed JSON, response headers) of one JSON request; ServerError on any failure."""
         url = base + path
@@ -241,13 +251,7 @@ class PirClient:
             url, data=data, method="GET" if body is None else "POST",
             headers={"Content-Type": "application/json", "Accept": "application/json"},
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload, headers = response.read(), response.headers
-        except urllib.error.HTTPError as exc:
-            raise _http_error(url, exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ServerError(f"{url}: cannot reach the server ({exc})") from None
+        payload, headers = self._open(request, url)
         try:
             return json.loads(payload), headers
         except ValueError:
@@ -383,13 +387,7 @@ class PirClient:
             url, data=body, method="POST",
             headers={"Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM},
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload, headers = response.read(), response.headers
-        except urllib.error.HTTPError as exc:
-            raise _http_error(url, exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ServerError(f"{url}: cannot reach the server ({exc})") from None
+        payload, headers = self._open(request, url)
         if headers.get_content_type() != OCTET_STREAM:
             raise ServerError(f"{url}: expected {OCTET_STREAM} answers, got "
                               f"{headers.get_content_type()}")
