@@ -51,7 +51,8 @@ class _Client:
     def __init__(self, url: str, content_type: str) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
-        self.headers = {"Content-Type": content_type}
+        # answers in the encoding the requests are in (JSON, or raw bytes for application/octet-stream)
+        self.headers = {"Content-Type": content_type, "Accept": content_type}
         self.conn: Optional[http.client.HTTPConnection] = None
 
     def post(self, path: str, body: bytes) -> int:

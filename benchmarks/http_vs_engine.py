@@ -7,8 +7,8 @@ Per matrix: the engine's own capacity (full 32-query batches back to back on the
 process); then a party started as an operator starts it (`manage.py serve_engine`, multi-process
 gunicorn, `bin/gpu-workers`, see benchmarks/stack.py) and driven by client processes apart from
 it: the first 1,000 single queries after ready (cold start), closed-loop single queries from 64
-clients, closed-loop 32-query batches, and with --bulk a 10,000-query bulk job and the
-interactive p95 at 50% load with and without a bulk job running. Every HTTP figure is a ratio to
+clients, closed-loop 32-query batches in JSON and in the binary encoding, and with --bulk a
+10,000-query bulk job and the interactive p95 at 50% load with and without a bulk job running. Every HTTP figure is a ratio to
 the engine figure of the same run. Answers over HTTP are checked against the backend's first.
 """
 from __future__ import annotations
@@ -86,6 +86,11 @@ def bodies(d: int, queries_per_body: int, count: int, rng) -> list[bytes]:
         body = {"keys": queries[0]["keys"]} if queries_per_body == 1 else {"queries": queries}
         out.append(json.dumps(body).encode())
     return out
+
+
+def binary_bodies(d: int, queries_per_body: int, count: int, rng) -> list[bytes]:
+    """Request bodies in the binary encoding: the keys' raw bytes, three per query."""
+    return [random_keys(queries_per_body * KEYS, d, rng).to_bytes() for _ in range(count)]
 
 
 def check_answers(party: Party, expected: dict) -> None:
@@ -177,6 +182,13 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
                         scale=32))
         log(f"  batches: {batch.rate() * 32:,.0f} q/s ({batch.rate() * 32 / capacity:.2f}), "
             f"{batch.statuses}")
+        raw = closed_loop(url, "/query/page/gpu/batch", binary_bodies(d, 32, 16, rng),
+                          args.client_procs, max(1, args.batch_clients // args.client_procs),
+                          args.seconds, content_type="application/octet-stream")
+        rows.append(row(pages, d, f"http_batch32_binary_{args.batch_clients}_clients", raw,
+                        capacity, scale=32, note="docs/PROTOCOL.md section 5.3 encoding"))
+        log(f"  binary batches: {raw.rate() * 32:,.0f} q/s ({raw.rate() * 32 / capacity:.2f}), "
+            f"{raw.statuses}")
         health = party.json("GET", "/health")
         holders = mapped_by(party.pids(), matrix)
         rows.append(row(pages, d, "vram_one_matrix", note=(
