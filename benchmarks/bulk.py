@@ -6,7 +6,8 @@
 Three measurements over one matrix and one set of queries, on the same machine:
 `backend_batch` (the backend answering max-batch launches back to back: the ceiling),
 `engine_bulk_lane` (the Engine's bulk lane fed two requests ahead, as a worker feeds it), and
-`bulk_job` (a real job: POST to gunicorn, SQLite, the filesystem broker, `bin/gpu-workers`, until
+`bulk_job` (a real job on the stack as an operator starts it, benchmarks/stack.py: POST to
+gunicorn, SQLite, the filesystem broker, `bin/gpu-workers` submitting to the engine server, until
 the job is done; then the NDJSON results are streamed and every answer is checked).
 `--engine-only` runs the first two with numpy (and cupy for `--backend cuda`) only, no Django.
 """
@@ -18,12 +19,9 @@ import datetime
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
@@ -34,6 +32,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BASE_DIR))
 
 from benchmarks.report import cpu_model  # noqa: E402
+from benchmarks.stack import Party  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, static_policy  # noqa: E402
@@ -90,113 +89,6 @@ def engine_bulk_lane(engine, pool, picks, max_batch: int) -> float:
     for future in pending:
         future.result()
     return time.perf_counter() - started
-
-
-class Party:
-    """One party's web server and GPU workers on a fresh SQLite database and file broker."""
-
-    def __init__(self, matrix: Path, tmp: Path, port: int, backend: str) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")
-        }
-        self.env.update(
-            MORPHO_MATRIX_PATH=str(matrix),
-            MORPHO_ENGINE_BACKEND=backend,
-            MORPHO_VAR_DIR=str(tmp),
-            DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}",
-            CELERY_BROKER_URL="filesystem://",
-            CELERY_FILESYSTEM_BROKER_DIR=str(tmp / "broker"),
-            MORPHO_MAX_BODY_BYTES=str(1 << 30),
-            MORPHO_LOG_LEVEL="WARNING",
-        )
-        # One worker, like the engine rows: on the CPU, or pinned to the first GPU.
-        self.env.update(
-            {"CUDA_VISIBLE_DEVICES": ""} if backend == "cpu" else {"MORPHO_GPU_WORKERS": "1"}
-        )
-        self.manage("migrate", "--no-input", "-v0")
-        out = self.manage(
-            "shell",
-            "-v0",
-            "-c",
-            "from django.contrib.auth.models import User\n"
-            "from rest_framework.authtoken.models import Token\n"
-            "print('TOKEN=' + Token.objects.create(user=User.objects.create_user('bench')).key)",
-        )
-        self.token = next(line for line in out.splitlines() if line.startswith("TOKEN="))[6:]
-        self.log = open(tmp / "party.log", "wb")  # noqa: SIM115 - the servers write to it
-        self.procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gunicorn",
-                    "morphoweb.wsgi",
-                    "--bind",
-                    f"127.0.0.1:{port}",
-                    "--workers",
-                    "1",
-                    "--threads",
-                    "4",
-                    "--timeout",
-                    "600",
-                ],
-                cwd=BASE_DIR,
-                env=self.env,
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
-            ),
-            subprocess.Popen(
-                [sys.executable, "bin/gpu-workers", "--loglevel", "WARNING"],
-                cwd=BASE_DIR,
-                env=self.env,
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
-            ),
-        ]
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                self.request("GET", "/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
-        time.sleep(3)  # the worker's engine warms up beside the web server's
-
-    def manage(self, *args: str) -> str:
-        return subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=BASE_DIR,
-            env=self.env,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-
-    def request(self, method: str, path: str, body: bytes | None = None):
-        req = urllib.request.Request(
-            self.url + path,
-            data=body,
-            method=method,
-            headers={
-                "Authorization": f"Token {getattr(self, 'token', '')}",
-                "Content-Type": "application/json",
-            },
-        )
-        return urllib.request.urlopen(req, timeout=600)
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def bulk_job(party: Party, pool, picks, reference) -> tuple[float, float, dict]:
@@ -263,7 +155,8 @@ def main(argv=None) -> int:
     engine_rows("")
     if not args.engine_only:
         # The engine rows run again after the job, so load from elsewhere shows as a spread.
-        party = Party(matrix, tmp, args.port, args.backend)
+        party = Party(matrix, tmp / "party", args.backend, web_workers=2, bulk_workers=True,
+                      port=args.port)
         try:
             job_s, stream_s, job = bulk_job(party, pool, picks, reference)
         finally:
@@ -294,7 +187,8 @@ def main(argv=None) -> int:
         f"# date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
         (
             "# bulk_job: POST to job done (validation, chunks, Celery filesystem broker, SQLite, "
-            "one worker); every streamed answer equals the backend's"
+            "one worker node submitting to the engine server); every streamed answer equals the "
+            "backend's"
         ),
         (
             "# ratio_to_engine: queries/s over the mean of the engine_bulk_lane runs "
