@@ -137,17 +137,66 @@ def mapped_by(pids: list[int], path: Path) -> list[int]:
     return holders
 
 
-def bulk_job(party: Party, d: int, queries: int, rng, wait: bool = True) -> tuple[dict, float]:
+def bulk_job(party: Party, d: int, queries: int, rng, wait: bool = True,
+             binary: bool = False) -> tuple[dict, float, float]:
+    """(the job, seconds from POST to done, seconds the POST took) of a job of random queries,
+    uploaded as JSON (hex keys) or in the binary encoding (raw keys)."""
     raw = random_keys(queries * KEYS, d, rng).to_bytes()
-    size = len(raw) // (queries * KEYS)
-    hexes = [raw[i * size:(i + 1) * size].hex() for i in range(queries * KEYS)]
-    body = {"queries": [{"keys": hexes[i * KEYS:(i + 1) * KEYS]} for i in range(queries)]}
+    if binary:
+        body, content_type = raw, "application/octet-stream"
+    else:
+        size = len(raw) // (queries * KEYS)
+        hexes = [raw[i * size:(i + 1) * size].hex() for i in range(queries * KEYS)]
+        body = json.dumps({"queries": [{"keys": hexes[i * KEYS:(i + 1) * KEYS]}
+                                       for i in range(queries)]}).encode()
+        content_type = "application/json"
     started = time.perf_counter()
-    job = party.json("POST", "/bulk/jobs", body)
+    with party.request("POST", "/bulk/jobs", body, content_type=content_type) as response:
+        job = json.loads(response.read())
+    posted = time.perf_counter() - started
     while wait and job["status"] in ("queued", "running"):
-        time.sleep(0.25)
+        time.sleep(0.05)
         job = party.json("GET", f"/bulk/jobs/{job['id']}")
-    return job, time.perf_counter() - started
+    return job, time.perf_counter() - started, posted
+
+
+def job_seconds(job: dict) -> float:
+    """Seconds from the job's first chunk started to its last answer stored (its own timestamps)."""
+    def moment(name: str) -> float:
+        return datetime.datetime.fromisoformat(job[name].replace("Z", "+00:00")).timestamp()
+    return moment("finished") - moment("started")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used so far (Linux /proc)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def host_busy() -> tuple[float, float]:
+    """(busy, total) CPU jiffies of the whole host so far (Linux /proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def where_cpu_went(party: Party, run) -> tuple[Load, str]:
+    """Run `run()` (a closed loop) and say what CPU it cost: per request in the web workers and
+    the engine server, and how busy the host was (the client processes share it)."""
+    web, engine = party.pids("web"), party.pids("engine")
+    web0, engine0, (busy0, total0) = cpu_seconds(web), cpu_seconds(engine), host_busy()
+    load = run()
+    busy1, total1 = host_busy()
+    requests = max(1, sum(load.statuses.values()))
+    return load, (f"CPU per request: web {1e3 * (cpu_seconds(web) - web0) / requests:.2f} ms, "
+                  f"engine server {1e3 * (cpu_seconds(engine) - engine0) / requests:.2f} ms; "
+                  f"host {100 * (busy1 - busy0) / max(1, total1 - total0):.0f}% busy")
 
 
 def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
@@ -172,21 +221,25 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
         rows.append(row(pages, d, "cold_first_1000_singles", cold, capacity,
                         note=f"ready {party.ready_s:.1f} s after serve_engine started"))
         log(f"  first 1000: p99 {cold.quantile(0.99) * 1e3:.1f} ms, statuses {cold.statuses}")
-        single = closed_loop(url, "/query/page/gpu", singles, args.client_procs,
-                             args.single_clients // args.client_procs, args.seconds)
-        rows.append(row(pages, d, f"http_single_{args.single_clients}_clients", single, capacity))
+        single, cpu = where_cpu_went(party, lambda: closed_loop(
+            url, "/query/page/gpu", singles, args.client_procs,
+            args.single_clients // args.client_procs, args.seconds))
+        rows.append(row(pages, d, f"http_single_{args.single_clients}_clients", single, capacity,
+                        note=cpu))
         log(f"  singles: {single.rate():,.0f} q/s ({single.rate() / capacity:.2f}), {single.statuses}")
-        batch = closed_loop(url, "/query/page/gpu/batch", batches, args.client_procs,
-                            max(1, args.batch_clients // args.client_procs), args.seconds)
+        batch, cpu = where_cpu_went(party, lambda: closed_loop(
+            url, "/query/page/gpu/batch", batches, args.client_procs,
+            max(1, args.batch_clients // args.client_procs), args.seconds))
         rows.append(row(pages, d, f"http_batch32_{args.batch_clients}_clients", batch, capacity,
-                        scale=32))
+                        scale=32, note=cpu))
         log(f"  batches: {batch.rate() * 32:,.0f} q/s ({batch.rate() * 32 / capacity:.2f}), "
             f"{batch.statuses}")
-        raw = closed_loop(url, "/query/page/gpu/batch", binary_bodies(d, 32, 16, rng),
-                          args.client_procs, max(1, args.batch_clients // args.client_procs),
-                          args.seconds, content_type="application/octet-stream")
+        raw, cpu = where_cpu_went(party, lambda: closed_loop(
+            url, "/query/page/gpu/batch", binary_bodies(d, 32, 16, rng), args.client_procs,
+            max(1, args.batch_clients // args.client_procs), args.seconds,
+            content_type="application/octet-stream"))
         rows.append(row(pages, d, f"http_batch32_binary_{args.batch_clients}_clients", raw,
-                        capacity, scale=32, note="docs/PROTOCOL.md section 5.3 encoding"))
+                        capacity, scale=32, note=f"docs/PROTOCOL.md section 5.3 encoding; {cpu}"))
         log(f"  binary batches: {raw.rate() * 32:,.0f} q/s ({raw.rate() * 32 / capacity:.2f}), "
             f"{raw.statuses}")
         health = party.json("GET", "/health")
@@ -204,16 +257,22 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
 
 def bulk_rows(args, party, pages, d, capacity, single_qps, singles, rng) -> list[dict]:
     rows = []
-    job, seconds = bulk_job(party, d, args.bulk_queries, rng)
-    bulk_qps = job["answered"] / seconds
-    rows.append(row(pages, d, f"bulk_job_{args.bulk_queries}", engine=capacity, http=bulk_qps,
-                    note=f"status={job['status']} {seconds:.1f} s POST to done"))
-    log(f"  bulk job: {bulk_qps:,.0f} q/s ({bulk_qps / capacity:.2f}) {job['status']}")
+    for binary in (False, True):
+        job, seconds, posted = bulk_job(party, d, args.bulk_queries, rng, binary=binary)
+        bulk_qps = job["answered"] / seconds
+        running = job_seconds(job) if job["status"] == "done" else float("nan")
+        figure = f"bulk_job_{args.bulk_queries}" + ("_binary" if binary else "")
+        rows.append(row(pages, d, figure, engine=capacity, http=bulk_qps, note=(
+            f"status={job['status']}; {seconds:.2f} s POST to done, of which the upload "
+            f"{posted:.2f} s; first chunk started to done {running:.2f} s = "
+            f"{job['answered'] / running:,.0f} q/s ({job['answered'] / running / capacity:.2f})")))
+        log(f"  {figure}: {bulk_qps:,.0f} q/s ({bulk_qps / capacity:.2f}) {job['status']}, "
+            f"upload {posted:.2f} s, running {running:.2f} s")
     rate = 0.5 * single_qps
     alone = poisson(party.url, "/query/page/gpu", singles, args.client_procs, rate, args.seconds)
     rows.append(row(pages, d, "interactive_50pct_no_bulk", alone, capacity,
                     note=f"offered {rate:.0f} q/s"))
-    background, _ = bulk_job(party, d, args.bulk_queries * 4, rng, wait=False)
+    background, _, _ = bulk_job(party, d, args.bulk_queries * 4, rng, wait=False, binary=True)
     time.sleep(1.0)
     during = poisson(party.url, "/query/page/gpu", singles, args.client_procs, rate, args.seconds)
     state = party.json("GET", f"/bulk/jobs/{background['id']}")

@@ -86,9 +86,10 @@ class Party:
             raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{done.stderr}")
         return done.stdout
 
-    def request(self, method: str, path: str, body: Optional[bytes] = None, timeout: float = 600):
+    def request(self, method: str, path: str, body: Optional[bytes] = None, timeout: float = 600,
+                content_type: str = "application/json"):
         req = urllib.request.Request(self.url + path, data=body, method=method, headers={
-            "Authorization": f"Token {self.token}", "Content-Type": "application/json"})
+            "Authorization": f"Token {self.token}", "Content-Type": content_type})
         return urllib.request.urlopen(req, timeout=timeout)
 
     def json(self, method: str, path: str, body=None) -> dict:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -187,6 +187,9 @@ class KeyBatch:
     cw_seed: np.ndarray  # (K, d, 4) u32
     cw_t: np.ndarray  # (K, d, 2) u8: [left, right]
     final_cw: np.ndarray  # (K, 4) u32
+    # The byte form these keys were parsed from, kept so that sending them on (to the engine
+    # server) costs no re-encoding; None for batches built otherwise.
+    raw: Optional[bytes] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_keys(cls, keys: Sequence[DpfKey]) -> "KeyBatch":
@@ -244,10 +247,26 @@ class KeyBatch:
             cw_seed=words(levels[:, :, :16], (k, domain_bits, 4)),
             cw_t=np.ascontiguousarray(levels[:, :, 16:18]),
             final_cw=words(rows[:, final:final + 16], (k, 4)),
+            raw=bytes(data),
+        )
+
+    def keys(self, start: int, stop: int) -> "KeyBatch":
+        """Keys start..stop-1 of this batch, as a batch of their own."""
+        if not 0 <= start < stop <= len(self):
+            raise IndexError(f"keys {start}..{stop - 1} of a batch of {len(self)}")
+        size = key_length(self.domain_bits)
+        return replace(
+            self,
+            root_seed=self.root_seed[start:stop], root_t=self.root_t[start:stop],
+            cw_seed=self.cw_seed[start:stop], cw_t=self.cw_t[start:stop],
+            final_cw=self.final_cw[start:stop],
+            raw=None if self.raw is None else self.raw[start * size:stop * size],
         )
 
     def to_bytes(self) -> bytes:
         """The keys in the byte format, concatenated (party bytes from root_t: party b has t b)."""
+        if self.raw is not None:
+            return self.raw
         k, d = len(self), self.domain_bits
         rows = np.empty((k, key_length(d)), dtype=np.uint8)
         rows[:, :16] = self.root_seed.astype("<u4").view(np.uint8).reshape(k, 16)

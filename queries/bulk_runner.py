@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from django.conf import settings
 
-from gpu_engine.dpf import DpfKey, key_length
+from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
 from gpu_engine.scheduler import BatchingPolicy
 from queries.models import KEYS_PER_QUERY, BulkChunk
@@ -36,8 +36,8 @@ def bulk_policy(engine) -> BatchingPolicy:
     return engine.policies()[LANE]
 
 
-def parse_chunk(chunk: BulkChunk) -> list[list[DpfKey]]:
-    """The chunk's stored raw keys as queries of three DpfKeys."""
+def parse_chunk(chunk: BulkChunk) -> KeyBatch:
+    """The chunk's stored raw keys (three per query) as one batch, checked in one pass."""
     d = chunk.job.domain_bits
     size = key_length(d)
     raw = bytes(chunk.keys)
@@ -45,24 +45,24 @@ def parse_chunk(chunk: BulkChunk) -> list[list[DpfKey]]:
         raise ChunkRejected(
             f"stored keys are {len(raw)} bytes, expected {chunk.count} x 3 x {size}"
         )
-    keys = [
-        DpfKey.from_bytes(raw[i : i + size], expected_domain_bits=d)
-        for i in range(0, len(raw), size)
-    ]
-    return [keys[i : i + KEYS_PER_QUERY] for i in range(0, len(keys), KEYS_PER_QUERY)]
+    try:
+        return KeyBatch.from_bytes(raw, d)
+    except KeyFormatError as exc:  # checked when the job was submitted: the row was altered
+        raise ChunkRejected(f"stored keys do not parse: {exc}") from None
 
 
 def _submit(
     engine,
-    queries: Sequence[Sequence[DpfKey]],
+    keys: KeyBatch,
     outstanding: list[Future],
     heartbeat: Callable[[], None],
 ) -> Future:
     """Submit one request; while the lane is full, wait for our own requests ahead to finish."""
     deadline = time.monotonic() + settings.MORPHO_BULK_LEASE_SECONDS * 4
+    query_keys = (KEYS_PER_QUERY,) * (len(keys) // KEYS_PER_QUERY)
     while True:
         try:
-            return engine.submit(queries, lane=LANE)
+            return engine.submit_keys(keys, query_keys, lane=LANE)
         except EngineOverloaded as exc:
             if time.monotonic() > deadline:
                 raise
@@ -76,25 +76,26 @@ def _submit(
 
 def answer_queries(
     engine,
-    queries: list[list[DpfKey]],
+    keys: KeyBatch,
     heartbeat: Callable[[], None],
     heartbeat_every: float,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[int, bytes]:
-    """(epoch_id, answers) of the queries, all against one epoch; 3 x 4096 answer bytes each.
+    """(epoch_id, answers) of the queries whose keys (three each) are `keys`, all against one
+    epoch; 3 x 4096 answer bytes each.
 
     `progress(n)` is called from this thread with the queries answered so far whenever a request
     (one launch of the bulk policy's max_batch) resolves, so a job's progress moves launch by
     launch rather than chunk by chunk."""
     domain_bits = engine.epoch.matrix.domain_bits
-    if queries and queries[0][0].domain_bits != domain_bits:
+    if keys.domain_bits != domain_bits:
         raise ChunkRejected(
-            f"the job's keys have domain_bits {queries[0][0].domain_bits}, this worker's "
+            f"the job's keys have domain_bits {keys.domain_bits}, this worker's "
             f"epoch {engine.epoch.epoch_id} has {domain_bits}"
         )
     for attempt in range(EPOCH_ATTEMPTS):
-        batch = bulk_policy(engine).max_batch
-        requests = [queries[i : i + batch] for i in range(0, len(queries), batch)]
+        step = bulk_policy(engine).max_batch * KEYS_PER_QUERY  # keys of one full launch
+        requests = [keys.keys(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
         futures: list[Future] = []
         last_beat = time.monotonic()
         reported = 0
@@ -104,7 +105,7 @@ def answer_queries(
             if progress is None:
                 return
             answered = sum(
-                len(r)
+                len(r) // KEYS_PER_QUERY
                 for r, f in zip(requests, futures)
                 if f.done() and not f.cancelled() and f.exception() is None
             )

@@ -126,3 +126,24 @@ def test_key_for_another_domain_is_refused():
 def test_gen_keys_rejects_target_outside_domain():
     with pytest.raises(ValueError, match="outside"):
         gen_keys(256, 8)
+
+
+def test_a_parsed_batch_sends_on_its_own_bytes_and_slices_agree_with_its_keys():
+    # The web and bulk paths forward KeyBatch.from_bytes(body) to the engine server as
+    # to_bytes(); slices of it (one launch of a bulk chunk) must be exactly those keys.
+    rng = np.random.default_rng(5)
+    keys = [k for _ in range(4) for k in gen_keys(int(rng.integers(1 << 9)), 9, rng=rng)]
+    raw = b"".join(key.to_bytes() for key in keys)
+    size = key_length(9)
+    parsed = KeyBatch.from_bytes(raw, 9)
+    assert parsed.to_bytes() == raw
+    built = KeyBatch.from_keys(keys)  # no bytes kept: to_bytes encodes
+    assert built.to_bytes() == raw
+    for start, stop in [(0, 3), (3, 8), (7, 8)]:
+        part = parsed.keys(start, stop)
+        assert len(part) == stop - start
+        assert part.to_bytes() == raw[start * size:stop * size]
+        assert part.to_bytes() == built.keys(start, stop).to_bytes()
+        np.testing.assert_array_equal(part.cw_seed, KeyBatch.from_keys(keys[start:stop]).cw_seed)
+    with pytest.raises(IndexError):
+        parsed.keys(5, 9)

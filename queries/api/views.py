@@ -31,6 +31,7 @@ from queries.api.binary import (
     QualityNegotiation,
     answered_queries,
     binary_answer,
+    request_keys,
     sent_binary,
     state_headers,
     wants_binary,
@@ -38,6 +39,7 @@ from queries.api.binary import (
 from queries.api.errors import Unavailable, unavailable
 from queries.api.parsers import StrictJSONParser
 from queries.api.serializers import (
+    KEYS_PER_QUERY,
     BatchQuerySerializer,
     EpochSerializer,
     PageAnswerSerializer,
@@ -65,11 +67,14 @@ class PublicAPIView(APIView):
         return self.serializer_class
 
 
-def answer(engine, epoch, queries):
-    """Submit to the engine and wait: the answer, or 503 when it cannot come in time."""
+def answer(engine, epoch, data):
+    """Submit a validated request's queries to the engine and wait: the answer, or 503 when it
+    cannot come in time."""
     timeout = settings.MORPHO_QUERY_TIMEOUT
+    keys = request_keys(data)
     try:
-        return engine.submit(queries).result(timeout=timeout)
+        return engine.submit_keys(keys, (KEYS_PER_QUERY,) * (len(keys) // KEYS_PER_QUERY)).result(
+            timeout=timeout)
     except ValueError:
         # The keys were validated against `epoch`; the engine (here or in the engine server)
         # refuses them only if it switched to an epoch of another domain since. The client
@@ -154,7 +159,7 @@ class PageQueryView(QueryAPIView):
     @observe_query("/query/page/gpu")
     def post(self, request):
         engine, epoch, data = self.validated(request)
-        result = answer(engine, epoch, [data["keys"]])
+        result = answer(engine, epoch, data)
         if wants_binary(request):
             return binary_answer(result)
         body = {"epoch_id": result.epoch_id}
@@ -173,8 +178,7 @@ class BatchPageQueryView(QueryAPIView):
     @observe_query("/query/page/gpu/batch", queries=answered_queries)
     def post(self, request):
         engine, epoch, data = self.validated(request)
-        queries = [query["keys"] for query in data["queries"]]
-        result = answer(engine, epoch, queries)
+        result = answer(engine, epoch, data)
         if wants_binary(request):
             return binary_answer(result)
         return Response(
