@@ -6,6 +6,7 @@ from django.utils.html import format_html
 
 from epochs import runtime
 from epochs.models import Epoch, EpochState, RowUpdate
+from gpu_engine.engine import SwitchMode
 
 
 @admin.register(Epoch)
@@ -35,13 +36,13 @@ class EpochAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return obj is None or obj.state == EpochState.LOADED
 
-    def _activate(self, request, queryset, stop_the_world):
+    def _activate(self, request, queryset, mode: SwitchMode):
         if queryset.count() != 1:
             self.message_user(request, "select exactly one epoch to activate", messages.ERROR)
             return
         record = queryset.get()
         try:
-            runtime.activate(record, stop_the_world=stop_the_world)
+            runtime.activate(record, mode)
         except runtime.EpochSwitchError as exc:
             self.message_user(request, f"epoch {record.epoch_id} was not activated: {exc}", messages.ERROR)
             return
@@ -50,12 +51,12 @@ class EpochAdmin(admin.ModelAdmin):
 
     @admin.action(description="Activate (prepare beside the current epoch)", permissions=["change"])
     def activate_beside(self, request, queryset):
-        self._activate(request, queryset, stop_the_world=False)
+        self._activate(request, queryset, SwitchMode.BESIDE)
 
     @admin.action(description="Activate with stop-the-world (frees the current epoch first)",
                   permissions=["change"])
     def activate_stop_the_world(self, request, queryset):
-        self._activate(request, queryset, stop_the_world=True)
+        self._activate(request, queryset, SwitchMode.STOP_THE_WORLD)
 
 
 @admin.register(RowUpdate)

@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from epochs.matrix_files import MatrixPathError, check_matrix_file, file_identity
+from gpu_engine.engine import SwitchMode
 from gpu_engine.matrix import Epoch as EngineEpoch
 from gpu_engine.matrix import (
     PAGE_BYTES,
@@ -53,13 +54,6 @@ class PendingUpdates(models.TextChoices):
     DISCARD = "discard", "discard: the new epoch starts from its matrix file alone"
 
 
-class SwitchMode(models.TextChoices):
-    BESIDE = "beside", "prepare beside the current epoch, then switch (needs room for both)"
-    STOP_THE_WORLD = "stop_the_world", (
-        "stop the world: pause queries, free the current epoch, load the new one"
-    )
-
-
 class EpochQuerySet(models.QuerySet):
     def active(self) -> Epoch | None:
         return self.filter(state=EpochState.ACTIVE).order_by("-activated", "-pk").first()
@@ -92,7 +86,7 @@ class Epoch(models.Model):
         help_text="What happens to the row updates pending on the current epoch at the switch.",
     )
     switch_mode = models.CharField(
-        max_length=16, choices=SwitchMode.choices, default=SwitchMode.BESIDE,
+        max_length=16, choices=SwitchMode.choices(), default=SwitchMode.BESIDE.value,
         help_text="Stop-the-world is for a GPU that cannot hold both matrices at once.",
     )
     state = models.CharField(

@@ -26,12 +26,11 @@ from epochs.models import (
     EpochState,
     PendingUpdates,
     RowUpdate,
-    SwitchMode,
     UpdateState,
     parse_hex,
 )
 from gpu_engine.backends import BackendUnavailable
-from gpu_engine.engine import EngineBusy
+from gpu_engine.engine import EngineBusy, SwitchMode
 from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, read_epoch_metadata
 from gpu_engine.remote import RemoteError
 from morphoweb import engine_runtime
@@ -141,9 +140,10 @@ def state_version() -> tuple:
     return (active, figures["n"], figures["high"])
 
 
-def _final_rows(epoch_id: int, rows: Sequence[int] | None = None) -> tuple[dict[int, bytes], list[int]]:
-    """The latest pending data of each row (highest id wins) and the ids that were read."""
-    updates = RowUpdate.objects.filter(epoch_id=epoch_id, state=UpdateState.PENDING)
+def _final_rows(selection: Q, rows: Sequence[int] | None = None) -> tuple[dict[int, bytes], list[int]]:
+    """The latest pending data of each row among `selection`'s updates (highest id wins) and the
+    ids that were read."""
+    updates = RowUpdate.objects.filter(selection, state=UpdateState.PENDING)
     if rows is not None:
         updates = updates.filter(row__in=list(rows))
     data: dict[int, bytes] = {}
@@ -154,14 +154,33 @@ def _final_rows(epoch_id: int, rows: Sequence[int] | None = None) -> tuple[dict[
     return data, ids
 
 
-def _switch(engine, record: Epoch, stop_the_world: bool) -> None:
-    """Load `record` with its pending updates written in, and switch the engine to it."""
+def _starting_rows(record: Epoch, old_epoch_id: int | None) -> tuple[dict[int, bytes], list[int]]:
+    """The pending rows `record`'s epoch starts with once its activation commits: its own pending
+    updates plus, when it absorbs them, those of the old epoch that fit its rows (_commit_switch
+    moves them so)."""
+    selection = Q(epoch_id=record.epoch_id)
+    if record.pending_updates == PendingUpdates.ABSORB and old_epoch_id is not None:
+        selection |= Q(epoch_id=old_epoch_id, row__lt=(record.num_pages or 0) * ROWS_PER_PAGE)
+    return _final_rows(selection)
+
+
+def _reason(exc: Exception) -> str:
+    """A failed switch in the words stored on the record and shown to the operator."""
+    return str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
+
+
+def _switch(engine, record: Epoch, mode: SwitchMode,
+            starting: tuple[dict[int, bytes], list[int]] | None = None) -> None:
+    """Load `record` with its pending updates written in, and switch the engine to it.
+
+    starting: the (rows, ids) to write in, when they are not yet `record`'s pending updates."""
+    stop_the_world = SwitchMode(mode) is SwitchMode.STOP_THE_WORLD
     epoch = record.load()
-    rows, ids = _final_rows(record.epoch_id)
+    rows, ids = starting if starting is not None else _final_rows(Q(epoch_id=record.epoch_id))
     for row, data in rows.items():
         epoch.matrix.write_row(row, data)  # copy-on-write: the file is never touched
     try:
-        engine.switch_epoch(epoch, stop_the_world=stop_the_world, written=rows).result()
+        engine.switch_epoch(epoch, mode, written=rows).result()
     except Exception as exc:
         if stop_the_world:
             # The engine reloaded its current epoch from the matrix file, without its updates: the
@@ -196,7 +215,7 @@ def _apply_new_updates(engine) -> int:
     if fresh:
         # Rewrite each touched row with its latest value, so an update that committed late
         # never overrides a newer one of the same row.
-        rows, _ = _final_rows(epoch_id, {row for _, row in fresh})
+        rows, _ = _final_rows(Q(epoch_id=epoch_id), {row for _, row in fresh})
         engine.write_rows(rows).result()
         state.ids.update(pk for pk, _ in fresh)
     state.advance(time.monotonic())
@@ -214,10 +233,10 @@ def sync(engine, explicit: bool = False) -> None:
             if not explicit and time.monotonic() - _failed.get(key, -1e9) < FAILED_SWITCH_BACKOFF:
                 return
             try:
-                _switch(engine, record, record.switch_mode == SwitchMode.STOP_THE_WORLD)
+                _switch(engine, record, SwitchMode(record.switch_mode))
             except Exception as exc:
                 _failed[key] = time.monotonic()
-                reason = str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
+                reason = _reason(exc)
                 log.error("switch to epoch %s failed: %s", record.epoch_id, reason)
                 Epoch.objects.filter(pk=record.pk).update(message=reason)
                 _apply_new_updates(engine)
@@ -274,14 +293,18 @@ def adopt(engine) -> None:
     live.register(WATCH_NAME, state_version, lambda version: apply_from_watcher(), check_now=False)
 
 
-def activate(record: Epoch, stop_the_world: bool | None = None) -> Epoch:
-    """Make `record` the active epoch: switch this process's engine (if any) first, then commit.
+def activate(record: Epoch, mode: SwitchMode | None = None) -> Epoch:
+    """Make `record` the active epoch: switch this process's engine (if any) first, then commit
+    the state change in one short transaction.
 
     When this process serves, a switch that cannot happen (the matrix does not fit beside the
-    current one) is raised before anything changes; other processes follow within a second.
+    current one, the load fails) is raised before anything changes; so is one that another switch
+    committed ahead of while this one loaded, and the engine then follows the database. Other
+    processes follow within a second. `mode`: how to switch, when not the record's own
+    switch_mode (which it then becomes).
     """
-    if stop_the_world is not None:
-        record.switch_mode = SwitchMode.STOP_THE_WORLD if stop_the_world else SwitchMode.BESIDE
+    if mode is not None:
+        record.switch_mode = SwitchMode(mode)
     if engine_runtime.is_remote():
         # The engine server switches its Engine and commits, as below, in its own process.
         _remote_call("activate", pk=record.pk, switch_mode=record.switch_mode)
@@ -303,41 +326,78 @@ def activate(record: Epoch, stop_the_world: bool | None = None) -> Epoch:
                 old_epoch_id = None  # nothing served yet: no pending updates to carry over
         if record.epoch_id == old_epoch_id:
             raise EpochSwitchError(f"epoch {record.epoch_id} is already being served")
-        with transaction.atomic():
-            pending = RowUpdate.objects.filter(epoch_id=old_epoch_id, state=UpdateState.PENDING)
-            if record.pending_updates == PendingUpdates.ABSORB:
-                # Absorbed updates are validated against the new shape: a row past its end is lost.
-                bad = pending.filter(row__gte=(record.num_pages or 0) * ROWS_PER_PAGE)
-                bad.update(state=UpdateState.DISCARDED)
-                pending.update(epoch_id=record.epoch_id)
-            else:
-                pending.update(state=UpdateState.DISCARDED)
-            Epoch.objects.filter(state=EpochState.ACTIVE).exclude(pk=record.pk).update(
-                state=EpochState.RETIRED)
-            record.state = EpochState.ACTIVE
-            record.activated = timezone.now()
-            record.message = ""
-            record.save()
+        loaded_against = _active_marks()
+        if engine is not None:
+            # Outside any transaction: a load takes as long as the matrix upload, and an open
+            # write transaction is SQLite's database lock (IMMEDIATE mode), so bulk workers'
+            # claims and lease renewals would wait for the whole upload. A load that fails has
+            # changed nothing in the database.
+            try:
+                _switch(engine, record, SwitchMode(record.switch_mode),
+                        _starting_rows(record, old_epoch_id))
+            except Exception as exc:
+                reason = _reason(exc)
+                Epoch.objects.filter(pk=record.pk).update(message=reason)
+                record.refresh_from_db()
+                _apply_new_updates(engine)
+                raise EpochSwitchError(reason) from exc
+        try:
+            _commit_switch(record, old_epoch_id, loaded_against)
+        except Exception:
             if engine is not None:
-                # Inside the transaction: if this process cannot switch, nothing changes.
-                try:
-                    _switch(engine, record, record.switch_mode == SwitchMode.STOP_THE_WORLD)
-                except Exception as exc:
-                    transaction.set_rollback(True)
-                    reason = str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
-                    failure = exc
-                else:
-                    failure = None
-            else:
-                failure = None
-        if failure is not None:
-            Epoch.objects.filter(pk=record.pk).update(message=reason)
-            record.refresh_from_db()
-            _apply_new_updates(engine)
-            raise EpochSwitchError(reason) from failure
+                _follow_database(engine)
+            raise
         if engine is not None:
             sync(engine)  # updates committed by other processes while this one switched
     return record
+
+
+def _active_marks(lock: bool = False) -> list[tuple]:
+    """(pk, activated) of the active epoch records: a switch committed elsewhere changes them."""
+    records = Epoch.objects.filter(state=EpochState.ACTIVE)
+    if lock:
+        records = records.select_for_update()
+    return sorted(records.values_list("pk", "activated"))
+
+
+def _commit_switch(record: Epoch, old_epoch_id: int | None, loaded_against: list[tuple]) -> None:
+    """The short transaction of a switch: carry over or discard the pending updates, retire the
+    old epoch, activate `record`, unless another switch committed since `loaded_against` was read.
+    """
+    with transaction.atomic():
+        # Row locks on PostgreSQL (SQLite's IMMEDIATE transaction already holds the database): a
+        # second switch committing at the same time waits here, then finds the active records
+        # changed and gives up, instead of both moving the same pending updates.
+        if _active_marks(lock=True) != loaded_against:
+            current = Epoch.objects.active()
+            raise EpochSwitchError(
+                f"another switch (to epoch {current.epoch_id if current else None}) committed "
+                f"while epoch {record.epoch_id} loaded; nothing was changed by this one: activate "
+                f"epoch {record.epoch_id} again if it is still wanted")
+        pending = RowUpdate.objects.filter(epoch_id=old_epoch_id, state=UpdateState.PENDING)
+        if record.pending_updates == PendingUpdates.ABSORB:
+            # Absorbed updates are validated against the new shape: a row past its end is lost.
+            bad = pending.filter(row__gte=(record.num_pages or 0) * ROWS_PER_PAGE)
+            bad.update(state=UpdateState.DISCARDED)
+            pending.update(epoch_id=record.epoch_id)
+        else:
+            pending.update(state=UpdateState.DISCARDED)
+        Epoch.objects.filter(state=EpochState.ACTIVE).exclude(pk=record.pk).update(
+            state=EpochState.RETIRED)
+        record.state = EpochState.ACTIVE
+        record.activated = timezone.now()
+        record.message = ""
+        record.save()
+
+
+def _follow_database(engine) -> None:
+    """After a switch whose commit failed, serve what the database says instead of the epoch
+    just loaded (the watcher retries if the database cannot say now)."""
+    try:
+        sync(engine)
+    except DatabaseError as exc:
+        log.warning("epochs: cannot read the active epoch after a failed switch (%s); the watcher "
+                    "retries", exc)
 
 
 def save_updates(records: Sequence[RowUpdate]) -> None:
@@ -389,8 +449,8 @@ def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
 def activate_by_pk(engine, args: dict) -> dict:
     """The engine server's "activate" control operation: activate() where the Engine is."""
     record = Epoch.objects.get(pk=args["pk"])
-    record.switch_mode = args.get("switch_mode") or record.switch_mode
-    activate(record)
+    mode = args.get("switch_mode")
+    activate(record, SwitchMode(mode) if mode else None)
     return {"epoch_id": engine.epoch.epoch_id}
 
 

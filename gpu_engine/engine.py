@@ -1,6 +1,7 @@
 """The Engine: owns one device, coalesces submitted queries into launches on a scheduler thread."""
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import math
@@ -9,7 +10,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Self, Sequence, Tuple
 
 import numpy as np
 
@@ -37,6 +38,27 @@ PolicySource = Callable[[str], BatchingPolicy]  # lane -> the policy in force no
 # Longest the loop sleeps while queries wait, so that a policy swapped by another thread (a
 # shorter window, a new mode) applies to queries already queued within this time.
 POLICY_RECHECK_S = 0.1
+
+
+class SwitchMode(enum.StrEnum):
+    """How an engine moves to a new epoch: the one spelling the database, the API, the admin and
+    the engine server's control messages use (each member's value), with the words operators read
+    (its label)."""
+
+    BESIDE = "beside", "prepare beside the current epoch, then switch (needs room for both)"
+    STOP_THE_WORLD = "stop_the_world", (
+        "stop the world: pause queries, free the current epoch, load the new one")
+
+    def __new__(cls, value: str, label: str) -> Self:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.label = label
+        return member
+
+    @classmethod
+    def choices(cls) -> List[Tuple[str, str]]:
+        """(value, label) pairs, as Django fields and DRF choice fields take them."""
+        return [(mode.value, mode.label) for mode in cls]
 
 
 class EngineBusy(RuntimeError):
@@ -277,17 +299,17 @@ class Engine:
 
         return self._run_between_launches(write)
 
-    def switch_epoch(self, epoch: Epoch, stop_the_world: bool = False,
+    def switch_epoch(self, epoch: Epoch, mode: SwitchMode = SwitchMode.BESIDE,
                      written: Optional[Mapping[int, bytes]] = None) -> "Future[None]":
         """Make `epoch` resident beside the current one, then swap between launches.
 
         written: rows already written over `epoch`'s matrix (pending updates it absorbs), which its
-        state's digest counts. stop_the_world: for a device that cannot hold both matrices, free
-        the current one and load `epoch` on the scheduler thread; queries wait meanwhile. If that
-        load fails, the current epoch is loaded again (without rows written since its load) and
-        the future fails.
+        state's digest counts. mode STOP_THE_WORLD: for a device that cannot hold both matrices,
+        free the current one and load `epoch` on the scheduler thread; queries wait meanwhile. If
+        that load fails, the current epoch is loaded again (without rows written since its load)
+        and the future fails.
         """
-        if stop_the_world:
+        if SwitchMode(mode) is SwitchMode.STOP_THE_WORLD:
             return self._run_between_launches(lambda: self._reload(epoch, written))
         resident = self.backend.load(epoch.matrix)
 

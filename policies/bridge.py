@@ -65,7 +65,6 @@ class LivePolicies:
         self._snapshot.update(initial or {})
         self._listeners: list = []
         self._lock = threading.Lock()
-        self.applied_version: Any = None
 
     def __call__(self, lane: str) -> EnginePolicy:
         return self._snapshot[lane]
@@ -90,7 +89,6 @@ class LivePolicies:
                             lane, snapshot[lane].name)
         changed = snapshot != self._snapshot
         self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
-        self.applied_version = version
         if changed:
             log.info("batching policies now: %s", ", ".join(
                 f"{lane}={p.name} ({p.mode})" for lane, p in sorted(snapshot.items())))

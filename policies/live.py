@@ -50,10 +50,6 @@ class Watcher:
             self._check(name, watch)
         self.start()
 
-    def unregister(self, name: str) -> None:
-        with self._lock:
-            self._watches.pop(name, None)
-
     def start(self) -> None:
         with self._lock:
             if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
@@ -114,10 +110,6 @@ def register(name: str, version_fn: Callable[[], Any], apply_fn: Callable[[Any],
              check_now: bool = True) -> None:
     """Watch `name` on this process's shared watcher thread."""
     _default.register(name, version_fn, apply_fn, check_now)
-
-
-def unregister(name: str) -> None:
-    _default.unregister(name)
 
 
 def default_watcher() -> Watcher:

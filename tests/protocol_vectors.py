@@ -1,6 +1,7 @@
-"""The test vectors of docs/PROTOCOL.md section 7, shared by the test modules."""
+"""The test vectors of docs/PROTOCOL.md section 7 and its answer formula, shared by the test modules."""
 import numpy as np
 
+from gpu_engine.dpf import KeyBatch, eval_full
 from gpu_engine.matrix import PageMatrix
 
 ROOT0 = bytes(range(16))
@@ -33,3 +34,12 @@ def vector_pages() -> np.ndarray:
 
 def vector_matrix() -> PageMatrix:
     return PageMatrix(vector_pages().view("<u4").astype(np.uint32), domain_bits=8)
+
+
+def protocol_answers(matrix: PageMatrix, keys: KeyBatch) -> np.ndarray:
+    """Answers by docs/PROTOCOL.md section 4 written plainly, not by any backend's scan: XOR over
+    pages of page AND the key's tiled mask; (K, 4096) u8."""
+    masks = eval_full(keys, matrix.num_pages)
+    pages = matrix.block(0, matrix.num_pages).reshape(matrix.num_pages, 256, 4)
+    return np.stack([np.bitwise_xor.reduce(pages & masks[k][:, None, :], axis=0).reshape(-1)
+                     for k in range(len(keys))]).astype("<u4").view(np.uint8)

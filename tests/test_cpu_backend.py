@@ -5,19 +5,12 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend, NumpyResident, mask_chunk_bits, reference_answers
-from gpu_engine.dpf import DpfKey, KeyBatch, eval_full, gen_keys
+from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import PAGE_BYTES, random_matrix
 from tests.protocol_vectors import (
-    ANSWER0_PREFIX, ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, vector_matrix, vector_pages,
+    ANSWER0_PREFIX, ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, protocol_answers, vector_matrix,
+    vector_pages,
 )
-
-
-def _direct(matrix, keys):
-    """The answer formula written plainly: XOR over pages of page AND tiled mask."""
-    masks = eval_full(keys, matrix.num_pages)
-    pages = matrix.block(0, matrix.num_pages).reshape(matrix.num_pages, 256, 4)
-    return np.stack([np.bitwise_xor.reduce(pages & masks[k][:, None, :], axis=0).reshape(-1)
-                     for k in range(len(keys))]).astype("<u4").view(np.uint8)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -38,7 +31,7 @@ def test_matches_direct_formula_on_random_pages(pages, extra_bits):
     keys = KeyBatch.from_keys([gen_keys(int(rng.integers(pages)), d, rng)[i % 2] for i in range(5)])
     got = NumpyBackend(workers=2).load(matrix).answer(keys)
     assert got.shape == (5, PAGE_BYTES)
-    assert np.array_equal(got, _direct(matrix, keys))
+    assert np.array_equal(got, protocol_answers(matrix, keys))
 
 
 def test_every_query_in_a_batch_recovers_its_page():

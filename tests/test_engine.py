@@ -5,17 +5,32 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import gen_keys
+from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
 from gpu_engine.matrix import Epoch, random_matrix
 from gpu_engine.scheduler import BatchingPolicy, PolicyError
+from tests.protocol_vectors import protocol_answers
 
 
 def _query(target, d, rng):
     """Three key pairs (target plus two decoys), as a client would make them."""
     pairs = [gen_keys(int(t), d, rng) for t in (target, rng.integers(1 << d), rng.integers(1 << d))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _answered(answer):
+    """Every answer of a BatchAnswer as bytes, queries in order, keys in order."""
+    return [bytes(page) for query in answer.pages for page in query]
+
+
+def _expected(matrix, queries, rows=None):
+    """The answers `queries` (lists of keys) must get from `matrix` with `rows` written over it,
+    by the protocol's formula on a matrix built here, not by the engine or its backend."""
+    for row, data in (rows or {}).items():
+        matrix.write_row(row, data)
+    keys = [key for query in queries for key in query]
+    return [answer.tobytes() for answer in protocol_answers(matrix, KeyBatch.from_keys(keys))]
 
 
 @pytest.fixture
@@ -36,6 +51,8 @@ def test_request_answers_recover_pages(engine):
     for i, target in enumerate((0, 17, 299)):
         recovered = bytes(x ^ y for x, y in zip(a.pages[i][0], b.pages[i][0]))
         assert recovered == engine.epoch.matrix.page(target)
+    assert _answered(a) == _expected(random_matrix(300, seed=1), [q[0] for q in queries])
+    assert _answered(b) == _expected(random_matrix(300, seed=1), [q[1] for q in queries])
 
 
 def test_concurrent_requests_are_coalesced_into_fewer_launches(engine):
@@ -59,6 +76,9 @@ def test_concurrent_requests_are_coalesced_into_fewer_launches(engine):
     assert engine.stats.queries_answered == 24
     assert engine.stats.launches < 24
     assert all(r is not None and len(r.pages) == 1 for r in results)
+    # Coalesced launches still answer each request from its own keys (row 0 written first).
+    expected = _expected(random_matrix(300, seed=1), [r[0] for r in requests], {0: b"\x00" * 256})
+    assert [page for r in results for page in _answered(r)] == expected
 
 
 def test_row_write_is_in_every_later_answer(engine):
@@ -66,8 +86,13 @@ def test_row_write_is_in_every_later_answer(engine):
     d = engine.epoch.matrix.domain_bits
     engine.write_rows({5 * 16 + 2: b"\xee" * 256}).result(10)
     q0, q1 = _query(5, d, rng)
-    page = bytes(x ^ y for x, y in zip(engine.answer([q0]).pages[0][0], engine.answer([q1]).pages[0][0]))
+    a0, a1 = engine.answer([q0]), engine.answer([q1])
+    page = bytes(x ^ y for x, y in zip(a0.pages[0][0], a1.pages[0][0]))
     assert page[2 * 256 : 3 * 256] == b"\xee" * 256
+    written = random_matrix(300, seed=1)
+    written.write_row(5 * 16 + 2, b"\xee" * 256)
+    assert page == written.page(5)  # the other rows of the page are the epoch's own
+    assert _answered(a0) + _answered(a1) == _expected(written, [q0, q1])
 
 
 def test_bad_row_write_is_refused_before_queueing(engine):
@@ -84,6 +109,7 @@ def test_epoch_switch_is_atomic_per_request(engine):
     a, b = engine.answer([q0]), engine.answer([q1])
     assert a.epoch_id == b.epoch_id == 4
     assert bytes(x ^ y for x, y in zip(a.pages[0][0], b.pages[0][0])) == new.matrix.page(9)
+    assert _answered(a) + _answered(b) == _expected(random_matrix(300, seed=2), [q0, q1])
 
 
 def test_submit_validates_and_refuses_when_stopped():
@@ -144,9 +170,11 @@ def test_full_queue_refuses_at_submit_with_retry_after():
     rng = np.random.default_rng(5)
     d = eng.epoch.matrix.domain_bits
     try:
-        running = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate
+        first = [_query(1, d, rng)[0]]
+        running = eng.submit(first)  # launched, held at the gate
         assert backend.started.acquire(timeout=10)
-        queued = [eng.submit([_query(2, d, rng)[0]] * 2) for _ in range(2)]  # 4 queries queued
+        second = [_query(2, d, rng)[0] for _ in range(2)]
+        queued = [eng.submit([query] * 2) for query in second]  # 4 queries queued
         with pytest.raises(EngineOverloaded) as caught:
             eng.submit([_query(3, d, rng)[0]])
         assert caught.value.reason == ("interactive queue is full: 4 queries queued, 1 more would "
@@ -156,6 +184,9 @@ def test_full_queue_refuses_at_submit_with_retry_after():
         backend.gate.set()
         assert running.result(30).epoch_id == 1
         assert all(len(f.result(30).pages) == 2 for f in queued)
+        assert _answered(running.result(30)) == _expected(random_matrix(64, seed=4), first)
+        for future, query in zip(queued, second):
+            assert _answered(future.result(30)) == _expected(random_matrix(64, seed=4), [query] * 2)
     finally:
         backend.gate.set()
         eng.stop()
@@ -166,12 +197,14 @@ def test_query_that_cannot_start_within_the_timeout_fails_overloaded():
     rng = np.random.default_rng(6)
     d = eng.epoch.matrix.domain_bits
     try:
-        first = eng.submit([_query(1, d, rng)[0]])
+        first_keys = _query(1, d, rng)[0]
+        first = eng.submit([first_keys])
         assert backend.started.acquire(timeout=10)
         late = eng.submit([_query(2, d, rng)[0]])
         threading.Event().wait(0.15)  # the device stays busy past the second query's deadline
         backend.gate.set()
         assert len(first.result(30).pages) == 1
+        assert _answered(first.result(30)) == _expected(random_matrix(64, seed=4), [first_keys])
         with pytest.raises(EngineOverloaded, match="not started within the policy's queue_timeout_ms of 50 ms"):
             late.result(30)
         assert eng.stats.refused == {"deadline": 1}
@@ -189,11 +222,13 @@ def test_launch_uses_the_policy_dispatch_shape_and_a_changed_policy_applies_mid_
     rng = np.random.default_rng(7)
     d = eng.epoch.matrix.domain_bits
     try:
-        held = eng.submit([_query(1, d, rng)[0]])  # throughput holds it for its 0.9 s window
+        keys = _query(1, d, rng)[0]
+        held = eng.submit([keys])  # throughput holds it for its 0.9 s window
         threading.Event().wait(0.1)
         assert not held.done()
         source.policy = BatchingPolicy(mode="latency", micro_batch=3, streams=4, cuda_graph=True)
         assert len(held.result(0.5).pages) == 1  # well before the old window would have closed
+        assert _answered(held.result()) == _expected(random_matrix(64, seed=4), [keys])
         assert backend.dispatches == [(3, DispatchShape(3, 4, True))]
         snap = eng.snapshot()
         assert snap["dispatch_modes"] == {"latency": 1}
@@ -221,7 +256,10 @@ def test_a_failing_policy_source_keeps_the_last_good_policy(engine):
 
     engine.set_policy_source(broken)
     rng = np.random.default_rng(8)
-    assert len(engine.answer([_query(1, engine.epoch.matrix.domain_bits, rng)[0]], timeout=30).pages) == 1
+    keys = _query(1, engine.epoch.matrix.domain_bits, rng)[0]
+    answer = engine.answer([keys], timeout=30)
+    assert len(answer.pages) == 1
+    assert _answered(answer) == _expected(random_matrix(300, seed=1), [keys])
 
 
 def test_snapshot_reports_what_metrics_and_admin_show(engine):
@@ -255,14 +293,18 @@ def test_a_cancelled_request_does_not_stop_the_engine():
     rng = np.random.default_rng(8)
     d = eng.epoch.matrix.domain_bits
     try:
-        first = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate
+        first_keys = _query(1, d, rng)[0]
+        first = eng.submit([first_keys])  # launched, held at the gate
         assert backend.started.acquire(timeout=10)
         waiting = eng.submit([_query(2, d, rng)[0]])
         assert waiting.cancel()  # a caller that stopped waiting
         backend.gate.set()
         assert first.result(30).epoch_id == 1
-        later = eng.submit([_query(3, d, rng)[0]])
+        later_keys = _query(3, d, rng)[0]
+        later = eng.submit([later_keys])
         assert later.result(30).epoch_id == 1
+        assert _answered(first.result(30)) == _expected(random_matrix(64, seed=4), [first_keys])
+        assert _answered(later.result(30)) == _expected(random_matrix(64, seed=4), [later_keys])
         assert eng.health()["running"] is True
     finally:
         backend.gate.set()

@@ -1,13 +1,15 @@
 """Engine-level epoch switches: beside and stop-the-world, and a device too small for both."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.backends.cpu import NumpyBackend, reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
-from gpu_engine.engine import Engine
+from gpu_engine.engine import Engine, SwitchMode
 from gpu_engine.matrix import Epoch, PageMatrix, random_matrix
 
 
@@ -44,8 +46,8 @@ def _query(engine, target, rng):
     return keys, engine.answer([keys], timeout=30)
 
 
-@pytest.mark.parametrize("stop_the_world", [False, True])
-def test_switch_serves_the_new_epoch_and_names_it(stop_the_world):
+@pytest.mark.parametrize("mode", list(SwitchMode))
+def test_switch_serves_the_new_epoch_and_names_it(mode):
     rng = np.random.default_rng(1)
     old = Epoch(1, random_matrix(32, seed=1))
     new = Epoch(2, random_matrix(32, seed=2))
@@ -53,7 +55,7 @@ def test_switch_serves_the_new_epoch_and_names_it(stop_the_world):
     try:
         keys, before = _query(engine, 5, rng)
         assert before.epoch_id == 1
-        engine.switch_epoch(new, stop_the_world=stop_the_world).result(10)
+        engine.switch_epoch(new, mode).result(10)
         keys, after = _query(engine, 5, rng)
         assert after.epoch_id == 2
         expected = reference_answers(random_matrix(32, seed=2), KeyBatch.from_keys(keys))
@@ -71,7 +73,7 @@ def test_too_small_for_both_refuses_beside_and_stop_the_world_succeeds():
         with pytest.raises(BackendUnavailable, match="does not fit"):
             engine.switch_epoch(new).result(10)
         assert engine.epoch.epoch_id == 1
-        engine.switch_epoch(new, stop_the_world=True).result(10)
+        engine.switch_epoch(new, SwitchMode.STOP_THE_WORLD).result(10)
         assert engine.epoch.epoch_id == 2
         assert len(backend.resident) == 1
     finally:
@@ -84,7 +86,7 @@ def test_stop_the_world_that_cannot_load_goes_back_to_the_current_epoch():
     engine = Engine(SmallDevice(capacity=old.matrix.nbytes), old).start()
     try:
         with pytest.raises(BackendUnavailable, match="does not fit"):
-            engine.switch_epoch(too_big, stop_the_world=True).result(10)
+            engine.switch_epoch(too_big, SwitchMode.STOP_THE_WORLD).result(10)
         rng = np.random.default_rng(3)
         keys, answer = _query(engine, 3, rng)
         assert answer.epoch_id == 1
@@ -177,3 +179,174 @@ def test_failed_stop_the_world_keeps_serving_the_current_epoch_with_its_updates(
     expected.write_row(5, data)
     assert [bytes(a) for a in answer.pages[0]] == [
         e.tobytes() for e in reference_answers(expected, KeyBatch.from_keys(keys))]
+
+
+# --- The database while a switch loads: written by others, unchanged by a failure -------------
+
+ROW5, ROW9 = bytes([5]) * 256, bytes([9]) * 256
+
+
+@pytest.fixture
+def committed_party(django_db_serialized_rollback, transactional_db, serve_matrix, tmp_path):
+    """Epoch 1 served with row 5 updated, epochs 2 and 3 recorded. Every write commits, so other
+    connections (other threads here, other processes in a party) see and contend for it; the
+    rows the migrations made (the default policies) are restored after the flush, for later tests."""
+    from epochs import runtime
+    from epochs.models import Epoch as EpochRecord
+    from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
+    from morphoweb.engine_runtime import get_engine
+    from policies.live import default_watcher
+
+    paths, records = {}, {}
+    for epoch_id in (1, 2, 3):
+        paths[epoch_id] = write_matrix_file(tmp_path / f"e{epoch_id}.bin", 16, seed=epoch_id)
+        write_epoch_metadata(paths[epoch_id], epoch_id=epoch_id)
+    serve_matrix(paths[1])
+    engine = get_engine()
+    # The test's own threads are the other connections. The watcher's polls would be one more,
+    # and the shared in-memory SQLite of the tests refuses a write while another connection reads
+    # the table, where a database file waits.
+    default_watcher().stop()
+    runtime.push_rows([(5, ROW5)])
+    for epoch_id in (2, 3):
+        records[epoch_id] = EpochRecord(epoch_id=epoch_id, matrix_path=str(paths[epoch_id]))
+        records[epoch_id].full_clean()
+        records[epoch_id].save()
+    yield engine, records, paths
+    default_watcher().start()
+
+
+def _database_state():
+    """Everything a switch changes, bar the message that reports a failed one."""
+    from epochs.models import Epoch as EpochRecord
+    from epochs.models import RowUpdate
+
+    return (sorted(EpochRecord.objects.values_list("epoch_id", "state", "activated", "switch_mode",
+                                                    "pending_updates")),
+            sorted(RowUpdate.objects.values_list("pk", "epoch_id", "row", "state")))
+
+
+def _serves(engine, path, rows):
+    """The engine's answers to keys for page 0 equal those of the file at `path` with `rows`."""
+    from gpu_engine.matrix import load_matrix
+
+    keys, answer = _query(engine, 0, np.random.default_rng(11))
+    expected = load_matrix(path)
+    for row, data in rows.items():
+        expected.write_row(row, data)
+    return [bytes(a) for a in answer.pages[0]] == [
+        e.tobytes() for e in reference_answers(expected, KeyBatch.from_keys(keys))]
+
+
+class HeldUpload:
+    """Holds the first matrix upload of `engine`'s backend until released (or fails it)."""
+
+    def __init__(self, engine, monkeypatch, error: Exception | None = None) -> None:
+        self.started, self.released = threading.Event(), threading.Event()
+        self.error = error
+        self.calls = 0
+        upload = engine.backend.load
+
+        def held(matrix, progress=None):
+            self.calls += 1
+            if self.calls == 1:
+                self.started.set()
+                if self.error is not None:
+                    raise self.error
+                self.released.wait(30)
+            return upload(matrix, progress)
+
+        monkeypatch.setattr(engine.backend, "load", held)
+
+
+def _switch_in_thread(record):
+    """runtime.activate(record) on its own thread and database connection; (thread, outcome)."""
+    from django.db import connection
+
+    from epochs import runtime
+
+    outcome = {}
+
+    def switch():
+        try:
+            outcome["record"] = runtime.activate(record)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=switch)
+    thread.start()
+    return thread, outcome
+
+
+def test_the_database_stays_writable_while_the_new_epoch_loads(committed_party, monkeypatch):
+    from epochs.models import Epoch as EpochRecord
+    from epochs.models import PendingUpdates, RowUpdate
+
+    engine, records, paths = committed_party
+    upload = HeldUpload(engine, monkeypatch)
+    backstop = threading.Timer(10, upload.released.set)  # the old code would wait on the writes
+    backstop.start()
+    switcher, outcome = _switch_in_thread(records[2])
+    try:
+        assert upload.started.wait(30)
+        # This thread's connection writes what other processes write meanwhile: a row update
+        # stored by a web process, and an operator's edit of how to switch back to epoch 1 (a row
+        # the switch changes). Under a write transaction held for the upload, SQLite refuses or
+        # delays both and PostgreSQL delays the second.
+        RowUpdate.objects.create(epoch_id=1, first_epoch_id=1, row=9, data=ROW9.hex())
+        EpochRecord.objects.filter(epoch_id=1).update(pending_updates=PendingUpdates.DISCARD)
+        assert not upload.released.is_set(), "the writes waited for the upload to end"
+        assert switcher.is_alive() and engine.epoch.epoch_id == 1
+    finally:
+        upload.released.set()
+        backstop.cancel()
+        switcher.join(30)
+    assert "error" not in outcome, outcome
+    states = dict(EpochRecord.objects.values_list("epoch_id", "state"))
+    assert states == {1: "retired", 2: "active", 3: "loaded"}
+    assert EpochRecord.objects.get(epoch_id=1).pending_updates == PendingUpdates.DISCARD
+    # The update stored during the load was absorbed by epoch 2 and is in its answers.
+    assert sorted(RowUpdate.objects.values_list("row", "epoch_id", "state")) == [
+        (5, 2, "pending"), (9, 2, "pending")]
+    assert engine.epoch.epoch_id == 2 and _serves(engine, paths[2], {5: ROW5, 9: ROW9})
+
+
+@pytest.mark.parametrize("mode", list(SwitchMode))
+def test_a_failed_load_changes_nothing(committed_party, monkeypatch, mode):
+    from epochs import runtime
+
+    engine, records, paths = committed_party
+    before = _database_state()
+    upload = HeldUpload(engine, monkeypatch, error=OSError("device lost during the upload"))
+    with pytest.raises(runtime.EpochSwitchError, match="OSError: device lost during the upload"):
+        runtime.activate(records[2], mode)
+    assert upload.calls == (2 if mode is SwitchMode.STOP_THE_WORLD else 1)  # stop the world reloads
+    assert _database_state() == before
+    records[2].refresh_from_db()
+    assert records[2].state == "loaded" and "device lost" in records[2].message
+    assert engine.epoch.epoch_id == 1 and _serves(engine, paths[1], {5: ROW5})
+
+
+def test_a_switch_committed_elsewhere_during_the_load_wins(committed_party, monkeypatch):
+    from epochs import runtime
+    from epochs.models import Epoch as EpochRecord
+    from epochs.models import RowUpdate
+
+    engine, records, paths = committed_party
+    upload = HeldUpload(engine, monkeypatch)
+    switcher, outcome = _switch_in_thread(records[2])
+    try:
+        assert upload.started.wait(30)
+        # Another engine server of the party, done loading epoch 3, commits its switch first.
+        runtime._commit_switch(records[3], 1, runtime._active_marks())
+    finally:
+        upload.released.set()
+        switcher.join(30)
+    assert "another switch (to epoch 3) committed while epoch 2 loaded" in str(outcome.get("error"))
+    states = dict(EpochRecord.objects.values_list("epoch_id", "state"))
+    assert states == {1: "retired", 2: "loaded", 3: "active"}
+    assert list(RowUpdate.objects.values_list("row", "epoch_id", "state")) == [(5, 3, "pending")]
+    # This process's engine follows the database rather than the epoch it had loaded.
+    assert engine.epoch.epoch_id == 3 and _serves(engine, paths[3], {5: ROW5})

@@ -134,7 +134,9 @@ def test_admin_edit_is_recorded_in_history(staff):
 
 
 # -- live propagation ---------------------------------------------------------------------------
-@pytest.mark.django_db(transaction=True)
+# serialized_rollback: the default policies come from a migration, and an earlier transactional
+# test's flush removed them.
+@pytest.mark.django_db(transaction=True, serialized_rollback=True)
 def test_watcher_swaps_the_snapshot_and_wakes_the_engine_without_a_read_per_query():
     source = LivePolicies()
     pokes = threading.Event()

@@ -5,7 +5,7 @@ import numpy as np
 
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import gen_keys
-from gpu_engine.engine import Engine
+from gpu_engine.engine import Engine, SwitchMode
 from gpu_engine.matrix import Epoch, random_matrix
 from gpu_engine.state import RowDigest, ServedState
 
@@ -40,7 +40,7 @@ def test_every_answer_names_the_state_it_was_computed_from():
         # a switch to an epoch that absorbed pending rows counts them in its state
         engine.switch_epoch(Epoch(2, random_matrix(20, seed=2)), written={33: ROW_A}).result(30)
         assert engine.answer([[k0]], timeout=30).state == RowDigest({33: ROW_A}).state(2)
-        engine.switch_epoch(Epoch(3, random_matrix(20, seed=3)), stop_the_world=True).result(30)
+        engine.switch_epoch(Epoch(3, random_matrix(20, seed=3)), SwitchMode.STOP_THE_WORLD).result(30)
         assert engine.answer([[k0]], timeout=30).state == ServedState(3)
     finally:
         engine.stop()

@@ -7,8 +7,9 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
-from epochs.models import Epoch, RowUpdate, SwitchMode
+from epochs.models import Epoch, RowUpdate
 from gpu_engine.dpf import MAX_DOMAIN_BITS
+from gpu_engine.engine import SwitchMode
 from gpu_engine.matrix import ROW_BYTES
 
 
@@ -136,7 +137,7 @@ class ActivateSerializer(serializers.Serializer):
     """Optional body of the activate action: how to switch."""
 
     switch_mode = serializers.ChoiceField(
-        choices=SwitchMode.choices, required=False,
+        choices=SwitchMode.choices(), required=False,
         help_text="beside (default: the record's own) or stop_the_world.",
     )
 

@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from epochs import runtime
 from epochs.api.serializers import ActivateSerializer, EpochSerializer, RowUpdateSerializer
 from epochs.models import Epoch, EpochState, RowUpdate
+from gpu_engine.engine import SwitchMode
 
 
 class OperatorPermissions(DjangoModelPermissions):
@@ -59,7 +60,7 @@ class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrie
             raise SwitchConflict(f"epoch {record.epoch_id} is already active")
         mode = body.validated_data.get("switch_mode")
         try:
-            runtime.activate(record, stop_the_world=None if mode is None else mode == "stop_the_world")
+            runtime.activate(record, None if mode is None else SwitchMode(mode))
         except runtime.EpochSwitchError as exc:
             raise SwitchConflict(str(exc)) from None
         return Response(self.get_serializer(record).data)

@@ -92,7 +92,6 @@ class NumpyBackend(Backend):
     def __init__(self, workers: Optional[int] = None) -> None:
         super().__init__()
         self.workers = workers or default_workers()
-        self._resident_bytes = 0
 
     def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> NumpyResident:
         if progress:

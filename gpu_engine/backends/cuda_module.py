@@ -13,10 +13,15 @@ from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets.
 NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",)
-KERNEL_FILES = ("dpf_scan.cu", "matrix_fill.cu")
+# The kernels of each file, by the names get_kernel() takes (a template instantiation by its name
+# expression, which NVRTC must be told to keep); the CI nvcc check holds each file to its list.
+KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
+    "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES)),
+    "matrix_fill.cu": ("fill_pages",),
+}
+KERNEL_FILES = tuple(KERNEL_NAMES)
 _NAME_EXPRESSIONS: Dict[str, Tuple[str, ...]] = {
-    "dpf_scan.cu": tuple(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
-    "matrix_fill.cu": (),
+    name: tuple(kernel for kernel in kernels if "<" in kernel) for name, kernels in KERNEL_NAMES.items()
 }
 _lock = threading.Lock()
 
@@ -39,6 +44,8 @@ def _module(name: str):
 
 def get_kernel(file_name: str, kernel_name: str):
     """A RawKernel of kernels/<file_name>, compiled on first use and cached for the process."""
+    if kernel_name not in KERNEL_NAMES.get(file_name, ()):
+        raise ValueError(f"kernels/{file_name} has no kernel {kernel_name!r} in KERNEL_NAMES")
     with _lock:  # one compile per file even when two threads start at once
         module = _module(file_name)
         return _kernel(module, kernel_name)

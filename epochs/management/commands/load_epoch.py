@@ -8,7 +8,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from epochs import runtime
 from epochs.matrix_files import MatrixPathError, confine
-from epochs.models import Epoch, PendingUpdates, SwitchMode
+from epochs.models import Epoch, PendingUpdates
+from gpu_engine.engine import SwitchMode
 from gpu_engine.matrix import metadata_path
 
 
