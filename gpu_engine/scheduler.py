@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from gpu_engine.backends.base import DispatchShape
@@ -127,6 +128,19 @@ class BatchingPolicy:
     @property
     def window_s(self) -> float:
         return self.window_us / 1e6
+
+
+# Each lane's policy while the database's active records cannot be read, from the engine's start
+# on (policies.bridge). The records the migrations create active (policies/migrations/0002) hold
+# the same values. An Engine given no policy source at all (tests, benchmarks) runs
+# BatchingPolicy() in every lane.
+DEFAULT_POLICIES: Mapping[str, BatchingPolicy] = MappingProxyType({
+    # answer at once with whatever is queued; under load batches form while the device is busy
+    "interactive": BatchingPolicy(name="interactive-builtin", mode="latency", p95_target_ms=250),
+    # full batches or 20 ms, a queue deep enough for whole job chunks, deadlines of minutes
+    "bulk": BatchingPolicy(name="bulk-builtin", mode="throughput", window_us=20_000,
+                           max_queue=100_000, queue_timeout_ms=600_000, p95_target_ms=1000),
+})
 
 
 @dataclass(frozen=True)
