@@ -36,14 +36,6 @@ _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 
 
-def _i32(x: int) -> np.int32:
-    return np.int32(x)
-
-
-def _i64(x: int) -> np.int64:
-    return np.int64(x)
-
-
 class _Launch:
     """One micro-batch: its plan, buffers, stream and, once captured, its CUDA graph.
 
@@ -79,25 +71,13 @@ class _Launch:
         s = self.stream.ptr
         runtime.memcpyAsync(self.keyrec.data.ptr, self.keys_host.ctypes.data, self.keys_host.nbytes, _H2D, s)
         runtime.memsetAsync(self.out.data.ptr, 0, self.out.nbytes, s)
-        d, n = plan.domain_bits, plan.num_pages
         with self.stream:
             for i, st in enumerate(plan.stages):
-                in_seed, in_t = self.nodes[i - 1] if i else self.nodes[i]  # stage 0 reads the roots
-                in_stride = plan.stages[i - 1].live_out if i else 0
-                out_seed, out_t = self.nodes[i]
-                self.top(
-                    (st.live_in, kp), (launch.TOP_THREADS,),
-                    (self.keyrec, _i32(self.krec), _i32(d), _i64(n), in_seed, in_t, _i64(in_stride),
-                     _i32(st.depth_in), _i32(st.levels), out_seed, out_t, _i64(st.live_out)),
-                )
-            roots_seed, roots_t = self.nodes[-1] if self.nodes else (self.keyrec, self.keyrec)
-            self.scan(
-                (plan.grid,), (launch.SCAN_THREADS,),
-                (pages, _i64(n), _i32(d), _i32(plan.chunk_levels), self.keyrec, _i32(self.krec), _i32(kp),
-                 roots_seed, roots_t, _i64(plan.root_stride), _i32(plan.num_groups),
-                 _i32(plan.chunks_per_block), self.out),
-                shared_mem=plan.shared_bytes,
-            )
+                self.top((st.live_in, kp), (launch.TOP_THREADS,),
+                         launch.top_args(plan, i, self.keyrec, self.nodes))
+            self.scan((plan.grid,), (launch.SCAN_THREADS,),
+                      launch.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
+                      shared_mem=plan.shared_bytes)
         runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr,
                             (self.stop - self.start) * PAGE_BYTES, _D2H, s)
 

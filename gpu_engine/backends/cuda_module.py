@@ -8,11 +8,13 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES
+from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES, kernel_defines
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-# NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets.
-NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",)
+# NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets;
+# the constants the kernels share with the host come from cuda_launch, as -D options.
+NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
+    f"-D{name}={value}" for name, value in kernel_defines().items())
 KERNEL_FILES = ("dpf_scan.cu", "matrix_fill.cu")
 _NAME_EXPRESSIONS: Dict[str, Tuple[str, ...]] = {
     "dpf_scan.cu": tuple(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
