@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for, random_matrix  # noqa: E402
+from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
 
 CSV_COLUMNS = ("q", "single_ms_per_batch", "batch_ms_per_batch", "batch_vs_single_speedup",
                "single_qps", "batch_qps", "checksum_match")
-KEYS_PER_QUERY = 3
 
 
 @dataclass

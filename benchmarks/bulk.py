@@ -15,6 +15,7 @@ the job is done; then the NDJSON results are streamed and every answer is checke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -37,18 +38,11 @@ from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, static_policy  # noqa: E402
 from gpu_engine.matrix import load_epoch, write_matrix_file  # noqa: E402
-from gpu_engine.scheduler import BatchingPolicy  # noqa: E402
+from gpu_engine.scheduler import DEFAULT_POLICIES  # noqa: E402
 
 COLUMNS = "measure,queries,seconds,queries_per_s,ratio_to_engine"
-# The default bulk policy's shape (policies/migrations/0002_default_policies.py).
-BULK_POLICY = BatchingPolicy(
-    name="bulk-bench",
-    mode="throughput",
-    max_batch=32,
-    window_us=20000,
-    max_queue=100_000,
-    queue_timeout_ms=600_000,
-)
+# The default bulk policy, under the benchmark's name.
+BULK_POLICY = dataclasses.replace(DEFAULT_POLICIES["bulk"], name="bulk-bench")
 
 
 def workload(pages: int, queries: int, pool_size: int, seed: int):

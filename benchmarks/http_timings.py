@@ -27,7 +27,8 @@ from benchmarks.report import cpu_model  # noqa: E402
 from gpu_engine.backends.cpu import NumpyBackend  # noqa: E402
 from gpu_engine.dpf import DpfKey, KeyBatch  # noqa: E402
 from gpu_engine.matrix import load_matrix  # noqa: E402
-from queries.client import MAX_BATCH, PirClient, plan_query  # noqa: E402
+from gpu_engine.protocol import MAX_BATCH_QUERIES  # noqa: E402
+from queries.client import PirClient, plan_query  # noqa: E402
 
 COLUMNS = "endpoint,queries,reps,mean_ms,p50_ms,p95_ms,min_ms,max_ms,queries_per_s"
 
@@ -84,21 +85,21 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
     info = client.epoch()
     health = client._call(client.servers[0], "/health")
     plans = [plan_query((7919 * i) % info.num_pages, info.num_pages, info.domain_bits)
-             for i in range(MAX_BATCH)]
+             for i in range(MAX_BATCH_QUERIES)]
     single_body = {"keys": list(plans[0].keys_a)}
     batch_body = {"queries": [{"keys": list(p.keys_a)} for p in plans]}
-    rows = [(97 * i + 13) % info.num_rows for i in range(MAX_BATCH)]
+    rows = [(97 * i + 13) % info.num_rows for i in range(MAX_BATCH_QUERIES)]
 
     results = [
         _row("POST /query/page/gpu (party A)", 1,
              _time(lambda: client._call(client.servers[0], "/query/page/gpu", single_body),
                    reps, warmup)),
-        _row("POST /query/page/gpu/batch (party A)", MAX_BATCH,
+        _row("POST /query/page/gpu/batch (party A)", MAX_BATCH_QUERIES,
              _time(lambda: client._call(client.servers[0], "/query/page/gpu/batch", batch_body),
                    batch_reps, warmup)),
         _row("client: 1 row from A+B (epoch check, keygen, XOR)", 1,
              _time(lambda: client.fetch_rows(rows[:1], batch=False), reps, warmup)),
-        _row("client: 32 rows from A+B in one batch each", MAX_BATCH,
+        _row("client: 32 rows from A+B in one batch each", MAX_BATCH_QUERIES,
              _time(lambda: client.fetch_rows(rows, batch=True), batch_reps, warmup)),
     ]
     checked = "not checked (no --matrix)"

@@ -35,8 +35,9 @@ from benchmarks.stack import Party  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.dpf import random_keys  # noqa: E402
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file  # noqa: E402
+from gpu_engine.protocol import PAGE_BYTES  # noqa: E402
+from gpu_engine.protocol import KEYS_PER_QUERY as KEYS  # noqa: E402
 
-KEYS = 3  # per query
 COLUMNS = ("pages", "domain_bits", "figure", "http_qps", "engine_qps", "ratio", "p50_ms",
            "p95_ms", "p99_ms", "non_200", "note")
 
@@ -245,7 +246,7 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
         health = party.json("GET", "/health")
         holders = mapped_by(party.pids(), matrix)
         rows.append(row(pages, d, "vram_one_matrix", note=(
-            f"resident_bytes={health.get('resident_bytes')} matrix_bytes={pages * 4096} "
+            f"resident_bytes={health.get('resident_bytes')} matrix_bytes={pages * PAGE_BYTES} "
             f"processes_mapping_matrix={len(holders)} of {len(party.pids())} "
             f"gpu_processes=[{gpu_processes()}]")))
         if args.bulk:

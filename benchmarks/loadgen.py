@@ -41,7 +41,8 @@ from gpu_engine.costmodel import CostFit, CostModel  # noqa: E402
 from gpu_engine.dpf import gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, EngineBusy, static_policy  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
-from gpu_engine.matrix import PAGE_BYTES, Epoch, random_matrix  # noqa: E402
+from gpu_engine.matrix import Epoch, random_matrix  # noqa: E402
+from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
 from gpu_engine.scheduler import BatchingPolicy  # noqa: E402
 
 MODES = ("latency", "throughput", "adaptive", "slo")
@@ -109,7 +110,7 @@ class _SimulatedResident(ResidentMatrix):
 
     def answer(self, keys, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
         self.check_keys(keys)
-        time.sleep(self.backend.intercept_s + self.backend.per_query_s * len(keys) / 3)
+        time.sleep(self.backend.intercept_s + self.backend.per_query_s * len(keys) / KEYS_PER_QUERY)
         return np.zeros((len(keys), PAGE_BYTES), dtype=np.uint8)
 
     def write_rows(self, rows) -> None:
@@ -130,7 +131,8 @@ def make_backend(name: str, sim_cost_ms: Optional[str] = None) -> Backend:
 def make_pool(domain_bits: int, count: int, seed: int) -> List[list]:
     """Queries of 3 keys (party 0) for random pages, made once and reused round robin."""
     rng = np.random.default_rng(seed)
-    return [[gen_keys(int(t), domain_bits, rng)[0] for t in rng.integers(1 << domain_bits, size=3)]
+    return [[gen_keys(int(t), domain_bits, rng)[0]
+             for t in rng.integers(1 << domain_bits, size=KEYS_PER_QUERY)]
             for _ in range(count)]
 
 
@@ -361,7 +363,8 @@ def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequen
                 f"{point.throughput_qps:7.1f} q/s, p50 {point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} "
                 f"p99 {point.p99_ms:7.1f} ms, batch {point.mean_batch:4.1f}, held {point.held_pct:4.1f}% "
                 f"({point.launches_held_pct:.1f}% of launches), refused {point.refused}")
-    shape = {"pages": pages, "domain_bits": epoch.matrix.domain_bits, "keys_per_query": 3,
+    shape = {"pages": pages, "domain_bits": epoch.matrix.domain_bits,
+             "keys_per_query": KEYS_PER_QUERY,
              "max_batch": max_batch, "window_us": window_us, "p95_target_ms": target_ms, "rounds": rounds,
              "capacity_qps": round(capacity_qps, 1), "t1_ms": round(t1 * 1000, 3),
              f"t{max_batch}_ms": round(tmax * 1000, 3), "backend": backend.describe().get("device", backend.name)}

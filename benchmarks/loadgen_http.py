@@ -41,6 +41,7 @@ from benchmarks.loadgen import (  # noqa: E402
     report,
     summarise,
 )
+from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
 
 
 class Refused(Exception):
@@ -188,7 +189,8 @@ def run(url: str, rates: Optional[List[float]], fractions: Sequence[float], dura
                 f"{point.p50_ms:7.1f} p95 {point.p95_ms:7.1f} p99 {point.p99_ms:7.1f} ms, "
                 f"refused {point.refused}")
     shape = {"url": url, "num_pages": epoch["page_pir"]["num_pages"], "domain_bits": domain_bits,
-             "keys_per_query": 3, "capacity_qps": round(capacity, 1), "clients": clients}
+             "keys_per_query": KEYS_PER_QUERY, "capacity_qps": round(capacity, 1),
+             "clients": clients}
     return points, shape
 
 

@@ -45,6 +45,7 @@ sys.path.insert(0, str(BASE_DIR))
 
 from benchmarks import loadgen, loadgen_http  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
+from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
 from gpu_engine.scheduler import BatchingPolicy as EnginePolicy  # noqa: E402
 
 LANE = "interactive"
@@ -324,7 +325,8 @@ def sweep(args, log=print) -> Result:
             f"batch {point.mean_batch:4.1f}, refused {point.refused}")
     shape = {"server": f"gunicorn workers={WORKERS} threads={THREADS}", "backend": "cpu",
              "pages": PAGES,
-             "domain_bits": domain_bits, "keys_per_query": 3, "max_batch": args.max_batch,
+             "domain_bits": domain_bits, "keys_per_query": KEYS_PER_QUERY,
+             "max_batch": args.max_batch,
              "window_us": args.window_us, "p95_target_ms": target_ms,
              "target": "--target-ms" if args.target_ms else "5xt1_http",
              "t1_http_ms": round(t1 * 1000, 3), "capacity_qps": round(capacity, 1),

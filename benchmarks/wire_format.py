@@ -35,9 +35,9 @@ from django.core.management import call_command  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file  # noqa: E402
+from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
 from queries.client import plan_query  # noqa: E402
 
-PAGE = 4096
 JSON = "application/json"
 BIN = "application/octet-stream"
 CODEC = {"json": JSON, "binary": BIN}
@@ -89,7 +89,8 @@ def decode(payload: bytes, headers, queries: int) -> list[bytes]:
     """The client's step after the response: every answer as bytes."""
     content_type = dict(headers)["Content-Type"]
     if content_type == BIN:
-        return [payload[i * PAGE:(i + 1) * PAGE] for i in range(3 * queries)]
+        return [payload[i * PAGE_BYTES:(i + 1) * PAGE_BYTES]
+                for i in range(KEYS_PER_QUERY * queries)]
     body = json.loads(payload)
     results = body["results"] if "results" in body else [body]
     return [bytes.fromhex(page[2:]) for result in results for page in result["pages"]]

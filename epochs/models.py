@@ -1,8 +1,6 @@
 """Epoch records (a matrix file plus its metadata) and row updates pushed between epochs."""
 from __future__ import annotations
 
-import re
-
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -18,25 +16,9 @@ from gpu_engine.matrix import (
     domain_bits_for,
     load_matrix,
 )
+from gpu_engine.protocol import parse_hex
 
 U64_MAX = (1 << 64) - 1
-_HEX = re.compile(r"[0-9a-fA-F]*")
-
-
-def parse_hex(value, expected_bytes: int) -> bytes:
-    """Hex with or without 0x -> exactly expected_bytes bytes; ValueError names what was wrong."""
-    if not isinstance(value, str):
-        raise ValueError(f"expected a hex string, got {type(value).__name__}")
-    text = value[2:] if value[:2] in ("0x", "0X") else value
-    digits = _HEX.match(text).end()
-    if digits != len(text):
-        raise ValueError(f"expected hex digits 0-9a-f, got {text[digits]!r} at position {digits}")
-    if len(text) != 2 * expected_bytes:
-        raise ValueError(
-            f"expected {expected_bytes} bytes ({2 * expected_bytes} hex digits), got {len(text)} "
-            f"hex digits"
-        )
-    return bytes.fromhex(text)
 
 
 def default_seeds() -> list:

@@ -27,11 +27,11 @@ from epochs.models import (
     PendingUpdates,
     RowUpdate,
     UpdateState,
-    parse_hex,
 )
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.engine import EngineBusy, SwitchMode
 from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, read_epoch_metadata
+from gpu_engine.protocol import parse_hex
 from gpu_engine.remote import RemoteError
 from morphoweb import engine_runtime
 from policies import live

@@ -19,10 +19,10 @@ from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
+from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
-    KEYS_PER_QUERY,
     LANES,
     BatchingPolicy,
     Launch,
@@ -338,7 +338,7 @@ class Engine:
         """The state answers launched now come from (read between launches by the scheduler)."""
         return self._rows.state(self._epoch.epoch_id)
 
-    def warm_up(self, max_batch: int = 32, seed: int = 0) -> "Future[None]":
+    def warm_up(self, max_batch: int = MAX_BATCH_QUERIES, seed: int = 0) -> "Future[None]":
         """Launch random keys of every batch size a lane may use before any query arrives.
 
         On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to

@@ -11,9 +11,8 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-PAGE_BYTES = 4096
-ROW_BYTES = 256
-ROWS_PER_PAGE = PAGE_BYTES // ROW_BYTES  # 16
+from gpu_engine.protocol import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, parse_hex
+
 WORDS_PER_PAGE = PAGE_BYTES // 4  # 1024 u32 words
 WORDS_PER_ROW = ROW_BYTES // 4
 _GEN_CHUNK_PAGES = 4096  # pages drawn per RNG call (16 MiB) when generating
@@ -300,7 +299,7 @@ def epoch_from_description(data: dict) -> Epoch:
         epoch_id=int(data["epoch_id"]),
         matrix=MatrixShape(int(pir["num_pages"]), int(pir["domain_bits"])),  # type: ignore[arg-type]
         block_number=int(data["block_number"]),
-        state_root=bytes.fromhex(root[2:] if root.startswith("0x") else root),
+        state_root=parse_hex(root),
         seeds=tuple(int(s) for s in data["seeds"]),  # type: ignore[arg-type]
     )
 
@@ -352,6 +351,6 @@ def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> Epoch:
         epoch_id=int(meta.get("epoch_id", 1)),
         matrix=matrix,
         block_number=int(meta.get("block_number", 0)),
-        state_root=bytes.fromhex(root[2:] if root.startswith("0x") else root),
+        state_root=parse_hex(root),
         seeds=tuple(int(s) for s in meta.get("seeds", (0, 0, 0))),
     )

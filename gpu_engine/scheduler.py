@@ -4,28 +4,29 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.costmodel import CostFit
+from gpu_engine.protocol import MAX_BATCH_KEYS, MAX_BATCH_QUERIES
 
 LANES = ("interactive", "bulk")  # in priority order
 MODES = ("latency", "throughput", "adaptive", "slo")
-KEYS_PER_QUERY = 3  # a protocol query carries three keys (docs/PROTOCOL.md section 4)
 # slo keeps the planned utilisation of the device below this, so that queues do not grow
 # without bound when the arrival rate fluctuates around the capacity of a batch size.
 SLO_MAX_UTILISATION = 0.8
 # slo launches without planning until the cost model has seen this many launches.
 SLO_MIN_SAMPLES = 4
 # A snapshot needs no more head requests than a full batch can hold (each has >= 1 query).
-HEAD_REQUESTS = 33
+HEAD_REQUESTS = MAX_BATCH_QUERIES + 1
 
 # field -> (lowest, highest, unit words used in every error message)
 POLICY_BOUNDS: Dict[str, Tuple[float, float, str]] = {
-    "max_batch": (1, 32, "queries"),
+    "max_batch": (1, MAX_BATCH_QUERIES, "queries"),
     "window_us": (0, 1_000_000, "µs"),
-    "adaptive_threshold": (1, 32, "queries"),
-    "micro_batch": (0, 32 * KEYS_PER_QUERY, "keys"),
+    "adaptive_threshold": (1, MAX_BATCH_QUERIES, "queries"),
+    "micro_batch": (0, MAX_BATCH_KEYS, "keys"),
     "streams": (1, 8, "streams"),
     "p95_target_ms": (0.1, 60_000, "ms"),
     "safety_margin": (0.0, 0.9, "(fraction of the target)"),
@@ -100,7 +101,7 @@ class BatchingPolicy:
 
     name: str = "default"  # operator's label, shown in metrics and the admin
     mode: str = "latency"  # latency | throughput | adaptive | slo
-    max_batch: int = 32  # queries per launch (1..32)
+    max_batch: int = MAX_BATCH_QUERIES  # queries per launch (1..32)
     # admission window (µs), counted from the oldest queued query's arrival: throughput and
     # adaptive hold a partial batch at most this long; slo picks a window no longer than this
     window_us: int = 2000
@@ -127,6 +128,19 @@ class BatchingPolicy:
     @property
     def window_s(self) -> float:
         return self.window_us / 1e6
+
+
+# Each lane's policy while the database's active records cannot be read, from the engine's start
+# on (policies.bridge). The records the migrations create active (policies/migrations/0002) hold
+# the same values. An Engine given no policy source at all (tests, benchmarks) runs
+# BatchingPolicy() in every lane.
+DEFAULT_POLICIES: Mapping[str, BatchingPolicy] = MappingProxyType({
+    # answer at once with whatever is queued; under load batches form while the device is busy
+    "interactive": BatchingPolicy(name="interactive-builtin", mode="latency", p95_target_ms=250),
+    # full batches or 20 ms, a queue deep enough for whole job chunks, deadlines of minutes
+    "bulk": BatchingPolicy(name="bulk-builtin", mode="throughput", window_us=20_000,
+                           max_queue=100_000, queue_timeout_ms=600_000, p95_target_ms=1000),
+})
 
 
 @dataclass(frozen=True)

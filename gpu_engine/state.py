@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
+from gpu_engine.protocol import parse_hex
+
 DIGEST_BYTES = 32
 _ROW = struct.Struct("<Q")
 
@@ -30,9 +32,7 @@ class ServedState:
 
     @classmethod
     def from_description(cls, data: Mapping) -> "ServedState":
-        digest = data["digest"]
-        return cls(int(data["epoch_id"]), int(data["updates"]),
-                   bytes.fromhex(digest[2:] if digest.startswith("0x") else digest))
+        return cls(int(data["epoch_id"]), int(data["updates"]), parse_hex(data["digest"]))
 
 
 def row_term(row: int, data: bytes) -> int:

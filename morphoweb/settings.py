@@ -9,6 +9,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from gpu_engine.protocol import BACKEND_NAMES, MAX_BATCH_QUERIES
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -253,14 +255,15 @@ MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")
 MORPHO_MATRIX_DIR = Path(_env("MORPHO_MATRIX_DIR", "")) if _env("MORPHO_MATRIX_DIR", "") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
-if MORPHO_ENGINE_BACKEND not in ("auto", "cpu", "cuda"):
+if MORPHO_ENGINE_BACKEND not in BACKEND_NAMES:
     raise ImproperlyConfigured(
-        f"MORPHO_ENGINE_BACKEND: expected auto, cpu or cuda, got {MORPHO_ENGINE_BACKEND!r}"
+        f"MORPHO_ENGINE_BACKEND: expected {', '.join(BACKEND_NAMES[:-1])} or {BACKEND_NAMES[-1]}, "
+        f"got {MORPHO_ENGINE_BACKEND!r}"
     )
 # DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
 MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None, lo=1, hi=32)
 # Queries per batch request (count, 1..32).
-MORPHO_MAX_BATCH = _env_int("MORPHO_MAX_BATCH", 32, lo=1, hi=32)
+MORPHO_MAX_BATCH = _env_int("MORPHO_MAX_BATCH", MAX_BATCH_QUERIES, lo=1, hi=MAX_BATCH_QUERIES)
 # Largest request body accepted (bytes); a larger one gets 413. 32 queries at d = 32 fit in 128 KiB.
 MORPHO_MAX_BODY_BYTES = _env_int("MORPHO_MAX_BODY_BYTES", 256 * 1024, lo=1024)
 # Largest bulk job body under /bulk/ (bytes); 100,000 queries at d = 25 are about 300 MB of JSON.

@@ -8,7 +8,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from django.db.models import Count, Max
 
-from gpu_engine.scheduler import LANES, BatchingPolicy as EnginePolicy, PolicyError, policy_errors
+from gpu_engine.scheduler import DEFAULT_POLICIES, LANES, PolicyError, policy_errors
+from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
 from policies import live
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class LivePolicies:
     A call costs one dict lookup: no database read per query."""
 
     def __init__(self, initial: Optional[Mapping[str, EnginePolicy]] = None) -> None:
-        self._snapshot: Dict[str, EnginePolicy] = {lane: EnginePolicy(name=f"{lane}-builtin") for lane in LANES}
+        # Until the database answers (or if it never does), each lane runs its built-in default.
+        self._snapshot: Dict[str, EnginePolicy] = dict(DEFAULT_POLICIES)
         self._snapshot.update(initial or {})
         self._listeners: list = []
         self._lock = threading.Lock()

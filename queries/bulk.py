@@ -12,7 +12,8 @@ from django.db.models import Exists, F, Max, OuterRef, Q
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
-from queries.models import ACTIVE, KEYS_PER_QUERY, BulkChunk, BulkJob, BulkResult, JobStatus
+from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
+from queries.models import ACTIVE, BulkChunk, BulkJob, BulkResult, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def release_chunk(chunk: BulkChunk, worker: str, error: str) -> None:
 
 def store_answers(chunk: BulkChunk, worker: str, epoch_id: int, answers: bytes) -> bool:
     """Write a chunk's answers and count them in one transaction; False if already stored."""
-    expected = chunk.count * KEYS_PER_QUERY * 4096
+    expected = chunk.count * KEYS_PER_QUERY * PAGE_BYTES
     if len(answers) != expected:
         raise ValueError(f"chunk {chunk.pk}: expected {expected} answer bytes, got {len(answers)}")
     now = timezone.now()

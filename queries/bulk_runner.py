@@ -12,7 +12,8 @@ from django.conf import settings
 from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
 from gpu_engine.scheduler import BatchingPolicy
-from queries.models import KEYS_PER_QUERY, BulkChunk
+from gpu_engine.protocol import KEYS_PER_QUERY
+from queries.models import BulkChunk
 
 log = logging.getLogger(__name__)
 

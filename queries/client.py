@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from gpu_engine.keygen import gen_key_pairs
-from queries.client_plan import (KEYS_PER_QUERY, BulkState, StateError, choose_pages,
-                                 parse_result_line, read_rows_file)
+from gpu_engine.protocol import (KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES, ROW_BYTES,
+                                 ROWS_PER_PAGE, HexError, parse_hex)
+from queries.client_plan import (BulkState, StateError, choose_pages, parse_result_line,
+                                 read_rows_file)
 
-PAGE_BYTES = 4096
-ROW_BYTES = 256
-ROWS_PER_PAGE = 16
-MAX_BATCH = 32  # queries per batch request, docs/PROTOCOL.md section 5
 NDJSON = "application/x-ndjson"
 TOKEN_ENV = ("MORPHO_TOKEN_A", "MORPHO_TOKEN_B")  # bulk job tokens when none is passed
 OCTET_STREAM = "application/octet-stream"  # the binary encoding (docs/PROTOCOL.md section 5.3)
@@ -132,10 +130,9 @@ def plan_query(page: int, num_pages: int, domain_bits: int,
 def _unhex(text, what: str) -> bytes:
     if not isinstance(text, str):
         raise ServerError(f"{what}: expected a hex string, got {type(text).__name__}")
-    digits = text[2:] if text[:2] in ("0x", "0X") else text
     try:
-        raw = bytes.fromhex(digits)
-    except ValueError:
+        raw = parse_hex(text)
+    except HexError:
         raise ServerError(f"{what}: not hex") from None
     if len(raw) != PAGE_BYTES:
         raise ServerError(f"{what}: expected {PAGE_BYTES} bytes, got {len(raw)}")
@@ -215,9 +212,9 @@ class PirClient:
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys."""
 
     def __init__(self, server_a: str, server_b: str, timeout: float = 120.0,
-                 max_batch: int = MAX_BATCH, encoding: str = "auto") -> None:
-        if not 1 <= max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {max_batch}")
+                 max_batch: int = MAX_BATCH_QUERIES, encoding: str = "auto") -> None:
+        if not 1 <= max_batch <= MAX_BATCH_QUERIES:
+            raise ValueError(f"max_batch must be in 1..{MAX_BATCH_QUERIES}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
@@ -631,7 +628,8 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
     parser.add_argument("--row", type=int, action="append",
                         help="row to fetch (256 bytes); repeat for several")
     parser.add_argument("--batch", action="store_true",
-                        help=f"send the rows through the batch endpoint, {MAX_BATCH} per request")
+                        help=f"send the rows through the batch endpoint, {MAX_BATCH_QUERIES} "
+                             "per request")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per HTTP request")
     parser.add_argument("--encoding", choices=ENCODINGS, default="auto",
                         help="wire encoding of the queries: binary where the server advertises "

@@ -12,9 +12,9 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from gpu_engine.keygen import KeyPairs, gen_key_pairs, random_root_seeds
+from gpu_engine.protocol import KEYS_PER_QUERY
 
 STATE_FORMAT = 1
-KEYS_PER_QUERY = 3  # a query names three candidate pages, PROTOCOL.md section 4
 
 
 class StateError(ValueError):

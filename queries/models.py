@@ -10,8 +10,7 @@ from django.db import models
 from django.utils import timezone
 
 from gpu_engine.dpf import key_length
-
-KEYS_PER_QUERY = 3
+from gpu_engine.protocol import KEYS_PER_QUERY
 
 
 class JobStatus(models.TextChoices):

@@ -1,12 +1,14 @@
-"""Every kernel file compiles with nvcc for sm_90, from the exact text and options NVRTC gets."""
+"""Kernel text against the host (constants, shared memory, arguments) and an nvcc build for sm_90."""
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from gpu_engine.backends import cuda_launch as launch
 from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES, SCAN_THREADS, TOP_THREADS
 from gpu_engine.backends.cuda_module import (
     KERNEL_DIR,
@@ -32,6 +34,99 @@ def test_sources_include_no_headers():
     # NVRTC has no C++ standard library: a kernel that includes one compiles with nvcc only
     for name in KERNEL_FILES:
         assert not re.search(r"^\s*#\s*include", kernel_source(name), re.M), name
+
+
+def _code(name):
+    """The text of kernels/<name> without its comments."""
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", " ", kernel_source(name), flags=re.S))
+
+
+def test_the_host_constants_are_the_compilers_d_options():
+    defines = launch.kernel_defines()
+    assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
+                            "KREC_FINAL", "KREC_ROOT_T", "KREC_CW"}
+    # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
+    assert defines == {name: getattr(launch, name) for name in defines}
+    assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
+        f"-D{name}={getattr(launch, name)}" for name in defines]
+    assert launch.SCAN_THREADS * 16 == 4096  # a thread per 16-byte column of a page
+
+
+def test_every_macro_the_scan_kernel_uses_is_defined_in_it_or_by_the_host_not_both():
+    code = _code("dpf_scan.cu")
+    defined_here = set(re.findall(r"^\s*#\s*define\s+(\w+)", code, re.M))
+    host = set(launch.kernel_defines())
+    assert not defined_here & host, "restated in dpf_scan.cu"
+    used = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", code))  # macros are upper case; G, L, U are not
+    assert used - defined_here == host
+    assert host <= used  # no -D option the kernel ignores
+
+
+@pytest.mark.parametrize("group_keys, chunk_levels", [(1, 1), (3, 5), (16, 8), (32, 6)])
+def test_the_scan_kernel_carves_shared_memory_as_the_host_sizes_it(group_keys, chunk_levels):
+    code = _code("dpf_scan.cu")
+    body = code[code.index("extern __shared__ uint4 smem[];"):]
+    carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(launch.SCAN_SHARED_REGIONS)]
+    regions = launch.SCAN_SHARED_REGIONS
+    assert [name for _, name, _ in carving] == [name for name, _, _ in regions]
+    assert [{"uint4": 16, "u8": 1}[kind] for kind, _, _ in carving] == [size for _, size, _ in regions]
+    assert carving[0][2] == "smem"
+    scope = {"G": group_keys, "L": 1 << chunk_levels, "c": chunk_levels}
+    for (prev, _, count), (_, _, expr) in zip(regions, carving[1:]):
+        # each region starts where the one before it ends: `prev + size`
+        m = re.fullmatch(r"(?:\(u8\*\)\()?(\w+) \+ (.+?)\)?", expr)
+        assert m and m.group(1) == prev, expr
+        size = eval(m.group(2).replace("/", "//"), {}, dict(scope))  # noqa: S307 - our own text
+        assert size == group_keys * count(scope["L"], chunk_levels), (prev, expr)
+    total = sum(size * count(scope["L"], chunk_levels) for _, size, count in regions) * group_keys
+    assert launch.scan_shared_bytes(group_keys, chunk_levels) == total
+
+
+def _params(kernel):
+    """(type, name) of each parameter of `kernel` as dpf_scan.cu defines it."""
+    signature = re.search(rf"\n{kernel}\(([^)]*)\)\s*{{", _code("dpf_scan.cu")).group(1)
+    params = []
+    for param in signature.split(","):
+        *kind, name = param.replace("__restrict__", "").split()
+        params.append((" ".join(kind), name))
+    return params
+
+
+def _check_args(kernel, args, expected):
+    params = _params(kernel)
+    assert [name for _, name in params] == list(expected), "the test names every parameter"
+    assert len(args) == len(params)
+    for (kind, name), arg in zip(params, args):
+        if "*" in kind:
+            assert arg is expected[name], name
+        else:
+            assert type(arg) is {"int": np.int32, "long long": np.int64}[kind], (name, type(arg))
+            assert arg == expected[name], name
+
+
+def test_argument_builders_follow_the_kernel_signatures():
+    plan = launch.plan_scan(4097, 20, 30)
+    assert len(plan.stages) == 2
+    pages, keyrec, out = object(), object(), object()
+    nodes = [(object(), object()) for _ in plan.stages]
+    krec = launch.krec_words(20)
+    _check_args("dpf_scan", launch.scan_args(plan, pages, keyrec, nodes, out), {
+        "pages": pages, "num_pages": 4097, "domain_bits": 20, "chunk_levels": plan.chunk_levels,
+        "keyrec": keyrec, "krec": krec, "num_keys": plan.padded_keys, "root_seed": nodes[1][0],
+        "root_t": nodes[1][1], "root_stride": plan.root_stride, "num_groups": plan.num_groups,
+        "chunks_per_block": plan.chunks_per_block, "out": out})
+    for i, stage in enumerate(plan.stages):
+        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
+            "keyrec": keyrec, "krec": krec, "domain_bits": 20, "num_leaves": 4097,
+            "in_seed": nodes[i - 1][0] if i else nodes[0][0],
+            "in_t": nodes[i - 1][1] if i else nodes[0][1],
+            "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
+            "levels": stage.levels, "out_seed": nodes[i][0], "out_t": nodes[i][1],
+            "out_stride": stage.live_out})
+    whole = launch.plan_scan(200, 8, 3)  # the chunk is the whole tree: roots from the records
+    assert not whole.stages
+    args = launch.scan_args(whole, pages, keyrec, [], out)
+    assert args[7] is keyrec and args[8] is keyrec and args[9] == 1
 
 
 @dataclass(frozen=True)

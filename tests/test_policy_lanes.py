@@ -1,13 +1,19 @@
 """One active policy per lane, whatever changes lane or active: the model, the database, the admin."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 
-from policies.bridge import LivePolicies
+from gpu_engine.backends.cpu import NumpyBackend
+from gpu_engine.engine import Engine
+from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.scheduler import DEFAULT_POLICIES
+from policies import bridge
+from policies.bridge import LivePolicies, engine_policy
 from policies.models import BatchingPolicy
 
 pytestmark = pytest.mark.django_db
@@ -101,6 +107,30 @@ def test_the_engine_side_warns_when_a_lane_has_no_active_record(caplog):
     assert "no valid active interactive policy in the database: the lane keeps interactive-builtin" \
         in caplog.text
     assert source("bulk").name == "bulk-throughput"
+
+
+def test_with_the_database_unreachable_at_start_the_bulk_lane_runs_the_bulk_default(monkeypatch):
+    def unreachable():
+        raise OperationalError("could not connect to server: Connection refused")
+
+    monkeypatch.setattr(bridge, "load_active", unreachable)
+    source = LivePolicies()
+    with pytest.raises(OperationalError):
+        source.apply()  # the watcher's first check as the engine starts; it keeps what it has
+    engine = Engine(NumpyBackend(workers=1), Epoch(1, random_matrix(16, seed=1)), source)
+    bulk, interactive = engine.policies()["bulk"], engine.policies()["interactive"]
+    assert bulk == DEFAULT_POLICIES["bulk"]
+    assert (bulk.mode, bulk.max_batch, bulk.window_us, bulk.max_queue, bulk.queue_timeout_ms) == \
+        ("throughput", 32, 20_000, 100_000, 600_000)
+    assert interactive == DEFAULT_POLICIES["interactive"]
+    assert (interactive.mode, interactive.max_queue, interactive.queue_timeout_ms) == \
+        ("latency", 1024, 5000)
+
+
+def test_the_builtin_defaults_are_the_records_a_fresh_database_starts_with():
+    for lane, name in DEFAULT_ACTIVES.items():
+        record = BatchingPolicy.objects.get(name=name)
+        assert engine_policy(record) == dataclasses.replace(DEFAULT_POLICIES[lane], name=name)
 
 
 # -- the admin -----------------------------------------------------------------------------------

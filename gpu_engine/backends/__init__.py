@@ -7,8 +7,7 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
     DispatchShape,
     ResidentMatrix,
 )
-
-BACKEND_NAMES = ("auto", "cpu", "cuda")
+from gpu_engine.protocol import BACKEND_NAMES
 
 
 def _cuda_backend() -> Backend:

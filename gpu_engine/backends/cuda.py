@@ -25,23 +25,15 @@ from gpu_engine.backends.base import (
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
 from gpu_engine.dpf import KeyBatch
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
+from gpu_engine.protocol import MAX_BATCH_KEYS
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
 # (batch size, dispatch) entries whose buffers and graphs are kept: warm-up makes 32, the bulk
 # lane one more
 MAX_CACHED_SHAPES = 48
-MAX_BATCH_KEYS = 96  # 32 queries x 3 keys: docs/PROTOCOL.md's largest batch
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
-
-
-def _i32(x: int) -> np.int32:
-    return np.int32(x)
-
-
-def _i64(x: int) -> np.int64:
-    return np.int64(x)
 
 
 class _Launch:
@@ -79,25 +71,13 @@ class _Launch:
         s = self.stream.ptr
         runtime.memcpyAsync(self.keyrec.data.ptr, self.keys_host.ctypes.data, self.keys_host.nbytes, _H2D, s)
         runtime.memsetAsync(self.out.data.ptr, 0, self.out.nbytes, s)
-        d, n = plan.domain_bits, plan.num_pages
         with self.stream:
             for i, st in enumerate(plan.stages):
-                in_seed, in_t = self.nodes[i - 1] if i else self.nodes[i]  # stage 0 reads the roots
-                in_stride = plan.stages[i - 1].live_out if i else 0
-                out_seed, out_t = self.nodes[i]
-                self.top(
-                    (st.live_in, kp), (launch.TOP_THREADS,),
-                    (self.keyrec, _i32(self.krec), _i32(d), _i64(n), in_seed, in_t, _i64(in_stride),
-                     _i32(st.depth_in), _i32(st.levels), out_seed, out_t, _i64(st.live_out)),
-                )
-            roots_seed, roots_t = self.nodes[-1] if self.nodes else (self.keyrec, self.keyrec)
-            self.scan(
-                (plan.grid,), (launch.SCAN_THREADS,),
-                (pages, _i64(n), _i32(d), _i32(plan.chunk_levels), self.keyrec, _i32(self.krec), _i32(kp),
-                 roots_seed, roots_t, _i64(plan.root_stride), _i32(plan.num_groups),
-                 _i32(plan.chunks_per_block), self.out),
-                shared_mem=plan.shared_bytes,
-            )
+                self.top((st.live_in, kp), (launch.TOP_THREADS,),
+                         launch.top_args(plan, i, self.keyrec, self.nodes))
+            self.scan((plan.grid,), (launch.SCAN_THREADS,),
+                      launch.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
+                      shared_mem=plan.shared_bytes)
         runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr,
                             (self.stop - self.start) * PAGE_BYTES, _D2H, s)
 

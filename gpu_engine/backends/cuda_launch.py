@@ -1,20 +1,58 @@
-"""Launch planning and argument checks for the CUDA kernels: pure code, testable without a GPU."""
+"""Launch planning and argument checks for the CUDA kernels: pure code, testable without a GPU.
+
+The constants dpf_scan.cu shares with the host are written here only: `kernel_defines()` hands
+them to the compiler as -D options (cuda_module.NVRTC_OPTIONS), and the kernel text uses the names.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-SCAN_THREADS = 256  # one thread per 16-byte column of a page (dpf_scan.cu)
+from gpu_engine.protocol import PAGE_BYTES, ROW_BYTES
+
+SCAN_THREADS = PAGE_BYTES // 16  # 256: one thread per 16-byte column of a page
 TOP_THREADS = 256
-MAX_TOP_LEVELS = 9  # levels one dpf_expand_top block expands (its shared buffers hold 2**9 nodes)
+# levels one dpf_expand_top block expands: its shared buffers hold 2**9 nodes, which fill a
+# 256-thread block's last level exactly twice
+MAX_TOP_LEVELS = 9
+# Key records, one per key, krec_words(d) u32 words each (a multiple of 4):
+#   [0,4) root seed   [4,8) final_cw   [8] root_t   [12 + 4l, 16 + 4l) seed_cw of level l
+#   [12 + 4d + l] t corrections of level l: bit 0 left, bit 1 right
+KREC_ROOT = 0
+KREC_FINAL = 4
+KREC_ROOT_T = 8
+KREC_CW = 12  # the header (root seed 4, final_cw 4, root_t 1, padding 3) ends here
 SCAN_GROUP_SIZES = tuple(range(1, 17)) + (24, 32)  # dpf_scan<G> instantiations in the .cu
 DEFAULT_MAX_GROUP_KEYS = 16  # 64 accumulator registers a thread: two blocks fit an SM
 DEFAULT_CHUNK_LEVELS = 8  # 256 pages per expanded chunk: 106 KiB of shared memory at G = 16, 2 blocks an SM
 WAVES_PER_LAUNCH = 8  # blocks per launch over blocks resident at once: bounds the tail wave
-KREC_HEADER_WORDS = 12  # root seed 4, final_cw 4, root_t 1, padding 3 (dpf_scan.cu)
 MAX_SHARED_BYTES = 227 * 1024  # opt-in limit of one block on sm_90
+# dpf_scan<G>'s dynamic shared memory for chunks of L = 2**c leaves, region by region in the
+# order the kernel carves it: (region, bytes an entry, entries a key given L and c)
+SCAN_SHARED_REGIONS = (
+    ("big", 16, lambda L, c: L),  # uint4: the leaves (masks), and every other level
+    ("half", 16, lambda L, c: L // 2),  # uint4: the levels in between
+    ("cw_seed", 16, lambda L, c: c),  # uint4: [level][key]
+    ("final_cw", 16, lambda L, c: 1),  # uint4
+    ("big_t", 1, lambda L, c: L),  # u8: t bits of big
+    ("half_t", 1, lambda L, c: L // 2),  # u8: t bits of half
+    ("cw_t", 1, lambda L, c: c),  # u8: [level][key]
+)
+
+
+def kernel_defines() -> Dict[str, int]:
+    """The macros dpf_scan.cu reads from the host, by name (passed as -DNAME=value)."""
+    return {
+        "SCAN_THREADS": SCAN_THREADS,
+        "TOP_THREADS": TOP_THREADS,
+        "MAX_TOP_LEVELS": MAX_TOP_LEVELS,
+        "KREC_ROOT": KREC_ROOT,
+        "KREC_FINAL": KREC_FINAL,
+        "KREC_ROOT_T": KREC_ROOT_T,
+        "KREC_CW": KREC_CW,
+    }
 
 
 def live_nodes(num_leaves: int, height: int) -> int:
@@ -25,7 +63,7 @@ def live_nodes(num_leaves: int, height: int) -> int:
 
 def krec_words(domain_bits: int) -> int:
     """u32 words of one key record: header, d seed corrections, d t-correction words, to x4."""
-    words = KREC_HEADER_WORDS + 5 * domain_bits
+    words = KREC_CW + 5 * domain_bits
     return (words + 3) & ~3
 
 
@@ -34,10 +72,10 @@ def pack_key_records(root_seed: np.ndarray, root_t: np.ndarray, cw_seed: np.ndar
     """The (K, krec_words(d)) u32 records dpf_scan.cu reads, from KeyBatch arrays."""
     k, d = cw_seed.shape[0], cw_seed.shape[1]
     rec = np.zeros((k, krec_words(d)), dtype=np.uint32)
-    rec[:, 0:4] = root_seed
-    rec[:, 4:8] = final_cw
-    rec[:, 8] = root_t
-    base = KREC_HEADER_WORDS
+    rec[:, KREC_ROOT : KREC_ROOT + 4] = root_seed
+    rec[:, KREC_FINAL : KREC_FINAL + 4] = final_cw
+    rec[:, KREC_ROOT_T] = root_t
+    base = KREC_CW
     rec[:, base : base + 4 * d] = cw_seed.reshape(k, 4 * d)
     rec[:, base + 4 * d : base + 5 * d] = cw_t[:, :, 0].astype(np.uint32) | (cw_t[:, :, 1].astype(np.uint32) << 1)
     return rec
@@ -90,11 +128,10 @@ def pick_group_keys(num_keys: int, max_group_keys: int) -> Tuple[int, int]:
 
 
 def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
-    """Dynamic shared memory of dpf_scan<G> (the layout commented in dpf_scan.cu)."""
+    """Dynamic shared memory of dpf_scan<G>: the regions of SCAN_SHARED_REGIONS, G keys each."""
     leaves = 1 << chunk_levels
-    nodes = leaves + leaves // 2
-    uint4s = nodes * group_keys + chunk_levels * group_keys + group_keys
-    return 16 * uint4s + nodes * group_keys + chunk_levels * group_keys
+    return group_keys * sum(size * count(leaves, chunk_levels)
+                            for _, size, count in SCAN_SHARED_REGIONS)
 
 
 def top_stages(depth_top: int) -> List[Tuple[int, int]]:
@@ -183,6 +220,28 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
                     runs * groups, shared, stages)
 
 
+def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
+    """dpf_expand_top's arguments, in its order, for plan.stages[stage]; nodes[i] is the (seed,
+    t) pair of arrays stage i writes, and stage i + 1 reads (stage 0 reads the key records)."""
+    st = plan.stages[stage]
+    in_seed, in_t = nodes[stage - 1] if stage else nodes[stage]  # stage 0 reads the roots
+    in_stride = plan.stages[stage - 1].live_out if stage else 0
+    out_seed, out_t = nodes[stage]
+    return (keyrec, np.int32(krec_words(plan.domain_bits)), np.int32(plan.domain_bits),
+            np.int64(plan.num_pages), in_seed, in_t, np.int64(in_stride), np.int32(st.depth_in),
+            np.int32(st.levels), out_seed, out_t, np.int64(st.live_out))
+
+
+def scan_args(plan: ScanPlan, pages, keyrec, nodes, out) -> Tuple[Any, ...]:
+    """dpf_scan<G>'s 13 arguments, in its order: the chunk roots are the last top stage's nodes
+    (none when the chunk is the whole tree: the kernel then reads the key records' roots)."""
+    roots_seed, roots_t = nodes[-1] if nodes else (keyrec, keyrec)
+    return (pages, np.int64(plan.num_pages), np.int32(plan.domain_bits),
+            np.int32(plan.chunk_levels), keyrec, np.int32(krec_words(plan.domain_bits)),
+            np.int32(plan.padded_keys), roots_seed, roots_t, np.int64(plan.root_stride),
+            np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
+
+
 def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]]:
     """[start, stop) key ranges of the launches; micro_batch 0 = one launch for all keys."""
     if micro_batch < 0:
@@ -194,18 +253,18 @@ def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]
 def workspace_bytes(plan: ScanPlan) -> int:
     """Device bytes one launch needs besides the matrix: key records, tree nodes, answers."""
     nodes = sum(st.live_out for st in plan.stages) * plan.padded_keys * 17
-    return plan.padded_keys * (4 * krec_words(plan.domain_bits) + 4096) + nodes
+    return plan.padded_keys * (4 * krec_words(plan.domain_bits) + PAGE_BYTES) + nodes
 
 
 def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
     """(indices (n,) int64, words (n, 64) u32) of a {row: 256 bytes} mapping, all checked first."""
     idx = np.empty(len(rows), dtype=np.int64)
-    data = np.empty((len(rows), 64), dtype=np.uint32)
+    data = np.empty((len(rows), ROW_BYTES // 4), dtype=np.uint32)
     for i, (row, raw) in enumerate(rows.items()):
         if not 0 <= int(row) < num_rows:
             raise ValueError(f"row {row} is outside [0, {num_rows})")
-        if len(raw) != 256:
-            raise ValueError(f"row {row} data is {len(raw)} bytes, expected 256")
+        if len(raw) != ROW_BYTES:
+            raise ValueError(f"row {row} data is {len(raw)} bytes, expected {ROW_BYTES}")
         idx[i] = int(row)
         data[i] = np.frombuffer(bytes(raw), dtype="<u4")
     return idx, data
@@ -224,6 +283,7 @@ def sizes_text(nbytes: int) -> str:
 
 __all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
+    "kernel_defines", "top_args", "scan_args",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
     "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",
 ]

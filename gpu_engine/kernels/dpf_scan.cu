@@ -4,7 +4,7 @@
 // includes no headers: NVRTC has no C++ standard library.
 //
 // Work split. A key batch's tree is cut at depth T = d - c: `dpf_expand_top` writes the nodes of
-// depth T (each node once, level by level in shared memory, in stages of at most 9 levels).
+// depth T (each node once, level by level in shared memory, in stages of at most MAX_TOP_LEVELS).
 // `dpf_scan<G>` then gives each block one key group (G keys) and a run of chunks; a chunk is the
 // 2^c leaves under one depth-T node. Per chunk the block expands the chunk's c levels for its G
 // keys in shared memory, turns the leaves into masks there, and streams the chunk's pages through
@@ -18,17 +18,10 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
 
-#define SCAN_THREADS 256  // one thread per 16-byte column of a 4096-byte page
-#define TOP_THREADS 256
-#define MAX_TOP_LEVELS 9  // 2^9 nodes fill a 256-thread block's last level exactly twice
-
-// Key records, one per key, KREC u32 words each (KREC a multiple of 4, set by the host):
-//   [0,4) root seed   [4,8) final_cw   [8] root_t   [12 + 4l, 16 + 4l) seed_cw of level l
-//   [12 + 4d + l] t corrections of level l: bit 0 left, bit 1 right
-#define KREC_ROOT 0
-#define KREC_FINAL 4
-#define KREC_ROOT_T 8
-#define KREC_CW 12
+// Set by the host as -D options (gpu_engine/backends/cuda_launch.py, kernel_defines, where each
+// is explained): SCAN_THREADS (one thread per 16-byte column of a page), TOP_THREADS,
+// MAX_TOP_LEVELS, and the word offsets of a key record: KREC_ROOT, KREC_FINAL, KREC_ROOT_T,
+// KREC_CW. A key record is krec u32 words (a multiple of 4, also set by the host).
 
 // A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
 // multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
@@ -241,9 +234,21 @@ dpf_expand_top(const u32* __restrict__ keyrec, int krec, int domain_bits, long l
 // Pages whose loads a thread keeps in flight: more where the scan is memory-bound (few keys).
 #define SCAN_UNROLL(G) ((G) <= 4 ? 8 : 4)
 
-// Shared memory of dpf_scan<G> for chunks of 2^c leaves (the host computes the same sum):
-//   masks/level nodes  L*G uint4 | level nodes (L/2)*G uint4 | cw c*G uint4 | final G uint4
-//   t bits L*G u8 | t bits (L/2)*G u8 | cw t c*G u8
+// Dynamic shared memory of dpf_scan<G> for chunks of L = 2^c leaves: the regions of
+// cuda_launch.SCAN_SHARED_REGIONS, carved below in that order (the host sizes the launch from it).
+
+// acc[j] ^= v & mask of key j, for the G keys of one page column: one LOP3 a word.
+template <int G>
+__device__ __forceinline__ void accumulate_page(uint4 (&acc)[G], const uint4& v, const uint4* m) {
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        const uint4 mk = m[j];
+        acc[j].x ^= v.x & mk.x;
+        acc[j].y ^= v.y & mk.y;
+        acc[j].z ^= v.z & mk.z;
+        acc[j].w ^= v.w & mk.w;
+    }
+}
 
 template <int G>
 __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MIN_BLOCKS(G))
@@ -323,29 +328,10 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 #pragma unroll
             for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const uint4* m = big + (p + u) * G;
-#pragma unroll
-                for (int j = 0; j < G; ++j) {
-                    const uint4 mk = m[j];
-                    acc[j].x ^= v[u].x & mk.x;
-                    acc[j].y ^= v[u].y & mk.y;
-                    acc[j].z ^= v[u].z & mk.z;
-                    acc[j].w ^= v[u].w & mk.w;
-                }
-            }
+            for (int u = 0; u < U; ++u) accumulate_page<G>(acc, v[u], big + (p + u) * G);
         }
         for (; p < n_leaves; ++p) {
-            const uint4 v = __ldg(col_ptr + (long long)p * SCAN_THREADS);
-            const uint4* m = big + p * G;
-#pragma unroll
-            for (int j = 0; j < G; ++j) {
-                const uint4 mk = m[j];
-                acc[j].x ^= v.x & mk.x;
-                acc[j].y ^= v.y & mk.y;
-                acc[j].z ^= v.z & mk.z;
-                acc[j].w ^= v.w & mk.w;
-            }
+            accumulate_page<G>(acc, __ldg(col_ptr + (long long)p * SCAN_THREADS), big + p * G);
         }
         __syncthreads();  // the next chunk's roots and levels overwrite these masks
     }

@@ -14,8 +14,8 @@ from rest_framework.response import Response
 from rest_framework.utils.mediatypes import media_type_matches
 
 from gpu_engine.dpf import DpfKey, KeyBatch, KeyFormatError, key_length
-from gpu_engine.matrix import PAGE_BYTES
-from queries.api.serializers import KEYS_PER_QUERY, key_from_bytes
+from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
+from queries.api.serializers import key_from_bytes
 
 OCTET_STREAM = "application/octet-stream"
 EPOCH_HEADER = "X-Morpho-Epoch-Id"  # the epoch all answers of a binary response were computed on

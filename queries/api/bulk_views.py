@@ -16,6 +16,7 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
+from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from morphoweb.engine_runtime import get_engine
 from queries import bulk
 from queries.api.binary import (
@@ -40,14 +41,13 @@ from queries.api.bulk_limits import BulkSubmitThrottle, check_quota, drain, slot
 from queries.api.bulk_parsing import StreamingBulkJSONParser
 from queries.api.errors import exception_handler as api_exception_handler
 from queries.bulk_runner import bulk_policy
-from queries.models import KEYS_PER_QUERY, BulkJob, BulkResult
+from queries.models import BulkJob, BulkResult
 
 NDJSON = "application/x-ndjson"
 ACCEPTED_TYPES = (
     f'application/json, {NDJSON}, multipart/form-data (an NDJSON file in field "file") '
     f"or {OCTET_STREAM}"
 )
-PAGE = 4096
 LINES_PER_WRITE = 16  # result lines joined into one write (about 400 KB)
 
 
@@ -75,7 +75,7 @@ def stored_chunks(job: BulkJob) -> tuple[list[int], int]:
 
 def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
     """The answers of these result rows in query order, one chunk row in memory at a time."""
-    size = KEYS_PER_QUERY * PAGE
+    size = KEYS_PER_QUERY * PAGE_BYTES
     for pk in chunk_ids:
         first, epoch_id, answers = BulkResult.objects.values_list(
             "first", "epoch_id", "answers"
@@ -85,7 +85,7 @@ def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
         for query in range(len(answers) // size):
             base = query * size
             pages = '", "0x'.join(
-                answers[base + k * PAGE : base + (k + 1) * PAGE].hex()
+                answers[base + k * PAGE_BYTES : base + (k + 1) * PAGE_BYTES].hex()
                 for k in range(KEYS_PER_QUERY)
             )
             lines.append(

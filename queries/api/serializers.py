@@ -1,17 +1,14 @@
 """Serializers of the PIR API: hex DPF keys in, hex pages out, errors naming field and values."""
 from __future__ import annotations
 
-import re
-
 from django.conf import settings
 from rest_framework import serializers
 
 from gpu_engine.dpf import DpfKey, KeyFormatError, key_length
+from gpu_engine.protocol import KEYS_PER_QUERY, HexError, parse_hex
 
-KEYS_PER_QUERY = 3
 # The encodings the query endpoints speak (docs/PROTOCOL.md section 5), advertised in /epoch.
 ENCODINGS = ("json", "binary")
-_HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
 def json_type(value) -> str:
@@ -88,19 +85,11 @@ class DpfKeyField(serializers.Field):
             raise serializers.ValidationError(
                 f"expected a hex string, got {json_type(data)}", code="type"
             )
-        text = data[2:] if data[:2] in ("0x", "0X") else data
-        if len(text) % 2:
-            raise serializers.ValidationError(
-                f"expected an even number of hex digits, got {len(text)}", code="odd_length"
-            )
-        # bytes.fromhex would skip spaces; a key is digits only.
-        digits = _HEX_DIGITS.match(text).end()
-        if digits != len(text):
-            raise serializers.ValidationError(
-                f"expected hex digits 0-9a-f, got {text[digits]!r} at position {digits}",
-                code="not_hex",
-            )
-        return key_from_bytes(bytes.fromhex(text), self.context["domain_bits"])
+        try:
+            raw = parse_hex(data)  # digits only: a key holds no spaces
+        except HexError as exc:
+            raise serializers.ValidationError(str(exc), code=exc.code) from None
+        return key_from_bytes(raw, self.context["domain_bits"])
 
     def to_representation(self, value: DpfKey) -> str:
         return to_hex(value.to_bytes())

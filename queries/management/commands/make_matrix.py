@@ -4,13 +4,13 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from gpu_engine.matrix import PAGE_BYTES, metadata_path, write_epoch_metadata, write_matrix_file
+from gpu_engine.protocol import HexError, parse_hex
 
 
 def _state_root(text: str) -> bytes:
-    digits = text[2:] if text[:2] in ("0x", "0X") else text
     try:
-        raw = bytes.fromhex(digits)
-    except ValueError:
+        raw = parse_hex(text)
+    except HexError:
         raise CommandError(f"--state-root: expected 64 hex digits, got {text!r}") from None
     if len(raw) != 32:
         raise CommandError(f"--state-root: expected 32 bytes, got {len(raw)}")

@@ -1,0 +1,47 @@
+"""The facts every layer shares: the protocol's sizes (docs/PROTOCOL.md), backend names, hex parsing.
+
+Plain Python with no imports beyond the standard library, so settings, the client and the engine
+can all read it without loading NumPy. Everything else imports these names; nothing restates them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+PAGE_BYTES = 4096  # section 1: a page
+ROW_BYTES = 256  # section 1: a row
+ROWS_PER_PAGE = PAGE_BYTES // ROW_BYTES  # 16
+KEYS_PER_QUERY = 3  # section 4: a query names three candidate pages, one key each
+MAX_BATCH_QUERIES = 32  # section 5: queries in one batch request, and in one launch
+MAX_BATCH_KEYS = MAX_BATCH_QUERIES * KEYS_PER_QUERY  # 96: the largest batch the device runs
+BACKEND_NAMES = ("auto", "cpu", "cuda")  # MORPHO_ENGINE_BACKEND: auto = CUDA where present, else CPU
+
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
+
+
+class HexError(ValueError):
+    """Text that is not the hex asked for; `code` names the rule it broke, as the API reports it."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse_hex(text, num_bytes: Optional[int] = None) -> bytes:
+    """Hex digits with an optional 0x or 0X prefix -> bytes; with num_bytes, exactly that many.
+
+    Digits only: whitespace anywhere is refused (bytes.fromhex alone would skip it). The messages
+    are the ones the API and the admin show; with num_bytes, an odd count is a wrong length."""
+    if not isinstance(text, str):
+        raise HexError(f"expected a hex string, got {type(text).__name__}", "type")
+    digits = text[2:] if text[:2] in ("0x", "0X") else text
+    if num_bytes is None and len(digits) % 2:
+        raise HexError(f"expected an even number of hex digits, got {len(digits)}", "odd_length")
+    good = _HEX_DIGITS.match(digits).end()
+    if good != len(digits):
+        raise HexError(f"expected hex digits 0-9a-f, got {digits[good]!r} at position {good}",
+                       "not_hex")
+    if num_bytes is not None and len(digits) != 2 * num_bytes:
+        raise HexError(f"expected {num_bytes} bytes ({2 * num_bytes} hex digits), got "
+                       f"{len(digits)} hex digits", "length")
+    return bytes.fromhex(digits)
