@@ -26,6 +26,9 @@ TRANSIENT = (EngineBusy, EngineStartFailed, DatabaseError)
 # Seconds between writes of a running chunk's progress: launch by launch, but at most this often
 # (a GPU resolves hundreds of launches a second; each write is a database round trip).
 PROGRESS_WRITE_S = 0.25
+# Seconds one task goes on taking the next chunk in turn after its first (answer_chunk): a
+# chunk is a fraction of a second of GPU work, a broker delivery can take as long.
+CHAIN_SECONDS = 10.0
 
 
 def progress_writer(chunk: BulkChunk, worker: str):
@@ -64,11 +67,27 @@ class ChunkTask(Task):
 @shared_task(base=ChunkTask, bind=True, name="queries.answer_chunk")
 def answer_chunk(self, chunk_id: int) -> str:
     """Claim the next chunk in turn (chunk_id is a hint: bulk.claim_chunk), answer it on this
-    worker's engine (bulk lane), store its answers once."""
+    worker's engine (bulk lane), store its answers once; then the next in turn, for up to
+    CHAIN_SECONDS. The broker's delivery of a message (the filesystem transport polls) then
+    costs once per task rather than once per chunk; the messages of chunks taken this way find
+    nothing left and end at once. Returns each chunk's outcome in order ("failed,stored"), or
+    "skipped" when no chunk was waiting."""
     worker = self.request.hostname or "worker"
-    chunk = bulk.claim_chunk(chunk_id, worker, task_id=self.request.id or "")
-    if chunk is None:
-        return "skipped"  # no chunk is waiting: done, held by live workers, or their jobs ended
+    task_id = self.request.id or ""
+    deadline = time.monotonic() + CHAIN_SECONDS
+    outcomes = []
+    chunk = bulk.claim_chunk(chunk_id, worker, task_id=task_id)
+    while chunk is not None:
+        outcomes.append(answer_claimed(chunk, worker))
+        if time.monotonic() >= deadline:
+            break
+        chunk = bulk.claim_chunk(chunk_id, worker, task_id=task_id)
+    # none: no chunk is waiting (done, held by live workers, or their jobs ended)
+    return ",".join(outcomes) or "skipped"
+
+
+def answer_claimed(chunk: BulkChunk, worker: str) -> str:
+    """Answer and store one chunk this worker holds: "stored", "duplicate" or "failed"."""
     try:
         epoch_id, answers = answer_queries(
             get_engine(),

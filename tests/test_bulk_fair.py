@@ -172,12 +172,34 @@ def test_a_task_fails_the_chunk_it_answered_when_that_one_is_rejected(
 
     a = bulk.create_job(owner, [query(9)], 1, 9, 1)  # keys of another domain
     b = bulk.create_job(owner, [query(8)], 1, 8, 1)
-    # The message names B's chunk, but it is A's turn: A's chunk is answered, rejected, failed.
-    assert answer_chunk.apply((BulkChunk.objects.get(job=b).pk,)).get() == "failed"
+    # The message names B's chunk, but it is A's turn: A's chunk is answered, rejected, failed;
+    # the same task then takes the next in turn, B's, and stores it.
+    assert answer_chunk.apply((BulkChunk.objects.get(job=b).pk,)).get() == "failed,stored"
     a.refresh_from_db()
     b.refresh_from_db()
     assert a.status == JobStatus.FAILED and "domain_bits 9" in a.error
-    assert b.status == JobStatus.QUEUED
-    assert answer_chunk.apply((BulkChunk.objects.get(job=a).pk,)).get() == "stored"
-    b.refresh_from_db()
     assert b.status == JobStatus.DONE and b.answered == 1
+    # A's own message finds nothing left to do.
+    assert answer_chunk.apply((BulkChunk.objects.get(job=a).pk,)).get() == "skipped"
+
+
+def test_one_task_answers_the_chunks_in_turn_until_its_time_is_spent(
+    owner, serve_matrix, vector_matrix_path, monkeypatch
+):
+    # A broker message is a wake-up: the task that gets one goes on taking chunks in turn, so
+    # a job's chunks do not each wait for a delivery; past CHAIN_SECONDS it leaves the rest.
+    from queries import tasks
+
+    serve_matrix(vector_matrix_path)
+    rng = np.random.default_rng(4)
+    query = b"".join(k.to_bytes() for k in [*gen_keys(5, 8, rng=rng), gen_keys(6, 8, rng=rng)[0]])
+    job = bulk.create_job(owner, [query] * 5, 5, 8, 1)  # five chunks of one query
+    first = BulkChunk.objects.filter(job=job).order_by("index").first().pk
+    monkeypatch.setattr(tasks, "CHAIN_SECONDS", 0.0)
+    assert answer_chunk.apply((first,)).get() == "stored"
+    job.refresh_from_db()
+    assert job.answered == 1 and job.status == JobStatus.RUNNING
+    monkeypatch.setattr(tasks, "CHAIN_SECONDS", 60.0)
+    assert answer_chunk.apply((first,)).get() == "stored,stored,stored,stored"
+    job.refresh_from_db()
+    assert job.answered == 5 and job.status == JobStatus.DONE
