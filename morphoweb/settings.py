@@ -343,6 +343,9 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = _env_int("CELERY_WORKER_PREFETCH_MULTIPLIER", 1, lo=1)
 # A worker started before its broker (or after a broker restart) keeps trying to connect.
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The prefork pool (`--pool prefork` means this one), with queue locks a SIGKILLed pool process
+# gives back: billiard's semaphores stay taken and the worker stops consuming (prefork.py).
+CELERY_WORKER_POOL = "morphoweb.prefork:TaskPool"
 
 # --- Bulk jobs (queries/bulk.py; workers: bin/gpu-workers) ------------------------------------
 

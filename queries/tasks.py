@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 from celery import Task, bootsteps, shared_task
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError, connections
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
@@ -111,6 +112,16 @@ def answer_claimed(chunk: BulkChunk, worker: str) -> str:
 _sweeper_started = threading.Event()
 _stop = threading.Event()
 _wake = threading.Event()
+# Held by the sweeper for each pass and by every fork of this process (os.register_at_fork).
+# The worker's main process forks a new pool process whenever one dies (billiard's supervisor
+# thread), and a child gets only the forking thread: a lock another thread held at that moment
+# stays held in the child for good. A pass runs inside SQLite (whose allocator mutex it takes at
+# every query), the database driver, the broker client and logging; a pool process forked in the
+# middle of one blocked on its first query (it had inherited SQLite's mutex, locked) and the
+# worker consumed nothing more, its one prefetched task handed to that process. Forks wait for the
+# pass to end, and a pass ends with this thread's connections closed, so a child inherits neither
+# a held lock nor an open database file or socket.
+_fork_guard = threading.RLock()
 # When this worker's consumer last lost the broker; set by BrokerWatch, read by the sweeper.
 _broker_lost_at: list = []
 
@@ -166,27 +177,58 @@ def _sweep_once() -> None:
     bulk.sweep()
 
 
-def _sweep_forever(worker: str) -> None:
+def _forget_own_leases(worker: str) -> None:
     try:
         freed = forget_own_leases(worker)
-        if freed:
-            log.warning(
-                "%s: %d chunk%s held by this worker's previous run %s free again",
-                worker, freed, pluralize(freed), pluralize(freed, "is,are"),
-            )
     except DatabaseError:
         log.exception("could not release this worker's old leases")
+        return
+    if freed:
+        log.warning(
+            "%s: %d chunk%s held by this worker's previous run %s free again",
+            worker, freed, pluralize(freed), pluralize(freed, "is,are"),
+        )
+
+
+def _close_connections() -> None:
+    # Closed whatever CONN_MAX_AGE says: nothing of a connection may be forked.
+    try:
+        connections.close_all()  # this thread's
+    except Exception:  # Django drops the connection even when closing it fails
+        log.exception("could not close the sweeper's database connection")
+
+
+def _sweep_forever(worker: str) -> None:
+    with _fork_guard:
+        try:
+            _forget_own_leases(worker)
+        finally:
+            _close_connections()
     while not _stop.is_set():
         _wake.clear()
-        try:
-            _sweep_once()
-        except Exception:  # a broken database or broker must not kill the thread
-            log.exception(
-                "bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS
-            )
-        finally:
-            close_old_connections()
+        with _fork_guard:
+            try:
+                _sweep_once()
+            except Exception:  # a broken database or broker must not kill the thread
+                log.exception(
+                    "bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS
+                )
+            finally:
+                _close_connections()
         _wake.wait(settings.MORPHO_BULK_SWEEP_SECONDS)
+
+
+def _before_fork() -> None:
+    _fork_guard.acquire()  # waits for the sweep pass under way, if any
+
+
+def _after_fork_in_parent() -> None:
+    _fork_guard.release()
+
+
+def _after_fork_in_child() -> None:
+    global _fork_guard
+    _fork_guard = threading.RLock()  # the child has no sweeper; its own forks need not wait
 
 
 @worker_ready.connect
@@ -196,6 +238,12 @@ def _start_sweeper(sender=None, **kwargs) -> None:
     if _sweeper_started.is_set():
         return
     _sweeper_started.set()
+    # Registered last, so it runs before the other before-fork hooks (logging's takes its lock).
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
     worker = getattr(sender, "hostname", None) or "worker"
     threading.Thread(
         target=_sweep_forever, args=(worker,), name="bulk-sweeper", daemon=True

@@ -160,6 +160,13 @@ class Stack:
                 "select count(*) from queries_bulkchunk where status = 'running'"
             ).fetchone()[0]
 
+    def running_claim(self) -> tuple | None:
+        """(chunk id, claimed) of the chunk running now, if one is."""
+        with sqlite3.connect(self.db) as db:
+            return db.execute(
+                "select id, claimed from queries_bulkchunk where status = 'running'"
+            ).fetchone()
+
     def chunk_attempts(self) -> list[int]:
         with sqlite3.connect(self.db) as db:
             return [
@@ -256,19 +263,41 @@ def test_sigkilled_worker_is_replaced_and_the_job_completes_exactly_once(stack, 
     assert max(s.chunk_attempts()) >= 2, s.logs()
 
 
+def pool_process(supervisor: subprocess.Popen) -> int:
+    """The pool process of the worker that `supervisor` (bin/gpu-workers) started: the child of
+    the worker's main process, a dead one not yet reaped left out."""
+    main = subprocess.run(
+        ["pgrep", "-P", str(supervisor.pid)], check=True, capture_output=True, text=True
+    ).stdout.split()
+    for pid in subprocess.run(
+        ["pgrep", "-P", main[0]], check=True, capture_output=True, text=True
+    ).stdout.split():
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                return int(pid)
+        except OSError:
+            continue  # gone meanwhile
+    raise AssertionError(f"worker {main[0]} has no live pool process")
+
+
 def test_killed_pool_process_is_replaced_and_its_chunk_redelivered(stack, workload):
     s = stack("filesystem://")
     supervisor = s.start_workers()
     job_id = submit(s, workload)
-    s.wait(job_id, lambda j: j["answered"] >= 160 and s.running_chunks() == 1)
-    # The process running the task, under the worker's main process (under bin/gpu-workers).
-    main = subprocess.run(
-        ["pgrep", "-P", str(supervisor.pid)], check=True, capture_output=True, text=True
-    ).stdout.split()
-    pool = subprocess.run(
-        ["pgrep", "-P", main[0]], check=True, capture_output=True, text=True
-    ).stdout.split()
-    os.kill(int(pool[0]), signal.SIGKILL)
+    # Killed in the middle of a chunk. A chunk lasts a fraction of a second, so the process may
+    # have stored it and be waiting for its next task by the time the signal lands (a case the
+    # worker must survive too); then its successor is killed in a chunk of its own. The kill hit
+    # a chunk when that chunk is still running under the same claim: only the pool process
+    # stores it, and nothing else touches it until its lease ends.
+    for _ in range(20):
+        s.wait(job_id, lambda j: j["answered"] >= 160 and s.running_chunks() == 1)
+        pid = pool_process(supervisor)
+        claim = s.running_claim()
+        os.kill(pid, signal.SIGKILL)
+        if claim is not None and s.running_claim() == claim:
+            break
+    else:
+        raise AssertionError(f"no kill landed in a chunk\n{s.logs()}")
     check_results(s, job_id, workload)
     assert max(s.chunk_attempts()) >= 2
     # The worker itself lived on (Celery started a new pool process); reject_on_worker_lost put
@@ -277,6 +306,27 @@ def test_killed_pool_process_is_replaced_and_its_chunk_redelivered(stack, worklo
     assert "exited with 'signal 9 (SIGKILL)'" in (s.tmp / "workers-0.log").read_text(
         errors="replace"
     )
+
+
+def test_pool_process_killed_while_waiting_for_work_does_not_stop_the_worker(stack, workload):
+    """An idle pool process waits for its next task holding the lock of the pipe that brings
+    tasks; killed there, it must not leave that lock taken for the process started in its place
+    (morphoweb/prefork.py)."""
+    s = stack("filesystem://")
+    supervisor = s.start_workers()
+    log = s.tmp / "workers-0.log"
+    deadline = time.monotonic() + 120
+    while " ready." not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, s.logs()
+        time.sleep(0.1)
+    time.sleep(1.0)  # no task has come: the pool process is blocked reading the task pipe
+    os.kill(pool_process(supervisor), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "exited with 'signal 9 (SIGKILL)'" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, s.logs()
+        time.sleep(0.1)
+    job = check_results(s, submit(s, workload), workload)
+    assert job["errors"] == [] and supervisor.poll() is None
 
 
 @pytest.mark.skipif(not redis_reachable(), reason="no Redis on 127.0.0.1:6379")
