@@ -53,6 +53,23 @@ class DpfKey:
     @classmethod
     def from_bytes(cls, data: bytes, expected_domain_bits: Optional[int] = None) -> "DpfKey":
         """Parse and validate; raises KeyFormatError saying what was expected and what came."""
+        d = cls.check(data, expected_domain_bits)
+        final = _HEADER + _LEVEL * d
+        return cls(
+            root_seed=bytes(data[:16]),
+            root_t=data[16],
+            party=data[17],
+            domain_bits=d,
+            cw_seed=tuple(bytes(data[off : off + 16]) for off in range(_HEADER, final, _LEVEL)),
+            cw_t_left=tuple(data[_HEADER + 16 : final : _LEVEL]),
+            cw_t_right=tuple(data[_HEADER + 17 : final : _LEVEL]),
+            final_cw=bytes(data[final : final + 16]),
+        )
+
+    @staticmethod
+    def check(data: bytes, expected_domain_bits: Optional[int] = None) -> int:
+        """Validate a key's bytes without building it (the web tier checks every key of every
+        request and forwards the bytes); its domain_bits, or KeyFormatError as from_bytes."""
         if len(data) < _HEADER:
             raise KeyFormatError(
                 f"key is {len(data)} bytes, shorter than the {_HEADER}-byte header"
@@ -81,17 +98,7 @@ class DpfKey:
                 for side, value in (("t_cw_left", lefts[level]), ("t_cw_right", rights[level])):
                     if value not in (0, 1):
                         raise KeyFormatError(f"level {level} {side} byte is {value}, expected 0 or 1")
-        final = _HEADER + _LEVEL * d
-        return cls(
-            root_seed=bytes(data[:16]),
-            root_t=data[16],
-            party=data[17],
-            domain_bits=d,
-            cw_seed=tuple(bytes(data[off : off + 16]) for off in range(_HEADER, final, _LEVEL)),
-            cw_t_left=tuple(lefts),
-            cw_t_right=tuple(rights),
-            final_cw=bytes(data[final : final + 16]),
-        )
+        return d
 
     def to_bytes(self) -> bytes:
         out = bytearray(self.root_seed)

@@ -13,7 +13,7 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.utils.mediatypes import media_type_matches
 
-from gpu_engine.dpf import DpfKey, KeyBatch, KeyFormatError, key_length
+from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries.api.serializers import key_from_bytes
 
@@ -137,10 +137,10 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
         {"body": [serializers.ErrorDetail(message, code="body_length")]})
 
 
-def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[DpfKey], dict]:
+def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], dict]:
     """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key."""
     length = key_length(domain_bits)
-    keys: list[DpfKey] = []
+    keys: list[bytes] = []
     errors: dict = {}
     for key in range(KEYS_PER_QUERY):
         start = (index * KEYS_PER_QUERY + key) * length
@@ -197,7 +197,8 @@ def request_keys(data: dict) -> KeyBatch:
     if "key_batch" in data:
         return data["key_batch"]
     queries = [data["keys"]] if "keys" in data else [query["keys"] for query in data["queries"]]
-    return KeyBatch.from_keys([key for query in queries for key in query])
+    raw = b"".join(key for query in queries for key in query)  # each checked: key_from_bytes
+    return KeyBatch.from_bytes(raw, raw[18])
 
 
 def state_headers(state) -> dict:

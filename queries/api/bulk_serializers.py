@@ -95,9 +95,7 @@ class BulkQueriesField(serializers.Field):
                 query = PageQuerySerializer(data=item, context=context)
                 if query.is_valid():
                     if not bad:  # once a query is bad nothing is stored; keep checking the rest
-                        queries.append(
-                            b"".join(key.to_bytes() for key in query.validated_data["keys"])
-                        )
+                        queries.append(b"".join(query.validated_data["keys"]))
                     continue
                 detail = query.errors
             bad += 1

@@ -48,9 +48,10 @@ def _strict_list(data, what: str, lo: int, hi: int) -> list:
     return data
 
 
-def key_from_bytes(raw: bytes, domain_bits: int) -> DpfKey:
+def key_from_bytes(raw: bytes, domain_bits: int) -> bytes:
     """One key's bytes checked against the server's domain_bits: the one key check of both
-    encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents."""
+    encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents.
+    Returns the bytes, which travel on to the engine as they are."""
     expected_len = key_length(domain_bits)
     # The length is checked against the server's domain first, so that a key sized for
     # another domain is reported as such rather than as a bad byte inside it.
@@ -67,20 +68,22 @@ def key_from_bytes(raw: bytes, domain_bits: int) -> DpfKey:
             code="key_length",
         )
     try:
-        return DpfKey.from_bytes(raw, expected_domain_bits=domain_bits)
+        DpfKey.check(raw, expected_domain_bits=domain_bits)
     except KeyFormatError as exc:
         raise serializers.ValidationError(str(exc), code="key_format") from None
+    return bytes(raw)
 
 
 class DpfKeyField(serializers.Field):
-    """One DPF key as hex (with or without 0x), parsed against the server's domain_bits."""
+    """One DPF key as hex (with or without 0x), checked against the server's domain_bits; its
+    validated value is the key's bytes."""
 
     default_error_messages = {
         "required": "expected a hex-encoded DPF key, got nothing",
         "null": "expected a hex-encoded DPF key, got null",
     }
 
-    def to_internal_value(self, data) -> DpfKey:
+    def to_internal_value(self, data) -> bytes:
         if not isinstance(data, str):
             raise serializers.ValidationError(
                 f"expected a hex string, got {json_type(data)}", code="type"
@@ -91,8 +94,8 @@ class DpfKeyField(serializers.Field):
             raise serializers.ValidationError(str(exc), code=exc.code) from None
         return key_from_bytes(raw, self.context["domain_bits"])
 
-    def to_representation(self, value: DpfKey) -> str:
-        return to_hex(value.to_bytes())
+    def to_representation(self, value) -> str:
+        return to_hex(value if isinstance(value, (bytes, bytearray)) else value.to_bytes())
 
 
 class KeyListField(serializers.ListField):
