@@ -20,6 +20,7 @@ from morphoweb.engine_runtime import get_engine
 PAGES = 64
 DOMAIN_BITS = 6
 THREADS = 4
+MIN_ANSWERS = 40  # answers checked, at the least
 
 
 @dataclass
@@ -109,14 +110,19 @@ def test_hammer_queries_while_epochs_switch_and_updates_land(db, serve_matrix, t
             kept = dict(snapshots[-1].rows) if pending == "absorb" else {}
             time.sleep(0.03)
             step(next_epoch, kept, lambda record=record: runtime.activate(record))
+        # The last state is served from here on: on a loaded machine the plan can end before
+        # the threads have asked enough, so they go on until they have (at most 30 s).
+        deadline = time.monotonic() + 30
         time.sleep(0.1)
+        while len(results) < MIN_ANSWERS and time.monotonic() < deadline and not errors:
+            time.sleep(0.05)
     finally:
         stop.set()
         for thread in threads:
             thread.join(30)
 
     assert not errors, errors[:3]
-    assert len(results) >= 40, f"only {len(results)} answers"
+    assert len(results) >= MIN_ANSWERS, f"only {len(results)} answers"
     assert {r.epoch_id for r in results} >= {1, 4}
     references = {}
     matched_snapshots = set()
