@@ -6,8 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import csv
-from typing import Dict, List, Tuple
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import read_csv  # noqa: E402
 
 # docs/PROTOCOL.md section 8 (Morphogenesis on one H100) and issue 3's targets, per shape
 REFERENCE = {
@@ -16,19 +20,6 @@ REFERENCE = {
     "65536": {"title": "65,536 pages, d=16", "morpho_batch": 5601.0, "morpho_single": 2000.0,
               "targets": [(None, 20000.0)]},
 }
-
-
-def read_bench_csv(path: str) -> Tuple[Dict[str, str], List[dict]]:
-    header: Dict[str, str] = {}
-    lines = []
-    with open(path) as fh:
-        for line in fh:
-            if line.startswith("#"):
-                name, _, value = line[1:].strip().partition(": ")
-                header[name] = value
-            else:
-                lines.append(line)
-    return header, list(csv.DictReader(lines, skipinitialspace=True))
 
 
 def main() -> None:
@@ -44,7 +35,7 @@ def main() -> None:
 
     fig, axes = plt.subplots(1, len(args.csvs), figsize=(6 * len(args.csvs), 4.5))
     for ax, path in zip(axes if len(args.csvs) > 1 else [axes], args.csvs):
-        header, rows = read_bench_csv(path)
+        header, rows = read_csv(path)
         pages = header["shape"].split(",")[0].split("=")[1]
         ref = REFERENCE.get(pages, {"title": header["shape"], "targets": []})
         q = [int(r["q"]) for r in rows]

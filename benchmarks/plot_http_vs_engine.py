@@ -6,8 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import csv
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import read_csv  # noqa: E402
 
 # issue 11's targets, as fractions of the engine's 32-query capacity (None: no ratio target)
 TARGETS = {"1048576": {"http_single_64_clients": 0.80, "http_batch32_16_clients": 0.90,
@@ -27,10 +32,7 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(args.csv) as fh:
-        header = [line[1:].strip() for line in fh if line.startswith("#")]
-    with open(args.csv) as fh:
-        rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    header, rows = read_csv(args.csv)
     ratios: dict = defaultdict(dict)
     engine: dict = {}
     for row in rows:
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
         ax.set_title(f"{int(pages):,} pages: engine alone {engine.get(pages, 0):,.0f} q/s")
         ax.grid(axis="y", alpha=0.3)
     (axes[0] if len(shapes) > 1 else axes).set_ylabel("HTTP q/s / engine q/s (red: target)")
-    fig.suptitle(header[0].removeprefix("machine: ") if header else "", fontsize=9)
+    fig.suptitle(header.get("machine", ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import csv
 import platform
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 
 def cpu_model() -> str:
@@ -27,3 +27,17 @@ def write_csv(path, comments: Iterable[str], fieldnames: Sequence[str],
         writer = csv.DictWriter(fh, fieldnames=list(fieldnames))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_csv(path) -> Tuple[Dict[str, str], List[dict]]:
+    """({name: value} of the `# name: value` comment lines, the rows) of a CSV write_csv wrote."""
+    header: Dict[str, str] = {}
+    lines = []
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith("#"):
+                name, _, value = line[1:].strip().partition(": ")
+                header[name] = value
+            else:
+                lines.append(line)
+    return header, list(csv.DictReader(lines, skipinitialspace=True))

@@ -35,6 +35,7 @@ from django.core.management import call_command  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file  # noqa: E402
+from benchmarks.report import cpu_model  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
 from queries.client import plan_query  # noqa: E402
 
@@ -143,10 +144,7 @@ def measure(app, path: str, keys, single: bool, request: str, response: str, rep
 
 
 def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown CPU")
-    return (f"{platform.node()}: {model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    return (f"{platform.node()}: {cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
             f", load average {os.getloadavg()[0]:.2f} at the start")
 
 
