@@ -16,6 +16,13 @@ MAX_BATCH_QUERIES = 32  # section 5: queries in one batch request, and in one la
 MAX_BATCH_KEYS = MAX_BATCH_QUERIES * KEYS_PER_QUERY  # 96: the largest batch the device runs
 BACKEND_NAMES = ("auto", "cpu", "cuda")  # MORPHO_ENGINE_BACKEND: auto = CUDA where present, else CPU
 
+
+
+def query_key_counts(key_count: int) -> tuple:
+    """The engine's query_keys for `key_count` keys of whole queries: KEYS_PER_QUERY each."""
+    return (KEYS_PER_QUERY,) * (key_count // KEYS_PER_QUERY)
+
+
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 

@@ -11,8 +11,8 @@ from django.conf import settings
 
 from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
+from gpu_engine.protocol import KEYS_PER_QUERY, query_key_counts
 from gpu_engine.scheduler import BatchingPolicy
-from gpu_engine.protocol import KEYS_PER_QUERY
 from queries.models import BulkChunk
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _submit(
 ) -> Future:
     """Submit one request; while the lane is full, wait for our own requests ahead to finish."""
     deadline = time.monotonic() + settings.MORPHO_BULK_LEASE_SECONDS * 4
-    query_keys = (KEYS_PER_QUERY,) * (len(keys) // KEYS_PER_QUERY)
+    query_keys = query_key_counts(len(keys))
     while True:
         try:
             return engine.submit_keys(keys, query_keys, lane=LANE)

@@ -192,15 +192,6 @@ class BinaryBatchQuerySerializer(serializers.BaseSerializer):
                                             settings.MORPHO_MAX_BATCH, single=False)}
 
 
-def request_keys(data: dict) -> KeyBatch:
-    """Every key of a validated single or batch request, in order, in either encoding."""
-    if "key_batch" in data:
-        return data["key_batch"]
-    queries = [data["keys"]] if "keys" in data else [query["keys"] for query in data["queries"]]
-    raw = b"".join(key for query in queries for key in query)  # each checked: key_from_bytes
-    return KeyBatch.from_bytes(raw, raw[18])
-
-
 def state_headers(state) -> dict:
     """The served state of an answer as headers, in either encoding (a JSON body stays as it was)."""
     return {UPDATES_HEADER: str(state.updates), DIGEST_HEADER: "0x" + state.digest.hex()}

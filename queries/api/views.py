@@ -11,6 +11,8 @@ from rest_framework.views import APIView
 
 from drf_spectacular.utils import extend_schema
 
+from gpu_engine.dpf import KeyBatch
+from gpu_engine.protocol import query_key_counts
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
 from morphoweb.openapi import (
     BATCH_REQUEST,
@@ -31,7 +33,6 @@ from queries.api.binary import (
     QualityNegotiation,
     answered_queries,
     binary_answer,
-    request_keys,
     sent_binary,
     state_headers,
     wants_binary,
@@ -39,7 +40,6 @@ from queries.api.binary import (
 from queries.api.errors import Unavailable, unavailable
 from queries.api.parsers import StrictJSONParser
 from queries.api.serializers import (
-    KEYS_PER_QUERY,
     BatchQuerySerializer,
     EpochSerializer,
     PageAnswerSerializer,
@@ -67,14 +67,22 @@ class PublicAPIView(APIView):
         return self.serializer_class
 
 
+def request_keys(data: dict) -> KeyBatch:
+    """Every key of a validated single or batch request, in order, in either encoding."""
+    if "key_batch" in data:  # a binary body, checked and parsed whole
+        return data["key_batch"]
+    queries = [data["keys"]] if "keys" in data else [query["keys"] for query in data["queries"]]
+    raw = b"".join(key for query in queries for key in query)  # each checked: key_from_bytes
+    return KeyBatch.from_bytes(raw, raw[18])
+
+
 def answer(engine, epoch, data):
     """Submit a validated request's queries to the engine and wait: the answer, or 503 when it
     cannot come in time."""
     timeout = settings.MORPHO_QUERY_TIMEOUT
     keys = request_keys(data)
     try:
-        return engine.submit_keys(keys, (KEYS_PER_QUERY,) * (len(keys) // KEYS_PER_QUERY)).result(
-            timeout=timeout)
+        return engine.submit_keys(keys, query_key_counts(len(keys))).result(timeout=timeout)
     except ValueError:
         # The keys were validated against `epoch`; the engine (here or in the engine server)
         # refuses them only if it switched to an epoch of another domain since. The client
