@@ -28,6 +28,7 @@ from gpu_engine.backends.base import PAGE_BYTES
 from gpu_engine.dpf import DpfKey, KeyBatch
 from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
 from gpu_engine.matrix import Epoch, epoch_from_description
+from gpu_engine.protocol import MAX_BATCH_QUERIES
 from gpu_engine.scheduler import BatchingPolicy
 from gpu_engine.state import ServedState
 
@@ -56,8 +57,10 @@ class RemoteEngine:
         self._context = context or zmq.Context()
         self._ids = itertools.count(1)
         self._pending: Dict[int, Tuple[Future, Optional[Tuple[int, ...]]]] = {}
+        # QUERY messages sent and not yet answered: message id -> the requests it carries, in order
+        self._merged: Dict[int, List[int]] = {}
         self._lock = threading.Lock()
-        self._outbox: Deque[List[bytes]] = deque()
+        self._outbox: Deque[Any] = deque()  # frame lists (control, ping) and _Query entries
         self._wake_url = f"inproc://remote-engine-wake-{id(self)}"
         self._wake: Optional[zmq.Socket] = None
         self._status: Optional[dict] = None  # the last PONG's body
@@ -177,16 +180,21 @@ class RemoteEngine:
         if epoch is not None and domain_bits != epoch.matrix.domain_bits:
             raise ValueError(f"keys have domain_bits {domain_bits}, the epoch has "
                              f"{epoch.matrix.domain_bits}")
-        header = wire.pack_query(lane, domain_bits, per_query, queries)
-        return self._send([wire.QUERY, None, header, raw], (per_query,) * queries)
+        wire.lane_index(lane)  # an unknown lane is the caller's error, raised here
+        return self._send(_Query(0, lane, domain_bits, per_query, queries, raw),
+                          (per_query,) * queries)
 
-    def _send(self, frames: List[Any], query_keys: Optional[Tuple[int, ...]]) -> Future:
+    def _send(self, item, query_keys: Optional[Tuple[int, ...]]) -> Future:
+        """Queue `item` (a frame list whose [1] is the request id, or a _Query) for the I/O thread."""
         future: Future = Future()
         rid = next(self._ids)
-        frames[1] = wire.pack_id(rid)
+        if isinstance(item, _Query):
+            item.rid = rid
+        else:
+            item[1] = wire.pack_id(rid)
         with self._lock:
             self._pending[rid] = (future, query_keys)
-            self._outbox.append(frames)
+            self._outbox.append(item)
             if self._wake is None:
                 self._wake = self._context.socket(zmq.PUSH)
                 self._wake.connect(self._wake_url)
@@ -197,6 +205,7 @@ class RemoteEngine:
         with self._lock:
             pending = list(self._pending.values())
             self._pending.clear()
+            self._merged.clear()
             self._outbox.clear()
         for future, _ in pending:
             settle(future, error=EngineUnavailable(reason, retry_after=2))
@@ -237,13 +246,7 @@ class RemoteEngine:
                     last_ping = 0.0 if self._connected else last_ping
                 if wake in events:
                     wire.drain(wake)
-                while self._outbox:
-                    try:
-                        frames = self._outbox.popleft()
-                    except IndexError:
-                        break
-                    if not self._send_now(dealer, frames):
-                        self._resolve_error(frames[1], "engine server is not connected")
+                self._flush(dealer)
                 if dealer in events:
                     for _ in range(256):
                         try:
@@ -261,6 +264,47 @@ class RemoteEngine:
                     self._wake.close(0)
                     self._wake = None
 
+    def _flush(self, dealer: zmq.Socket) -> None:
+        """Send everything queued. Queries that arrived together on one lane travel as one QUERY
+        message (up to the lane's max_batch queries): the engine server then parses, queues and
+        answers them once, and its per-message cost is paid once per group, not per request."""
+        groups: Dict[tuple, List[_Query]] = {}
+        while True:
+            try:
+                item = self._outbox.popleft()
+            except IndexError:
+                break
+            if not isinstance(item, _Query):
+                if not self._send_now(dealer, item):
+                    self._resolve_error([wire.unpack_id(item[1])], "engine server is not connected")
+                continue
+            shape = (item.lane, item.domain_bits, item.per_query)
+            group = groups.setdefault(shape, [])
+            if group and sum(q.queries for q in group) + item.queries > self._merge_cap(item.lane):
+                self._send_queries(dealer, group)
+                group = groups[shape] = []
+            group.append(item)
+        for group in groups.values():
+            if group:
+                self._send_queries(dealer, group)
+
+    def _merge_cap(self, lane: str) -> int:
+        policy = self._policies.get(lane)
+        return min(MAX_BATCH_QUERIES, policy.max_batch) if policy else MAX_BATCH_QUERIES
+
+    def _send_queries(self, dealer: zmq.Socket, group: "List[_Query]") -> None:
+        first = group[0]
+        queries = sum(q.queries for q in group)
+        rids = [q.rid for q in group]
+        raw = first.raw if len(group) == 1 else b"".join(q.raw for q in group)
+        header = wire.pack_query(first.lane, first.domain_bits, first.per_query, queries)
+        with self._lock:
+            self._merged[first.rid] = rids
+        if not self._send_now(dealer, [wire.QUERY, wire.pack_id(first.rid), header, raw]):
+            with self._lock:
+                self._merged.pop(first.rid, None)
+            self._resolve_error(rids, "engine server is not connected")
+
     @staticmethod
     def _send_now(dealer: zmq.Socket, frames: List[Any]) -> bool:
         try:
@@ -269,11 +313,12 @@ class RemoteEngine:
         except zmq.Again:
             return False
 
-    def _resolve_error(self, rid_frame: bytes, reason: str) -> None:
+    def _resolve_error(self, rids: Sequence[int], reason: str) -> None:
         with self._lock:
-            entry = self._pending.pop(wire.unpack_id(rid_frame), None)
-        if entry is not None:
-            settle(entry[0], error=EngineUnavailable(reason, retry_after=2))
+            entries = [self._pending.pop(rid, None) for rid in rids]
+        for entry in entries:
+            if entry is not None:
+                settle(entry[0], error=EngineUnavailable(reason, retry_after=2))
 
     def _on_monitor(self, monitor: zmq.Socket, dealer: zmq.Socket) -> None:
         while True:
@@ -313,22 +358,43 @@ class RemoteEngine:
             return
         rid = wire.unpack_id(frames[1].bytes)
         with self._lock:
-            entry = self._pending.pop(rid, None)
-        if entry is None:
-            return  # failed already (deadline, disconnect): the late answer is dropped
-        future, query_keys = entry
+            # a QUERY message answers every request merged into it, in the order they were sent
+            rids = self._merged.pop(rid, None) or [rid]
+            entries = [self._pending.pop(r, None) for r in rids]
         if kind == wire.ANSWER:
             answers = frames[3].buffer
             state, keys = wire.unpack_answer(frames[2].bytes, len(answers))
             array = np.frombuffer(answers, dtype=np.uint8).reshape(keys, PAGE_BYTES)
-            settle(future, BatchAnswer(state.epoch_id, array, query_keys, state))
-        elif kind == wire.RESULT:
-            settle(future, wire.loads(frames[2].bytes))
-        elif kind == wire.ERROR:
-            body = wire.loads(frames[2].bytes)
-            settle(future, error=_error(body))
-        else:
-            settle(future, error=EngineUnavailable(f"engine server sent message kind {kind!r}"))
+            row = 0
+            for entry in entries:
+                if entry is None:
+                    continue  # failed already (deadline, disconnect): the late answer is dropped
+                future, query_keys = entry
+                count = sum(query_keys)
+                settle(future, BatchAnswer(state.epoch_id, array[row:row + count], query_keys, state))
+                row += count
+            return
+        for entry in entries:
+            if entry is None:
+                continue
+            future = entry[0]
+            if kind == wire.RESULT:
+                settle(future, wire.loads(frames[2].bytes))
+            elif kind == wire.ERROR:
+                settle(future, error=_error(wire.loads(frames[2].bytes)))
+            else:
+                settle(future, error=EngineUnavailable(f"engine server sent message kind {kind!r}"))
+
+
+class _Query:
+    """One submitted request waiting in the outbox for the I/O thread to send (perhaps merged)."""
+
+    __slots__ = ("rid", "lane", "domain_bits", "per_query", "queries", "raw")
+
+    def __init__(self, rid: int, lane: str, domain_bits: int, per_query: int, queries: int,
+                 raw: bytes) -> None:
+        self.rid, self.lane, self.domain_bits = rid, lane, domain_bits
+        self.per_query, self.queries, self.raw = per_query, queries, raw
 
 
 def _error(body: dict) -> Exception:

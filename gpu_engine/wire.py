@@ -65,10 +65,15 @@ def unpack_id(frame: bytes) -> int:
     return _ID.unpack(frame)[0]
 
 
-def pack_query(lane: str, domain_bits: int, keys_per_query: int, queries: int) -> bytes:
+def lane_index(lane: str) -> int:
+    """The lane's number on the wire; ValueError for a lane the engine does not have."""
     if lane not in LANES:
         raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
-    return _QUERY_HEADER.pack(LANES.index(lane), domain_bits, keys_per_query, queries)
+    return LANES.index(lane)
+
+
+def pack_query(lane: str, domain_bits: int, keys_per_query: int, queries: int) -> bytes:
+    return _QUERY_HEADER.pack(lane_index(lane), domain_bits, keys_per_query, queries)
 
 
 def unpack_query(header: bytes, keys_len: int, key_length) -> Tuple[str, int, Tuple[int, ...]]:
