@@ -42,10 +42,15 @@ class Histogram:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank q-quantile (0 < q <= 1) of values; nan when there are none."""
+    return quantiles(values, (q,))[0]
+
+
+def quantiles(values: Sequence[float], qs: Sequence[float]) -> List[float]:
+    """percentile() of each q in qs, sorting the values once."""
     if not values:
-        return math.nan
+        return [math.nan] * len(qs)
     ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+    return [ordered[max(0, math.ceil(q * len(ordered)) - 1)] for q in qs]
 
 
 class LaneStats:
@@ -139,29 +144,36 @@ class EngineStats:
                 lane.recent_latency.append((done, latency))
 
     def snapshot(self, now: float) -> dict:
-        """Plain data: totals, histograms, and per lane the last minute's p95 and mean batch."""
+        """Plain data: totals, histograms, and per lane the last minute's p95 and mean batch.
+
+        The lock is held only to copy: the scheduler thread takes it after every launch, and
+        sorting a minute of latencies (up to RECENT_MAX) under it would stall the device."""
         with self._lock:
-            lanes = {}
+            recent = {}
             for name, lane in self.lanes.items():
-                for recent in (lane.recent_latency, lane.recent_batches):
-                    while recent and recent[0][0] < now - RECENT_S:
-                        recent.popleft()
-                latencies = [latency for _, latency in lane.recent_latency]
-                batches = [size for _, size in lane.recent_batches]
-                lanes[name] = {
-                    "queries": lane.queries, "requests": lane.requests, "launches": lane.launches,
-                    "held_seconds": lane.held_seconds, "launches_held": lane.launches_held,
-                    "queue_wait": lane.queue_wait.snapshot(), "compute": lane.compute.snapshot(),
-                    "latency": lane.latency.snapshot(), "refused": dict(lane.refused),
-                    "p95_last_minute_s": percentile(latencies, 0.95),
-                    "p50_last_minute_s": percentile(latencies, 0.50),
-                    "mean_batch_last_minute": sum(batches) / len(batches) if batches else math.nan,
-                    "launches_last_minute": len(batches),
-                }
-            return {
+                for window in (lane.recent_latency, lane.recent_batches):
+                    while window and window[0][0] < now - RECENT_S:
+                        window.popleft()
+                recent[name] = (list(lane.recent_latency), list(lane.recent_batches))
+            lanes = {name: {
+                "queries": lane.queries, "requests": lane.requests, "launches": lane.launches,
+                "held_seconds": lane.held_seconds, "launches_held": lane.launches_held,
+                "queue_wait": lane.queue_wait.snapshot(), "compute": lane.compute.snapshot(),
+                "latency": lane.latency.snapshot(), "refused": dict(lane.refused),
+            } for name, lane in self.lanes.items()}
+            data = {
                 "launches": self.launches, "queries_answered": self.queries_answered,
                 "requests_answered": self.requests_answered, "failures": self.failures,
                 "compute_seconds": self.compute_seconds, "batch_size": self.batch_size.snapshot(),
                 "dispatch_modes": dict(self.dispatch_modes), "launch_reasons": dict(self.launch_reasons),
                 "lanes": lanes,
             }
+        for name, (latencies, batches) in recent.items():
+            p50, p95 = quantiles([latency for _, latency in latencies], (0.50, 0.95))
+            lanes[name].update({
+                "p95_last_minute_s": p95, "p50_last_minute_s": p50,
+                "mean_batch_last_minute": (sum(size for _, size in batches) / len(batches)
+                                           if batches else math.nan),
+                "launches_last_minute": len(batches),
+            })
+        return data

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
 import zmq
 
@@ -27,6 +27,7 @@ ControlFn = Callable[[Dict[str, Any]], Any]  # args -> JSON-able result; raises 
 POLL_MS = 100  # the I/O thread looks at its stop flag at least this often (ms)
 CONTROL_THREADS = 4  # control operations that may run at once (epoch switches, health, metrics)
 HIGH_WATER = 100_000  # messages queued per peer before ZeroMQ drops (ROUTER) or blocks
+SNAPSHOT_TTL_S = 0.5  # how long one engine snapshot answers every client's "snapshot" (s)
 
 
 class EngineServer:
@@ -38,7 +39,9 @@ class EngineServer:
         self.url = url
         self.controls: Dict[str, ControlFn] = dict(controls or {})
         self.controls.setdefault("health", lambda args: self.health())
-        self.controls.setdefault("snapshot", lambda args: self.engine.snapshot())
+        self.controls.setdefault("snapshot", lambda args: self._snapshot())
+        self._snapshot_cache: Tuple[float, Optional[dict]] = (0.0, None)  # (monotonic time, data)
+        self._snapshot_lock = threading.Lock()
         self._context = context or zmq.Context.instance()
         self._outbox: Deque[List[Any]] = deque()  # frames for the I/O thread to send
         self._wake_lock = threading.Lock()
@@ -86,6 +89,17 @@ class EngineServer:
         data.update(warming=self.warming, warm_seconds=self.warm_seconds, engine_url=self.url,
                     engine_clients=len(self.clients_seen))
         return data
+
+    def _snapshot(self) -> dict:
+        """The engine's snapshot, computed at most once per SNAPSHOT_TTL_S: every web process
+        samples it each second for its dashboard history and each scrape of /metrics asks again,
+        and each computation costs the scheduler's interpreter time."""
+        with self._snapshot_lock:
+            taken, data = self._snapshot_cache
+            if data is None or time.monotonic() - taken >= SNAPSHOT_TTL_S:
+                data = self.engine.snapshot()
+                self._snapshot_cache = (time.monotonic(), data)
+            return data
 
     def status(self) -> dict:
         """What every PONG carries: enough for a client to validate keys and pick batch sizes."""
