@@ -14,7 +14,7 @@ from typing import Callable, Deque, Dict, List, Mapping, Optional, Self, Sequenc
 
 import numpy as np
 
-from gpu_engine.backends.base import Backend, ResidentMatrix
+from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
@@ -29,6 +29,7 @@ from gpu_engine.scheduler import (
     LaneQueue,
     decide,
     expiry_cutoff,
+    overlaps,
     plan_slo,
 )
 
@@ -113,6 +114,23 @@ class _Request:
         return len(self.query_keys)
 
 
+@dataclass
+class _Flight:
+    """A batch started on the device: what its answers are handed out with."""
+
+    decision: Launch
+    batch: List[_Request]
+    epoch: Epoch
+    state: ServedState
+    started_mono: float  # monotonic time it was started
+    started: float  # perf_counter time it was started
+    pending: Optional[PendingAnswer] = None
+
+    @property
+    def queries(self) -> int:
+        return sum(r.size for r in self.batch)
+
+
 def settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
     """Resolve a future unless it is already done: a caller may cancel what it waits for."""
     try:
@@ -152,6 +170,7 @@ class Engine:
         # this and its oldest query's arrival
         self._idle_since = time.monotonic()
         self._waited = False  # the scheduler chose to wait with queries queued since the last launch
+        self._answered_at = 0.0  # perf_counter time the last batch's answers were handed out
         self.failure: Optional[str] = None  # why the scheduler died, if it did
         self.cost = CostModel()
         self.stats = EngineStats(LANES)
@@ -343,7 +362,9 @@ class Engine:
 
         On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to
         `max_batch` queries runs once per lane's dispatch shape, then once more, timed, for the
-        cost model; elsewhere one small launch pages the matrix in. Runs between launches."""
+        cost model, and full batches twice at once (the second set of buffers a batch started
+        behind another one uses); elsewhere one small launch pages the matrix in. Runs between
+        launches."""
         sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
 
         def warm() -> None:
@@ -357,6 +378,10 @@ class Engine:
                     timed = time.perf_counter()
                     self._resident.answer(keys, dispatch)
                     self.cost.observe(queries, time.perf_counter() - timed)
+                    if queries == max_batch:  # a full batch may start while another runs
+                        behind = [self._resident.start(keys, dispatch) for _ in range(2)]
+                        for started in behind:
+                            started.result()
             log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
                      len(dispatches), time.perf_counter() - started)
 
@@ -414,9 +439,11 @@ class Engine:
             self._halt(self.failure)
 
     def _loop(self) -> None:
+        flight: Optional[_Flight] = None  # the batch on the device, started and not yet answered
         while True:
             batch: Optional[Tuple[Launch, List[_Request]]] = None
             expired: List[_Request] = []
+            control: List[Tuple[Callable[[], None], Future]] = []
             with self._cond:
                 while self._running and not self._control:
                     now = time.monotonic()
@@ -425,16 +452,19 @@ class Engine:
                     if expired:
                         break
                     decision = decide(self._snapshot(now), policies, self.cost.fit(), now)
-                    if isinstance(decision, Launch):
+                    if isinstance(decision, Launch) and (flight is None or overlaps(decision, policies)):
                         batch = (decision, self._dequeue(decision.lane, decision.requests))
                         break
+                    if flight is not None:
+                        break  # answer the batch on the device, then decide with it free
                     wait = decision.seconds
                     self._waited = self._waited or any(self._depth.values())
                     self._cond.wait(POLICY_RECHECK_S if wait is None else min(wait, POLICY_RECHECK_S))
                 if not self._running:
                     return
-                control = list(self._control)
-                self._control.clear()
+                if flight is None:  # operations run with nothing on the device
+                    control = list(self._control)
+                    self._control.clear()
             for request in expired:
                 timeout = self._last_policies[request.lane].queue_timeout_ms
                 self.stats.refuse(request.lane, "deadline", request.size)
@@ -443,42 +473,62 @@ class Engine:
                     f"{timeout} ms", retry_after=1))
             for action, future in control:
                 self._run_control(action, future)
+            started = None
             if batch:
-                self._inflight = batch[1]
-                self._launch(*batch)
-                self._inflight = []
+                self._inflight = (flight.batch if flight else []) + batch[1]
+                started = self._start(*batch)
+            if flight is not None:
+                self._finish(flight)
+            flight = started
+            self._inflight = flight.batch if flight else []
 
-    def _launch(self, decision: Launch, batch: List[_Request]) -> None:
-        epoch, state = self._epoch, self.state
+    def _start(self, decision: Launch, batch: List[_Request]) -> Optional["_Flight"]:
+        """Start `batch` on the device; None when it failed at once (its futures then failed)."""
         keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
-        queries = sum(r.size for r in batch)
-        started_mono = time.monotonic()
-        started = time.perf_counter()
+        flight = _Flight(decision, batch, self._epoch, self.state, time.monotonic(),
+                         time.perf_counter())
         try:
-            answers = self._resident.answer(keys, decision.dispatch)
+            flight.pending = self._resident.start(keys, decision.dispatch)
         except Exception as exc:  # noqa: BLE001 - a device failure fails this batch, not the engine
-            log.exception("launch of %d requests failed", len(batch))
-            self.stats.failure(decision.lane, queries)
-            for request in batch:
-                settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
+            self._failed(flight, exc)
+            return None
+        return flight
+
+    def _failed(self, flight: "_Flight", exc: Exception) -> None:
+        log.exception("launch of %d requests failed", len(flight.batch), exc_info=exc)
+        self.stats.failure(flight.decision.lane, flight.queries)
+        for request in flight.batch:
+            settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
+
+    def _finish(self, flight: "_Flight") -> None:
+        """Wait for the batch's answers and hand them out (a batch started behind it runs on)."""
+        try:
+            answers = flight.pending.result()
+        except Exception as exc:  # noqa: BLE001 - a device failure fails this batch, not the engine
+            self._failed(flight, exc)
             return
-        seconds = time.perf_counter() - started
+        # The device took the batch from when it started or the batch before it was answered,
+        # whichever came later, to now.
+        device_from = max(flight.started, self._answered_at)
+        seconds = time.perf_counter() - device_from
         row = 0
-        for request in batch:
+        for request in flight.batch:
             count = len(request.keys)
-            settle(request.future,
-                    BatchAnswer(epoch.epoch_id, answers[row:row + count], request.query_keys, state))
+            settle(request.future, BatchAnswer(flight.epoch.epoch_id, answers[row:row + count],
+                                               request.query_keys, flight.state))
             row += count
         # The cost model plans with how long a launch keeps the scheduler from the next one:
         # the device time and handing the answers out (futures' callbacks run here).
-        self.cost.observe(queries, time.perf_counter() - started)
+        self._answered_at = time.perf_counter()
+        self.cost.observe(flight.queries, self._answered_at - device_from)
         done = time.monotonic()
+        decision, batch = flight.decision, flight.batch
         self._last_launch_end[decision.lane] = done
         # how long the device sat idle with this launch's oldest query waiting: what holding for
         # a fuller batch cost (near zero for a policy that launches at once)
-        held = max(0.0, started_mono - max(self._idle_since, batch[0].arrived))
+        held = max(0.0, flight.started_mono - max(self._idle_since, batch[0].arrived))
         self._idle_since = done
-        self.stats.launched(decision, seconds, [(r.size, started_mono - r.arrived, done - r.arrived)
+        self.stats.launched(decision, seconds, [(r.size, flight.started_mono - r.arrived, done - r.arrived)
                                                 for r in batch], done, held, self._waited)
         self._waited = False
 

@@ -207,6 +207,15 @@ def launch(queue: LaneQueue, policy: BatchingPolicy, reason: str) -> Launch:
     return Launch(queue.lane, requests, queries, reason, policy.mode, policy.dispatch)
 
 
+def overlaps(decision: Launch, policies: Mapping[str, BatchingPolicy]) -> bool:
+    """Whether a launch decided while another batch is on the device starts at once, behind it.
+
+    Only a full batch does: waiting for the device could not make it larger, and starting it
+    now hides the host's work between launches (answers handed out, the next keys staged). A
+    smaller one waits for the device, so that queries arriving meanwhile can still join it."""
+    return decision.queries >= policies[decision.lane].max_batch
+
+
 def expiry_cutoff(policy: BatchingPolicy, now: float) -> float:
     """Requests that arrived before this instant can no longer start within the lane's timeout."""
     return now - policy.queue_timeout_ms / 1000

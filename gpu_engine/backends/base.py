@@ -33,6 +33,16 @@ class DispatchShape:
             raise ValueError(f"streams must be in 1..8, got {self.streams}")
 
 
+class PendingAnswer:
+    """A batch a backend has started; result() waits for it and returns its answers."""
+
+    def __init__(self, answers: np.ndarray) -> None:
+        self._answers = answers
+
+    def result(self) -> np.ndarray:
+        return self._answers
+
+
 class ResidentMatrix(ABC):
     """One epoch's matrix held on a backend's device; answers batches of keys against it."""
 
@@ -48,6 +58,13 @@ class ResidentMatrix(ABC):
     @abstractmethod
     def answer(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
         """Answers for every key: uint8 array of shape (len(keys), PAGE_BYTES)."""
+
+    def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> PendingAnswer:
+        """Start answering `keys` and return at once where the device runs apart from the host
+        (CUDA), so the engine hands out one batch's answers while the next one runs; here the
+        answers are computed before it returns. At most two batches are started and not yet
+        collected at a time."""
+        return PendingAnswer(self.answer(keys, dispatch))
 
     @abstractmethod
     def write_rows(self, rows: Mapping[int, bytes]) -> None:

@@ -18,9 +18,9 @@ from gpu_engine.backends.base import (
     Backend,
     BackendUnavailable,
     DispatchShape,
+    PendingAnswer,
     ProgressFn,
     ResidentMatrix,
-    empty_answers,
 )
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
 from gpu_engine.dpf import KeyBatch
@@ -107,6 +107,19 @@ class _DispatchState:
         ]
 
 
+class _Started(PendingAnswer):
+    """A batch queued on the device; result() waits for its streams and copies its answers out."""
+
+    def __init__(self, resident: "CudaResident", key: tuple, state: _DispatchState) -> None:
+        self._resident, self._key, self._state = resident, key, state
+        self._answers: Optional[np.ndarray] = None
+
+    def result(self) -> np.ndarray:
+        if self._answers is None:
+            self._answers = self._resident._collect(self._key, self._state)
+        return self._answers
+
+
 class CudaResident(ResidentMatrix):
     """One epoch's pages in GPU memory as a (num_pages, 1024) u32 array."""
 
@@ -117,6 +130,7 @@ class CudaResident(ResidentMatrix):
         self._pages = pages
         self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(8)]
         self._states: "collections.OrderedDict[tuple, _DispatchState]" = collections.OrderedDict()
+        self._started: set = set()  # keys of the states whose batch is started and not collected
         self._lock = threading.Lock()
         # scan tuning; the benchmarks vary these, the engine keeps the defaults
         self.max_group_keys = launch.DEFAULT_MAX_GROUP_KEYS
@@ -135,8 +149,13 @@ class CudaResident(ResidentMatrix):
         return launch.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks)
 
-    def _state(self, num_keys: int, dispatch: DispatchShape) -> _DispatchState:
-        key = (num_keys, dispatch, self.max_group_keys, self.chunk_levels)
+    def _state(self, num_keys: int, dispatch: DispatchShape) -> Tuple[tuple, _DispatchState]:
+        """The buffers (and graphs) of this batch shape that no started batch is using: a second
+        set where the engine starts a batch while one of the same shape still runs."""
+        shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels)
+        key = shape + (1 if shape + (0,) in self._started else 0,)
+        if key in self._started:
+            raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
         state = self._states.get(key)
         if state is None:
             ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
@@ -155,24 +174,36 @@ class CudaResident(ResidentMatrix):
             while len(self._states) > MAX_CACHED_SHAPES:
                 self._states.popitem(last=False)
         self._states.move_to_end(key)
-        return state
+        return key, state
 
     def answer(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
+        return self.start(keys, dispatch).result()
+
+    def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> "_Started":
+        """Queue the batch on its streams and return without waiting for the device."""
         self.check_keys(keys)
         launch.check_key_batch(keys, self.domain_bits)
         records = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock:
             pages = self._live()
-            state = self._state(len(keys), dispatch)
+            key, state = self._state(len(keys), dispatch)
             state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
             for item in state.launches:
                 item.stage_keys(records)
                 item.run(pages, state.out_host, dispatch.graph)
+            self._started.add(key)
+        return _Started(self, key, state)
+
+    def _collect(self, key: tuple, state: _DispatchState) -> np.ndarray:
+        try:
             for stream in {id(item.stream): item.stream for item in state.launches}.values():
                 stream.synchronize()
-            answers = empty_answers(len(keys))
-            answers[...] = state.out_host.view(np.uint8)
-        return answers
+            # one copy out of the pinned buffer, which the next batch of this shape reuses; keys
+            # the kernels never wrote are still poison there (filled by start)
+            return state.out_host.view(np.uint8).copy()
+        finally:
+            with self._lock:
+                self._started.discard(key)
 
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
         idx, data = launch.check_rows(rows, self.num_pages * ROWS_PER_PAGE)
@@ -230,8 +261,9 @@ class CudaBackend(Backend):
 
     def _allocate(self, num_pages: int, domain_bits: int):
         need = num_pages * PAGE_BYTES
-        # room for the largest batch (32 queries) to run beside the matrix
-        working = HEADROOM_BYTES + launch.workspace_bytes(
+        # room for two of the largest batches (32 queries) beside the matrix: the engine starts
+        # the next batch while one runs
+        working = HEADROOM_BYTES + 2 * launch.workspace_bytes(
             launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks))
         free, total = runtime.memGetInfo()
         if need + working > free:
