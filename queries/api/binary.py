@@ -209,7 +209,7 @@ def answered_queries(response) -> int:
     """Queries a successful batch response answers, in either encoding (for the metrics)."""
     if isinstance(response.data, (bytes, bytearray)):
         return len(response.data) // ANSWER_BYTES
-    return len(response.data["results"])
+    return response.data.queries  # an AnswerBody
 
 
 class JSONErrorsMixin:

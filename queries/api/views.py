@@ -5,7 +5,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.conf import settings
 from rest_framework.permissions import AllowAny
-from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -37,12 +36,12 @@ from queries.api.binary import (
     state_headers,
     wants_binary,
 )
+from queries.api.answers import AnswerBody, AnswerJSONRenderer
 from queries.api.errors import Unavailable, unavailable
 from queries.api.parsers import StrictJSONParser
 from queries.api.serializers import (
     BatchQuerySerializer,
     EpochSerializer,
-    PageAnswerSerializer,
     PageQuerySerializer,
 )
 
@@ -146,7 +145,7 @@ class QueryAPIView(JSONErrorsMixin, PublicAPIView):
     """A query endpoint: JSON (hex) or binary bodies in, JSON or binary answers out."""
 
     parser_classes = [StrictJSONParser, OctetStreamParser]
-    renderer_classes = [JSONRenderer, OctetStreamRenderer]  # JSON unless Accept asks for binary
+    renderer_classes = [AnswerJSONRenderer, OctetStreamRenderer]  # JSON unless Accept asks for binary
     content_negotiation_class = QualityNegotiation
     accepted_content_types = "application/json or application/octet-stream"
     binary_serializer_class: type
@@ -170,9 +169,7 @@ class PageQueryView(QueryAPIView):
         result = answer(engine, epoch, data)
         if wants_binary(request):
             return binary_answer(result)
-        body = {"epoch_id": result.epoch_id}
-        body.update(PageAnswerSerializer(result.pages[0]).data)
-        return Response(body, headers=state_headers(result.state))
+        return Response(AnswerBody(result, single=True), headers=state_headers(result.state))
 
 
 class BatchPageQueryView(QueryAPIView):
@@ -189,10 +186,4 @@ class BatchPageQueryView(QueryAPIView):
         result = answer(engine, epoch, data)
         if wants_binary(request):
             return binary_answer(result)
-        return Response(
-            {
-                "epoch_id": result.epoch_id,
-                "results": [PageAnswerSerializer(pages).data for pages in result.pages],
-            },
-            headers=state_headers(result.state),
-        )
+        return Response(AnswerBody(result, single=False), headers=state_headers(result.state))
