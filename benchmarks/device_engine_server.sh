@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 11's figures: GPU tests, then HTTP through the engine server against
-# the engine alone. Run from the repo root on the device with the Django/Celery wheels in .whl:
+# the engine alone (PROFILE=1: with py-spy profiles of both tiers). Run from the repo root on the
+# device with the Django/Celery wheels in .whl:
 #   bash benchmarks/device_engine_server.sh [PAGES] [extra http_vs_engine.py options]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -14,7 +15,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py ${EXTRA_TESTS:-} \
         2>&1 | tail -15 | tee "$OUT/tests.log"
 fi
-timeout 500 python3 benchmarks/http_vs_engine.py --backend cuda --pages "$PAGES" --out "$OUT/http_vs_engine.csv" --folder /tmp/hve "$@" \
+# PROFILE=1: py-spy profiles of the engine server and a web worker in each closed loop, summed up
+PROFILE_ARGS=(); [ -n "${PROFILE:-}" ] && PROFILE_ARGS=(--profile /tmp/profiles) && mkdir -p /tmp/profiles
+export PATH=/tmp/site/bin:$PATH
+timeout 500 python3 benchmarks/http_vs_engine.py --backend cuda --pages "$PAGES" --out "$OUT/http_vs_engine.csv" --folder /tmp/hve "${PROFILE_ARGS[@]}" "$@" \
     2>&1 | tee "$OUT/bench.log"
+[ -n "${PROFILE:-}" ] && python3 benchmarks/profile_summary.py --seconds 6 --rate 200 --top 45 /tmp/profiles/*.txt > "$OUT/profiles.txt"
 for f in /tmp/hve/party-*/*.log; do [ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }; done > "$OUT/party_tail.log" 2>/dev/null
 cat "$OUT/http_vs_engine.csv"

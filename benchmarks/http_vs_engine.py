@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -38,6 +39,8 @@ from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_fi
 from gpu_engine.protocol import PAGE_BYTES  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY as KEYS  # noqa: E402
 
+PROFILE_SECONDS = 6  # py-spy's sampling time within a 10 s closed loop (s)
+PROFILE_RATE = 200  # py-spy's samples per second
 COLUMNS = ("pages", "domain_bits", "figure", "http_qps", "engine_qps", "ratio", "p50_ms",
            "p95_ms", "p99_ms", "non_200", "note")
 
@@ -47,7 +50,8 @@ def log(message: str) -> None:
 
 
 def engine_capacity(backend_name: str, matrix_path: Path, rng) -> tuple[float, float, dict]:
-    """(q/s of 32-query batches back to back, ms of one query, {key hex: answer}) on the backend."""
+    """(q/s of 32-query batches back to back, each started while the one before runs, as the
+    engine does with full batches; ms of one query; {key hex: answer}) on the backend."""
     backend = create_backend(backend_name)
     matrix = load_matrix(matrix_path)
     resident = backend.load(matrix)
@@ -60,8 +64,12 @@ def engine_capacity(backend_name: str, matrix_path: Path, rng) -> tuple[float, f
             resident.answer(one)
         reps = 20
         started = time.perf_counter()
-        for _ in range(reps):
-            resident.answer(full)
+        running = resident.start(full)
+        for _ in range(reps - 1):  # as the engine runs full batches: the next one behind each
+            behind = resident.start(full)
+            running.result()
+            running = behind
+        running.result()
         batch_s = (time.perf_counter() - started) / reps
         started = time.perf_counter()
         for _ in range(reps):
@@ -187,17 +195,32 @@ def host_busy() -> tuple[float, float]:
     return sum(values) - idle, sum(values)
 
 
-def where_cpu_went(party: Party, run) -> tuple[Load, str]:
+def where_cpu_went(party: Party, run, profile: Optional[Path] = None) -> tuple[Load, str]:
     """Run `run()` (a closed loop) and say what CPU it cost: per request in the web workers and
-    the engine server, and how busy the host was (the client processes share it)."""
+    the engine server, and how busy the host was (the client processes share it). With
+    `profile` (a path prefix), py-spy samples the engine server and one web worker meanwhile."""
     web, engine = party.pids("web"), party.pids("engine")
     web0, engine0, (busy0, total0) = cpu_seconds(web), cpu_seconds(engine), host_busy()
+    spies = [] if profile is None else [py_spy(pid, Path(f"{profile}-{name}.txt"), gil)
+                                        for name, pid, gil in (("engine", engine[0], True),
+                                                               ("web", web[-1], False))]
     load = run()
+    for spy in spies:
+        spy.wait()
     busy1, total1 = host_busy()
     requests = max(1, sum(load.statuses.values()))
     return load, (f"CPU per request: web {1e3 * (cpu_seconds(web) - web0) / requests:.2f} ms, "
                   f"engine server {1e3 * (cpu_seconds(engine) - engine0) / requests:.2f} ms; "
                   f"host {100 * (busy1 - busy0) / max(1, total1 - total0):.0f}% busy")
+
+
+def py_spy(pid: int, out: Path, gil: bool) -> subprocess.Popen:
+    """py-spy sampling `pid` for PROFILE_SECONDS into a raw (collapsed stacks) file; with `gil`,
+    only samples where a thread holds the GIL, so their count over the time says how busy the
+    interpreter was."""
+    argv = ["py-spy", "record", "-f", "raw", "-r", str(PROFILE_RATE), "-d", str(PROFILE_SECONDS),
+            "-o", str(out), "-p", str(pid)] + (["--gil"] if gil else [])
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
@@ -222,15 +245,18 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
         rows.append(row(pages, d, "cold_first_1000_singles", cold, capacity,
                         note=f"ready {party.ready_s:.1f} s after serve_engine started"))
         log(f"  first 1000: p99 {cold.quantile(0.99) * 1e3:.1f} ms, statuses {cold.statuses}")
+        prefix = f"{args.profile}/{pages}" if args.profile else None
         single, cpu = where_cpu_went(party, lambda: closed_loop(
             url, "/query/page/gpu", singles, args.client_procs,
-            args.single_clients // args.client_procs, args.seconds))
+            args.single_clients // args.client_procs, args.seconds),
+            prefix and Path(f"{prefix}-single"))
         rows.append(row(pages, d, f"http_single_{args.single_clients}_clients", single, capacity,
                         note=cpu))
         log(f"  singles: {single.rate():,.0f} q/s ({single.rate() / capacity:.2f}), {single.statuses}")
         batch, cpu = where_cpu_went(party, lambda: closed_loop(
             url, "/query/page/gpu/batch", batches, args.client_procs,
-            max(1, args.batch_clients // args.client_procs), args.seconds))
+            max(1, args.batch_clients // args.client_procs), args.seconds),
+            prefix and Path(f"{prefix}-batch"))
         rows.append(row(pages, d, f"http_batch32_{args.batch_clients}_clients", batch, capacity,
                         scale=32, note=cpu))
         log(f"  batches: {batch.rate() * 32:,.0f} q/s ({batch.rate() * 32 / capacity:.2f}), "
@@ -238,7 +264,7 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
         raw, cpu = where_cpu_went(party, lambda: closed_loop(
             url, "/query/page/gpu/batch", binary_bodies(d, 32, 16, rng), args.client_procs,
             max(1, args.batch_clients // args.client_procs), args.seconds,
-            content_type="application/octet-stream"))
+            content_type="application/octet-stream"), prefix and Path(f"{prefix}-binary"))
         rows.append(row(pages, d, f"http_batch32_binary_{args.batch_clients}_clients", raw,
                         capacity, scale=32, note=f"docs/PROTOCOL.md section 5.3 encoding; {cpu}"))
         log(f"  binary batches: {raw.rate() * 32:,.0f} q/s ({raw.rate() * 32 / capacity:.2f}), "
@@ -311,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bulk-queries", type=int, default=10000)
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--profile", help="a folder: py-spy profiles of the engine server and a "
+                                          "web worker during each closed loop")
     parser.add_argument("--folder", help="where matrices, databases and logs go (default: a "
                                           "temporary folder, removed at the end)")
     args = parser.parse_args(argv)

@@ -206,7 +206,7 @@ def test_a_stopped_engine_server_is_noticed_by_its_deadline(party):
         assert status == 503 and health["status"] == "unavailable"
         assert metric(party.url, "pir_engine_up") == 0.0
         # silent past the deadline (or, for a web process that never heard it, not yet heard)
-        assert "did not answer" in health["failure"] or "not answered yet" in health["failure"]
+        assert "did not answer" in health["failure"] or "not answered yet" in health["failure"], health
     finally:
         os.kill(engine.pid, signal.SIGCONT)
     assert party.wait_healthy(30) < 10
