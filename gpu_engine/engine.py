@@ -379,9 +379,8 @@ class Engine:
                     self._resident.answer(keys, dispatch)
                     self.cost.observe(queries, time.perf_counter() - timed)
                     if queries == max_batch:  # a full batch may start while another runs
-                        behind = [self._resident.start(keys, dispatch) for _ in range(2)]
-                        for started in behind:
-                            started.result()
+                        for pending in [self._resident.start(keys, dispatch) for _ in range(2)]:
+                            pending.result()
             log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
                      len(dispatches), time.perf_counter() - started)
 

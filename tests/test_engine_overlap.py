@@ -68,6 +68,7 @@ class HeldBackend(NumpyBackend):
             write(rows)
 
         resident.start, resident.write_rows = start, write_rows
+        resident.answer = lambda keys, dispatch=None: start(keys, dispatch).result()  # as CUDA's
         return resident
 
     def wait_started(self, count: int) -> HeldBatch:
@@ -156,3 +157,18 @@ def test_rows_are_written_only_with_no_batch_on_the_device(held):
     backend.wait_started(2).release.set()
     matrix.write_row(7, row)
     assert _answers(after) == [a.tobytes() for a in protocol_answers(matrix, keys)]
+
+
+def test_warm_up_starts_two_full_batches_at_once(held):
+    engine, backend, _ = held
+    backend.warm_all_shapes = True  # as CUDA: every batch size, and the second buffer set
+    warming = engine.warm_up(MAX_BATCH)
+    while not warming.done():
+        with backend.changed:
+            backend.changed.wait(0.05)
+            for batch in backend.started:
+                batch.release.set()
+    warming.result(20)
+    sizes = [size for event, size in backend.log if event == "started"]
+    assert sizes == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4]
+    assert backend.log[-4:] == [("started", 4), ("started", 4), ("collected", 4), ("collected", 4)]
