@@ -8,7 +8,10 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-rm -rf /tmp/hve /tmp/profiles  # a warm machine keeps the last call's parties and profiles
+# a warm machine keeps the last call's files, and the parties of a call that failed (each in its
+# own session)
+pkill -f "gunicorn morphoweb.wsgi|manage.py serve_engine|bin/gpu-workers" && sleep 2
+rm -rf /tmp/hve /tmp/profiles
 PAGES=${1:-65536,1048576}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 nproc

@@ -58,12 +58,16 @@ class Party:
             "print(Token.objects.create(user=User.objects.create_user('bench')).key)").strip()
         self.procs: dict[str, subprocess.Popen] = {}
         started = time.monotonic()
-        self.start_engine()
-        self.start("web", [sys.executable, "-m", "gunicorn", "morphoweb.wsgi",
-                           "--bind", self.url.removeprefix("http://")])
-        if bulk_workers:
-            self.start("workers", [sys.executable, "bin/gpu-workers"])
-        self.wait_healthy(900)
+        try:
+            self.start_engine()
+            self.start("web", [sys.executable, "-m", "gunicorn", "morphoweb.wsgi",
+                               "--bind", self.url.removeprefix("http://")])
+            if bulk_workers:
+                self.start("workers", [sys.executable, "bin/gpu-workers"])
+            self.wait_healthy(900)
+        except BaseException:
+            self.stop()  # a party that did not come up leaves no process holding its port
+            raise
         self.ready_s = time.monotonic() - started
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
