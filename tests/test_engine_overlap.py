@@ -98,18 +98,20 @@ def _answers(future) -> list:
     return [page.tobytes() for page in future.result(20).answers]
 
 
-def _holding_the_scheduler_in_start(backend):
-    """Close the gate: the next batch's start() blocks until it is opened again."""
+def _full_batch_held_in_start(engine, backend, rng):
+    """Submit a full batch and keep the scheduler inside its start() (the gate closed): what is
+    submitted meanwhile is queued when the batch has started. Returns the batch's (keys, future)."""
     backend.gate.clear()
     backend.entered.clear()
+    submitted = _submit(engine, MAX_BATCH, rng)
+    assert backend.entered.wait(20)
+    return submitted
 
 
 def test_a_full_batch_starts_behind_the_running_one_and_answers_stay_in_order(held):
     engine, backend, matrix = held
     rng = np.random.default_rng(1)
-    _holding_the_scheduler_in_start(backend)
-    first_keys, first = _submit(engine, MAX_BATCH, rng)
-    assert backend.entered.wait(20)
+    first_keys, first = _full_batch_held_in_start(engine, backend, rng)
     second_keys, second = _submit(engine, MAX_BATCH, rng)  # queued while the first starts
     backend.gate.set()
     behind = backend.wait_started(2)  # started while the first is still on the device
@@ -124,9 +126,7 @@ def test_a_full_batch_starts_behind_the_running_one_and_answers_stay_in_order(he
 def test_a_batch_short_of_full_waits_for_the_device_and_takes_what_arrived_meanwhile(held):
     engine, backend, matrix = held
     rng = np.random.default_rng(2)
-    _holding_the_scheduler_in_start(backend)
-    _, first = _submit(engine, MAX_BATCH, rng)
-    assert backend.entered.wait(20)
+    _, first = _full_batch_held_in_start(engine, backend, rng)
     late = [_submit(engine, 1, rng) for _ in range(MAX_BATCH - 1)]  # queued as the first starts
     backend.gate.set()
     running = backend.wait_started(1)
