@@ -62,3 +62,19 @@ def test_batches_of_other_shapes_beside_each_other(resident):
     started.append(gpu.start(batches[3]))
     for run, keys in zip(started[1:], batches[1:]):
         assert np.array_equal(run.result(), cpu.answer(keys))
+
+
+@pytest.mark.gpu
+def test_a_batch_is_answered_without_waiting_for_the_one_started_behind_it():
+    from gpu_engine.backends.cuda import CudaBackend
+
+    matrix = random_matrix(1 << 18, seed=12)  # a 96-key batch here keeps the H100 ~3 ms
+    gpu = CudaBackend().load(matrix)
+    small, large = _keys(3, 1 << 18, 18, seed=60), _keys(96, 1 << 18, 18, seed=61)
+    for _ in range(2):  # the second round runs captured shapes, as the engine does after warm-up
+        first = gpu.start(small)
+        behind = gpu.start(large)  # queued on the same stream behind the first
+        first.result()
+        assert not behind.done()  # the first's answers did not wait for the batch behind it
+        behind.result()
+    gpu.release()

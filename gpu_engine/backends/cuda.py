@@ -105,6 +105,10 @@ class _DispatchState:
             _Launch(plan, start, stop, streams[i % len(streams)])
             for i, (plan, (start, stop)) in enumerate(zip(plans, ranges))
         ]
+        self.streams = list({id(item.stream): item.stream for item in self.launches}.values())
+        # recorded on each stream behind this batch's last copy: collecting the batch waits for
+        # these, not for the streams, where a batch started behind it may already be queued
+        self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.streams]
 
 
 class _Started(PendingAnswer):
@@ -118,6 +122,10 @@ class _Started(PendingAnswer):
         if self._answers is None:
             self._answers = self._resident._collect(self._key, self._state)
         return self._answers
+
+    def done(self) -> bool:
+        """Whether the device has finished this batch (its answers are in the pinned buffer)."""
+        return self._answers is not None or all(event.done for event in self._state.done)
 
 
 class CudaResident(ResidentMatrix):
@@ -191,13 +199,15 @@ class CudaResident(ResidentMatrix):
             for item in state.launches:
                 item.stage_keys(records)
                 item.run(pages, state.out_host, dispatch.graph)
+            for stream, event in zip(state.streams, state.done):
+                stream.record(event)
             self._started.add(key)
         return _Started(self, key, state)
 
     def _collect(self, key: tuple, state: _DispatchState) -> np.ndarray:
         try:
-            for stream in {id(item.stream): item.stream for item in state.launches}.values():
-                stream.synchronize()
+            for event in state.done:
+                event.synchronize()
             # one copy out of the pinned buffer, which the next batch of this shape reuses; keys
             # the kernels never wrote are still poison there (filled by start)
             return state.out_host.view(np.uint8).copy()
