@@ -450,8 +450,10 @@ class Engine:
                     expired = self._expire(policies, now)
                     if expired:
                         break
-                    decision = decide(self._snapshot(now), policies, self.cost.fit(), now)
-                    if isinstance(decision, Launch) and (flight is None or overlaps(decision, policies)):
+                    queues = self._snapshot(now)
+                    decision = decide(queues, policies, self.cost.fit(), now)
+                    if isinstance(decision, Launch) and (flight is None
+                                                         or overlaps(decision, queues, policies)):
                         batch = (decision, self._dequeue(decision.lane, decision.requests))
                         break
                     if flight is not None:

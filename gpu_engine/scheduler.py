@@ -20,6 +20,9 @@ SLO_MAX_UTILISATION = 0.8
 SLO_MIN_SAMPLES = 4
 # A snapshot needs no more head requests than a full batch can hold (each has >= 1 query).
 HEAD_REQUESTS = MAX_BATCH_QUERIES + 1
+# queries per second under which a lane counts as idle: a lower lane's full batch may then start
+# behind a running one (overlaps)
+QUIET_RATE = 1.0
 
 # field -> (lowest, highest, unit words used in every error message)
 POLICY_BOUNDS: Dict[str, Tuple[float, float, str]] = {
@@ -207,13 +210,25 @@ def launch(queue: LaneQueue, policy: BatchingPolicy, reason: str) -> Launch:
     return Launch(queue.lane, requests, queries, reason, policy.mode, policy.dispatch)
 
 
-def overlaps(decision: Launch, policies: Mapping[str, BatchingPolicy]) -> bool:
+def overlaps(decision: Launch, queues: Sequence[LaneQueue],
+             policies: Mapping[str, BatchingPolicy]) -> bool:
     """Whether a launch decided while another batch is on the device starts at once, behind it.
 
     Only a full batch does: waiting for the device could not make it larger, and starting it
     now hides the host's work between launches (answers handed out, the next keys staged). A
-    smaller one waits for the device, so that queries arriving meanwhile can still join it."""
-    return decision.queries >= policies[decision.lane].max_batch
+    smaller one waits for the device, so that queries arriving meanwhile can still join it. And a
+    lane's batch starts behind another only while every lane above it is idle (nothing queued,
+    fewer than QUIET_RATE queries a second arriving): else a query of the higher lane arriving
+    meanwhile would wait for two launches of the lower lane instead of one."""
+    if decision.queries < policies[decision.lane].max_batch:
+        return False
+    rank = _rank(decision.lane)
+    return all(not q.request_sizes and q.arrival_rate < QUIET_RATE
+               for q in queues if _rank(q.lane) < rank)
+
+
+def _rank(lane: str) -> int:
+    return LANES.index(lane) if lane in LANES else len(LANES)
 
 
 def expiry_cutoff(policy: BatchingPolicy, now: float) -> float:

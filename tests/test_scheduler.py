@@ -7,6 +7,8 @@ from gpu_engine.backends.base import DispatchShape
 from gpu_engine.engine import POLICY_RECHECK_S
 from gpu_engine.costmodel import CostFit, CostModel, RateMeter, fit_line
 from gpu_engine.scheduler import (
+    QUIET_RATE,
+    overlaps,
     SLO_MAX_UTILISATION,
     BatchingPolicy,
     batch_keeping_up,
@@ -334,3 +336,24 @@ def test_rate_meter_tracks_poisson_arrivals_and_forgets_after_idle():
             readings.append(meter.rate(now))
     assert sum(readings) / len(readings) == pytest.approx(200, rel=0.05)
     assert meter.rate(now + 20) < 1.0
+
+
+# -- a launch decided while another batch is on the device ----------------------------------------
+
+@pytest.mark.parametrize("queries, starts", [(32, True), (31, False), (1, False)])
+def test_only_a_full_batch_starts_behind_a_running_one(queries, starts):
+    policies = {"interactive": BatchingPolicy(max_batch=32), "bulk": BatchingPolicy()}
+    decision = Launch("interactive", 1, queries)
+    assert overlaps(decision, [q([queries], 1.0)], policies) is starts
+
+
+@pytest.mark.parametrize("interactive, starts", [
+    (q([], 1.0), True),  # idle above: the bulk batch may start behind
+    (q([], 1.0, rate=QUIET_RATE / 2), True),
+    (q([], 1.0, rate=QUIET_RATE * 40), False),  # traffic: it would wait two launches
+    (q([1], 1.0), False),  # queued above
+])
+def test_a_lower_lane_starts_behind_only_while_the_lanes_above_are_idle(interactive, starts):
+    policies = {"interactive": BatchingPolicy(), "bulk": BatchingPolicy(max_batch=32)}
+    decision = Launch("bulk", 1, 32)
+    assert overlaps(decision, [interactive, q([32, 32], 1.0, lane="bulk")], policies) is starts
