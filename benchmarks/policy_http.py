@@ -59,7 +59,7 @@ NOTE = "Made by benchmarks/policy_http.py: loadgen.bench_policies, for the HTTP 
 
 def record_fields(policy: EnginePolicy) -> Dict[str, object]:
     """The record fields that carry an engine policy: every engine field, by name."""
-    from policies.bridge import ENGINE_FIELDS
+    from policies.models import ENGINE_FIELDS
 
     return {name: getattr(policy, name) for name in ENGINE_FIELDS}
 

@@ -72,7 +72,7 @@ def vector_matrix_path(tmp_path_factory) -> Path:
 @pytest.fixture
 def serve_matrix(settings):
     """Point this process's engine at a matrix file (CPU backend); restarts it, and stops it after."""
-    from morphoweb.engine_runtime import shutdown_engine
+    from engine.holder import shutdown_engine
 
     def serve(path, **overrides):
         shutdown_engine()
@@ -188,7 +188,7 @@ def start_server(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_request_counters():
     """Each test starts with no request counted against any limit (user ids repeat per test)."""
-    from morphoweb.throttling import reset_counter
+    from queries.api.throttling import reset_counter
 
     reset_counter()
 
@@ -198,6 +198,6 @@ def _stop_live_watcher_at_the_end():
     """Stop this process's live-policy watcher before pytest closes its output streams, so the
     thread neither logs into closed files nor holds the test database at teardown."""
     yield
-    from policies.live import default_watcher
+    from engine.watcher import default_watcher
 
     default_watcher().stop()

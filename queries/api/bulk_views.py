@@ -16,8 +16,8 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
+from engine.holder import get_engine
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
-from morphoweb.engine_runtime import get_engine
 from queries import bulk
 from queries.api.binary import (
     EPOCH_IDS_HEADER,

@@ -173,7 +173,7 @@ class PageAnswerSerializer(serializers.Serializer):
         return {"pages": self.get_pages(pages)}
 
 
-class EpochSerializer(serializers.Serializer):
+class ServedEpochSerializer(serializers.Serializer):
     """`GET /epoch`: the epoch a party serves and the shape of its page PIR domain."""
 
     def to_representation(self, epoch) -> dict:
