@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from morphoweb.partyprocs import NotHealthy, free_port, isolated_env, wait_healthy  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,12 +88,6 @@ def serve_matrix(settings):
 # --- Live servers in their own processes ----------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http_json(url: str, body=None, timeout: float = 60.0):
     """(status, headers, parsed JSON) of one request; error statuses are returned, not raised."""
     data = None if body is None else json.dumps(body).encode()
@@ -123,18 +116,11 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, timeout: float = 90.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                status, _, body = http_json(self.url + "/health", timeout=5)
-                if status == 200 and body.get("status") == "ok":
-                    return self
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()[-4000:]}")
+        try:
+            wait_healthy(self.url, {"server": self.proc}, timeout)
+        except NotHealthy as exc:
+            raise AssertionError(f"{exc}:\n{self.log()[-4000:]}") from None
+        return self
 
     def wait_exit(self, timeout: float = 60.0) -> int:
         try:
@@ -153,12 +139,8 @@ class ServerProcess:
         self._log.close()
 
 
-def server_env(**values) -> dict:
-    """The environment of a child server: this one's, minus settings that would leak in."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
-    env.update({k: str(v) for k, v in values.items()})
-    return env
+# The environment of a child server: this one's, minus settings that would leak in.
+server_env = isolated_env
 
 
 @pytest.fixture(scope="module")
