@@ -76,17 +76,20 @@ BATCH_RESPONSE = {(200, "application/json"): OpenApiResponse(BATCH_RESPONSE, des
                   (200, OCTET_STREAM): _BINARY_ANSWERS}
 
 
+def response_headers(*headers: tuple[str, type, str]) -> list:
+    """(name, type, description) of each header a 200 response carries, as drf-spectacular
+    documents them."""
+    return [OpenApiParameter(name, kind, OpenApiParameter.HEADER, response=[200], description=text)
+            for name, kind, text in headers]
+
+
 def binary_answer_headers() -> list:
     """The response headers of an answer: the served state in both encodings, the epoch and count
     in binary ones (a JSON answer carries those in its body)."""
-    return [
-        OpenApiParameter(EPOCH_HEADER, int, OpenApiParameter.HEADER, response=[200],
-                         description="Binary answers: the epoch all answers were computed on."),
-        OpenApiParameter(QUERIES_HEADER, int, OpenApiParameter.HEADER, response=[200],
-                         description="Binary answers: the number of queries answered."),
-        OpenApiParameter(UPDATES_HEADER, int, OpenApiParameter.HEADER, response=[200],
-                         description="Both encodings: rows written over the epoch (served state)."),
-        OpenApiParameter(DIGEST_HEADER, str, OpenApiParameter.HEADER, response=[200],
-                         description="Both encodings: the written rows' digest, 0x hex (served "
-                                     "state, docs/PROTOCOL.md section 6)."),
-    ]
+    return response_headers(
+        (EPOCH_HEADER, int, "Binary answers: the epoch all answers were computed on."),
+        (QUERIES_HEADER, int, "Binary answers: the number of queries answered."),
+        (UPDATES_HEADER, int, "Both encodings: rows written over the epoch (served state)."),
+        (DIGEST_HEADER, str, "Both encodings: the written rows' digest, 0x hex (served state, "
+                             "docs/PROTOCOL.md section 6)."),
+    )
