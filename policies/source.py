@@ -36,22 +36,22 @@ def load_active() -> Dict[str, scheduler.BatchingPolicy]:
 
 
 class LivePolicies:
-    """The engine's PolicySource: a snapshot of the active policies, swapped whole by the watcher.
+    """The engine's PolicySource: the active policies, swapped whole by the watcher.
 
     A call costs one dict lookup: no database read per query."""
 
     def __init__(self, initial: Optional[Mapping[str, scheduler.BatchingPolicy]] = None) -> None:
         # Until the database answers (or if it never does), each lane runs its built-in default.
-        self._snapshot: Dict[str, scheduler.BatchingPolicy] = dict(DEFAULT_POLICIES)
-        self._snapshot.update(initial or {})
+        self._in_force: Dict[str, scheduler.BatchingPolicy] = dict(DEFAULT_POLICIES)
+        self._in_force.update(initial or {})
         self._listeners: list = []
         self._lock = threading.Lock()
 
     def __call__(self, lane: str) -> scheduler.BatchingPolicy:
-        return self._snapshot[lane]
+        return self._in_force[lane]
 
     def current(self) -> Dict[str, scheduler.BatchingPolicy]:
-        return dict(self._snapshot)
+        return dict(self._in_force)
 
     def on_change(self, listener) -> None:
         """Call listener() after each swap (the engine's poke, so waiting queries see it now)."""
@@ -59,20 +59,20 @@ class LivePolicies:
             self._listeners.append(listener)
 
     def apply(self, version: Any = None) -> None:
-        snapshot = dict(self._snapshot)
+        in_force = dict(self._in_force)
         loaded = load_active()
-        snapshot.update(loaded)
+        in_force.update(loaded)
         for lane in LANES:
             if lane not in loaded:
                 # The model keeps one active record per lane; only raw SQL or a broken record
                 # gets here, and the operator must hear which policy the lane runs instead.
                 log.warning("no valid active %s policy in the database: the lane keeps %s",
-                            lane, snapshot[lane].name)
-        changed = snapshot != self._snapshot
-        self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
+                            lane, in_force[lane].name)
+        changed = in_force != self._in_force
+        self._in_force = in_force  # one reference swap: readers see the old or the new, whole
         if changed:
             log.info("batching policies now: %s", ", ".join(
-                f"{lane}={p.name} ({p.mode})" for lane, p in sorted(snapshot.items())))
+                f"{lane}={p.name} ({p.mode})" for lane, p in sorted(in_force.items())))
             with self._lock:
                 listeners = list(self._listeners)
             for listener in listeners:
