@@ -26,11 +26,9 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from benchmarks import loadgen, loadgen_http  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
 from gpu_engine.scheduler import BatchingPolicy as EnginePolicy  # noqa: E402
+from morphoweb.partyprocs import NotHealthy, free_port, isolated_env, wait_healthy  # noqa: E402
 
 LANE = "interactive"
 PAGES = 256
@@ -59,7 +58,7 @@ NOTE = "Made by benchmarks/policy_http.py: loadgen.bench_policies, for the HTTP 
 
 def record_fields(policy: EnginePolicy) -> Dict[str, object]:
     """The record fields that carry an engine policy: every engine field, by name."""
-    from policies.bridge import ENGINE_FIELDS
+    from policies.models import ENGINE_FIELDS
 
     return {name: getattr(policy, name) for name in ENGINE_FIELDS}
 
@@ -122,12 +121,6 @@ def points_of(runs: Mapping[Tuple[float, str], Sequence[loadgen.Run]], modes: Se
 # --- The party -------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Party:
     """One gunicorn party on a fresh matrix and SQLite database in a folder of its own.
 
@@ -157,12 +150,10 @@ class Party:
 
     def _start(self) -> None:
         tmp = self.tmp
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
-        env.update(MORPHO_VAR_DIR=str(tmp), MORPHO_MATRIX_PATH=str(tmp / "matrix.bin"),
-                   MORPHO_ENGINE_BACKEND="cpu", DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}",
-                   MORPHO_QUERY_THROTTLE="off", MORPHO_LOG_LEVEL="WARNING",
-                   DJANGO_SETTINGS_MODULE="morphoweb.settings", CUDA_VISIBLE_DEVICES="")
+        env = isolated_env(MORPHO_VAR_DIR=tmp, MORPHO_MATRIX_PATH=tmp / "matrix.bin",
+                           MORPHO_ENGINE_BACKEND="cpu", DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}",
+                           MORPHO_QUERY_THROTTLE="off", MORPHO_LOG_LEVEL="WARNING",
+                           DJANGO_SETTINGS_MODULE="morphoweb.settings", CUDA_VISIBLE_DEVICES="")
         self.env = env
         self._manage("make_matrix", "--pages", str(self.pages), "--seed", str(self.seed),
                      "--out", str(tmp / "matrix.bin"))
@@ -175,19 +166,10 @@ class Party:
                 [sys.executable, "-m", "gunicorn", "morphoweb.wsgi", "--bind", f"127.0.0.1:{self.port}",
                  "--workers", str(WORKERS), "--threads", str(self.threads), "--timeout", "120"],
                 cwd=BASE_DIR, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.url}/health did not answer 200 in 180 s:\n{self.log_tail()}")
-            time.sleep(0.3)
+        try:
+            wait_healthy(self.url, {"gunicorn": self.proc}, 180, interval=0.3)
+        except NotHealthy as exc:
+            raise RuntimeError(f"{exc}:\n{self.log_tail()}") from None
         self.log(f"gunicorn ({WORKERS} worker x {self.threads} threads, cpu engine, {self.pages} pages) "
                  f"at {self.url}, files in {tmp}")
 

@@ -11,22 +11,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from morphoweb.partyprocs import NotHealthy, free_port, isolated_env, wait_healthy
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Party:
@@ -38,9 +32,7 @@ class Party:
         folder.mkdir(parents=True, exist_ok=True)
         self.matrix, self.folder = Path(matrix), folder
         self.url = f"http://127.0.0.1:{port or free_port()}"
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
-        self.env.update(
+        self.env = isolated_env(
             MORPHO_MATRIX_PATH=str(matrix), MORPHO_ENGINE_BACKEND=backend, MORPHO_VAR_DIR=str(folder),
             DATABASE_URL=f"sqlite:///{folder / 'db.sqlite3'}", CELERY_BROKER_URL="filesystem://",
             CELERY_FILESYSTEM_BROKER_DIR=str(folder / "broker"),
@@ -104,20 +96,12 @@ class Party:
 
     def wait_healthy(self, timeout: float) -> float:
         """Seconds until /health says ok; raises with the logs when a process exits or time runs out."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.log(name)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200 and json.loads(response.read())["status"] == "ok":
-                        return time.monotonic() - started
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.url} not healthy after {timeout} s:\n{self.log('engine')}\n"
-                           f"{self.log('web')}")
+        try:
+            return wait_healthy(self.url, self.procs, timeout, interval=0.1)
+        except NotHealthy as exc:
+            exited = [name for name, proc in self.procs.items() if proc.poll() is not None]
+            logs = [self.log(name) for name in exited] or [self.log("engine"), self.log("web")]
+            raise RuntimeError("\n".join([str(exc), *logs])) from None
 
     def pids(self, name: Optional[str] = None) -> list[int]:
         """The processes of `name` (or of the whole party), the forked children included."""

@@ -1,1 +1,1 @@
-"""The Django side of the engine server: `manage.py serve_engine` and its control operations."""
+"""The engine app: the Django side of the engine (holder, settings, health, metrics, dashboard, server)."""

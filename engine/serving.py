@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict
 from django.db import close_old_connections
 
 from gpu_engine.server import EngineServer
-from morphoweb import engine_runtime
+from engine import holder
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def _bound(engine, fn: ControlFn) -> Callable[[Dict[str, Any]], Any]:
 def serve(url: str, warm: bool = True, stop: threading.Event | None = None) -> int:
     """Run the engine server on `url` until SIGTERM/SIGINT (or `stop`); returns an exit status."""
     started = time.monotonic()
-    engine_runtime.become_engine_server()
-    engine = engine_runtime.get_engine()  # loads the matrix, follows policies and epochs live
+    holder.become_engine_server()
+    engine = holder.get_engine()  # loads the matrix, follows policies and epochs live
     server = EngineServer(engine, url, {name: _bound(engine, fn) for name, fn in _controls.items()})
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -69,4 +69,4 @@ def serve(url: str, warm: bool = True, stop: threading.Event | None = None) -> i
         return 0
     finally:
         server.stop()
-        engine_runtime.shutdown_engine()
+        holder.shutdown_engine()

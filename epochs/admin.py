@@ -4,7 +4,7 @@ from __future__ import annotations
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
-from epochs import runtime
+from epochs import sync
 from epochs.models import Epoch, EpochState, RowUpdate
 from gpu_engine.engine import SwitchMode
 
@@ -42,8 +42,8 @@ class EpochAdmin(admin.ModelAdmin):
             return
         record = queryset.get()
         try:
-            runtime.activate(record, mode)
-        except runtime.EpochSwitchError as exc:
+            sync.activate(record, mode)
+        except sync.EpochSwitchError as exc:
             self.message_user(request, f"epoch {record.epoch_id} was not activated: {exc}", messages.ERROR)
             return
         self.message_user(request, f"epoch {record.epoch_id} is active; every engine of this party "
@@ -74,7 +74,7 @@ class RowUpdateAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         # Acknowledged (the page reloads) only once this process's engine applied it.
         obj.created_by = request.user
-        runtime.save_updates([obj])
+        sync.save_updates([obj])
 
     def has_change_permission(self, request, obj=None):
         return obj is None  # an update is a durable record: push a new one instead of editing

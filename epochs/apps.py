@@ -1,5 +1,9 @@
-"""App configuration for epochs: the production settings check, metrics, engine server controls."""
+"""App configuration for epochs: engines follow the database's epoch, metrics, engine controls."""
 from django.apps import AppConfig
+
+from engine import dashboard
+from engine.serving import register_control
+from engine.signals import engine_started
 
 
 class EpochsConfig(AppConfig):
@@ -8,18 +12,15 @@ class EpochsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Imported for its @register side effect; refusing to start a production process with
-        # unsafe settings happens here because gunicorn and Celery never run `manage.py check`.
-        from morphoweb import checks
+        # These modules read the models: they load once the app registry is ready, here.
+        from epochs import sync
+        from epochs.metrics import dashboard_figures, register_collector
 
-        checks.enforce_production_settings()
-        from epochs.metrics import register_collector
-
+        # Every engine this process starts serves the database's epoch and row updates first.
+        engine_started.connect(sync.adopt, dispatch_uid="epochs.adopt")
         register_collector()
+        dashboard.add_figures(dashboard_figures)
         # Epoch switches and row updates happen where the Engine is: in the engine server when
         # web and worker processes use one.
-        from engine.serving import register_control
-        from epochs.runtime import activate_by_pk, sync_now
-
-        register_control("activate", activate_by_pk)
-        register_control("sync", sync_now)
+        register_control("activate", sync.activate_by_pk)
+        register_control("sync", sync.sync_now)

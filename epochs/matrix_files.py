@@ -12,8 +12,7 @@ import re
 import stat
 from pathlib import Path
 
-from django.conf import settings
-
+from engine.config import engine_settings
 from gpu_engine.matrix import file_digest, read_epoch_metadata
 
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
@@ -25,9 +24,7 @@ class MatrixPathError(ValueError):
 
 def matrix_dir() -> Path:
     """The matrix directory, resolved: MORPHO_MATRIX_DIR, else the folder of MORPHO_MATRIX_PATH."""
-    configured = settings.MORPHO_MATRIX_DIR
-    base = Path(configured) if configured else Path(settings.MORPHO_MATRIX_PATH).parent
-    return Path(os.path.realpath(base))
+    return Path(os.path.realpath(engine_settings().matrix_folder))
 
 
 def _outside(root: Path, given: str) -> MatrixPathError:
@@ -53,8 +50,7 @@ def confine(given) -> Path:
     text = str(given)
     if not text or "\x00" in text or ".." in Path(text).parts:
         raise _outside(root, text)
-    configured = settings.MORPHO_MATRIX_DIR or Path(settings.MORPHO_MATRIX_PATH).parent
-    spelled = Path(os.path.abspath(configured))  # the directory as configured, before symlinks
+    spelled = Path(os.path.abspath(engine_settings().matrix_folder))  # the directory as configured, before symlinks
     candidate = Path(text)
     if not candidate.is_absolute():
         candidate = root / candidate

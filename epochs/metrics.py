@@ -1,23 +1,26 @@
-"""Prometheus figures of epochs and the device: served epoch, pending row updates, device memory."""
+"""Prometheus figures of epochs and the device (served epoch, pending row updates, device memory),
+and the operator dashboard's epoch rows (the active record, the latest pending row updates)."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
 
-from gpu_engine.engine import EngineBusy
-from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
+from engine.holder import peek_engine
+from engine.metrics import register_once
+from epochs.models import Epoch, RowUpdate, UpdateState
+from gpu_engine.engine import EngineBusy
+
 log = logging.getLogger(__name__)
+
+RECENT_UPDATES = 10
 
 
 class EpochCollector:
     """Read at scrape time from this process's engine and the database; builds no engine."""
 
     def collect(self) -> Iterable:
-        from morphoweb.engine_runtime import peek_engine
-
         engine = peek_engine()
         if engine is None:
             return
@@ -31,8 +34,6 @@ class EpochCollector:
                              "domain_bits": str(epoch.matrix.domain_bits)})
         yield info
         try:
-            from epochs.models import RowUpdate, UpdateState
-
             pending = RowUpdate.objects.filter(epoch_id=epoch.epoch_id, state=UpdateState.PENDING).count()
         except Exception as exc:  # noqa: BLE001 - a scrape must not fail because the DB is away
             log.debug("pending row updates not counted: %s", exc)
@@ -51,14 +52,21 @@ class EpochCollector:
         yield memory
 
 
-_registered = False
-_lock = threading.Lock()
-
-
-def register_collector(registry=REGISTRY) -> None:
+def register_collector() -> None:
     """Export the epoch figures from this process's registry (once)."""
-    global _registered
-    with _lock:
-        if not _registered:
-            registry.register(EpochCollector())
-            _registered = True
+    register_once("epochs", EpochCollector)
+
+
+def dashboard_figures() -> dict:
+    """The dashboard's active epoch record and latest pending row updates."""
+    record = Epoch.objects.active()
+    updates = RowUpdate.objects.filter(state=UpdateState.PENDING).order_by("-pk")[:RECENT_UPDATES]
+    return {
+        "active_record": None if record is None else {
+            "epoch_id": record.epoch_id, "block_number": record.block_number,
+            "matrix_path": record.matrix_path, "activated": record.activated.isoformat() if record.activated else None,
+            "message": record.message,
+        },
+        "recent_updates": [{"id": u.pk, "epoch_id": u.epoch_id, "row": u.row,
+                            "created": u.created.isoformat()} for u in updates],
+    }

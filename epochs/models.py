@@ -1,13 +1,17 @@
 """Epoch records (a matrix file plus its metadata) and row updates pushed between epochs."""
 from __future__ import annotations
 
+import os
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from engine import holder
+from engine.config import engine_settings
 from epochs.matrix_files import MatrixPathError, check_matrix_file, file_identity
-from gpu_engine.engine import SwitchMode
-from gpu_engine.matrix import Epoch as EngineEpoch
+from gpu_engine.engine import EngineBusy, SwitchMode
+from gpu_engine import matrix as engine_matrix
 from gpu_engine.matrix import (
     PAGE_BYTES,
     ROW_BYTES,
@@ -15,6 +19,7 @@ from gpu_engine.matrix import (
     MatrixChanged,
     domain_bits_for,
     load_matrix,
+    read_epoch_metadata,
 )
 from gpu_engine.protocol import parse_hex
 
@@ -162,7 +167,7 @@ class Epoch(models.Model):
         self.size_bytes, self.sha256 = file_identity(path, size)
         return None
 
-    def load(self) -> EngineEpoch:
+    def load(self) -> engine_matrix.Epoch:
         """The gpu_engine Epoch of this record: the file read into memory and checked against the
         size and SHA-256 recorded with it (MatrixChanged, a ValueError, when it differs)."""
         # Checked again: the directory setting or a folder on the way may have changed since.
@@ -178,7 +183,7 @@ class Epoch(models.Model):
                 raise MatrixChanged(f"matrix file {path} changed since epoch {self.epoch_id} was "
                                     f"first loaded: sha256 {matrix.sha256}, expected {pinned}")
             self.size_bytes, self.sha256 = matrix.size_bytes, matrix.sha256
-        return EngineEpoch(
+        return engine_matrix.Epoch(
             epoch_id=self.epoch_id,
             matrix=matrix,
             block_number=self.block_number,
@@ -224,8 +229,6 @@ class RowUpdate(models.Model):
         return parse_hex(self.data, ROW_BYTES)
 
     def clean(self) -> None:
-        from epochs.runtime import current_epoch_shape
-
         errors = {}
         try:
             self.data = "0x" + parse_hex(self.data or "", ROW_BYTES).hex()
@@ -245,3 +248,43 @@ class RowUpdate(models.Model):
             )
         if errors:
             raise ValidationError(errors)
+
+
+def _served_engine():
+    """Whatever this process reads the served epoch from: its Engine or the engine server."""
+    engine = holder.peek_engine()
+    if engine is None and holder.is_remote():
+        engine = holder.get_engine()
+    return engine
+
+
+def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
+    """(epoch_id, num_rows) of the epoch served now, or of `epoch_id`; LookupError if unknown."""
+    record = Epoch.objects.active() if epoch_id is None else Epoch.objects.filter(epoch_id=epoch_id).first()
+    if record is not None and record.num_pages:
+        return record.epoch_id, record.num_rows
+    engine = _served_engine()
+    if engine is not None:
+        try:
+            served = engine.epoch
+        except EngineBusy as exc:
+            raise LookupError(f"no epoch is being served: {exc.reason}") from None
+        if epoch_id is None or served.epoch_id == epoch_id:
+            return served.epoch_id, served.matrix.num_rows
+        if holder.is_remote():
+            raise LookupError(f"epoch {epoch_id} is not known to this server")
+    # No engine in this process (a Celery worker, manage.py): the file and its sidecar say, without
+    # reading the whole matrix.
+    path = engine_settings().matrix_path
+    try:
+        size = os.path.getsize(path)
+        served_id = int(read_epoch_metadata(path).get("epoch_id", 1))
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"no epoch is being served: {exc}") from None
+    if size == 0:
+        raise LookupError(
+            f"no epoch is being served: matrix file {path} is empty"
+        )
+    if epoch_id is not None and served_id != epoch_id:
+        raise LookupError(f"epoch {epoch_id} is not known to this server")
+    return served_id, -(-size // PAGE_BYTES) * ROWS_PER_PAGE

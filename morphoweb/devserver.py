@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Optional
+
+from morphoweb.partyprocs import NotHealthy, wait_healthy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RESTART_DELAY_S = 1.0  # pause before an engine server that died is started again
@@ -99,28 +99,6 @@ def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
     return env
 
 
-def _health(url: str) -> Optional[int]:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-def _wait_healthy(url: str, children: list[Child], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for child in children:
-            if not child.alive():
-                raise SystemExit(f"{child.name} exited with status {child.proc.returncode}; see above")
-        if _health(url) == 200:
-            return
-        time.sleep(0.3)
-    raise SystemExit(f"{url}: not healthy after {timeout:.0f} s")
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -189,7 +167,11 @@ def main(argv=None) -> int:
             children += [child.start() for child in party]
         urls = {name: f"http://{args.host}:{port}" for name, port in ports.items()}
         for name, url in urls.items():
-            _wait_healthy(url, [c for c in children if c.name.endswith(f"-{name}")], timeout=600)
+            party = {c.name: c.proc for c in children if c.name.endswith(f"-{name}")}
+            try:
+                wait_healthy(url, party, timeout=600, interval=0.3)
+            except NotHealthy as exc:
+                raise SystemExit(f"{exc}; see above") from None
         print(
             f"\nparty A: {urls['a']}  (GET /health, /epoch; POST /query/page/gpu[/batch])\n"
             f"party B: {urls['b']}\n"

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Optional
 
-from morphoweb.middleware import declared_length_error, header_error, length_required
+from engine.json_errors import header_error
+from morphoweb.middleware import declared_length_error, length_required
 from morphoweb.spool import Spool
 
 # gunicorn's own limits (limit_request_line, limit_request_field_size, limit_request_fields):

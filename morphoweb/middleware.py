@@ -6,6 +6,8 @@ from django.conf import settings
 from django.http import JsonResponse
 from django.urls import is_valid_path
 
+from engine.json_errors import header_error
+
 
 BULK_PREFIX = "/bulk/"  # bulk job submissions carry up to MORPHO_BULK_MAX_QUERIES queries
 # HTML pages keep Django's redirect to the slashed path, so the browser shows the canonical URL.
@@ -17,12 +19,6 @@ def body_limit(path: str) -> tuple[int, str]:
     if path.startswith(BULK_PREFIX):
         return settings.MORPHO_BULK_MAX_BODY_BYTES, "MORPHO_BULK_MAX_BODY_BYTES"
     return settings.MORPHO_MAX_BODY_BYTES, "MORPHO_MAX_BODY_BYTES"
-
-
-def header_error(status: int, field: str, code: str, message: str) -> JsonResponse:
-    """An error about the request as a whole, in the shape of the API's other errors."""
-    error = {"field": field, "query": None, "key": None, "code": code, "message": message}
-    return JsonResponse({"detail": f"{field}: {message}", "errors": [error]}, status=status)
 
 
 def length_required() -> JsonResponse:

@@ -1,10 +1,9 @@
-"""Root URL configuration: a landing page, the PIR API at the root, the admin, docs and metrics."""
+"""Root URL configuration: a landing page, health, the PIR API at the root, the admin, docs, the
+dashboard and metrics."""
 from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import TemplateView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
-
-from morphoweb import dashboard
 
 urlpatterns = [
     # What a person opening the server (or the admin's "View site") finds: where to go next.
@@ -12,13 +11,12 @@ urlpatterns = [
     # Browsers ask every site for one; a 404 here would be an error in every page's console.
     path("favicon.ico",
          TemplateView.as_view(template_name="favicon.svg", content_type="image/svg+xml")),
+    path("", include("engine.urls")),  # /health, /dashboard/
     path("", include("queries.api.urls")),
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    path("dashboard/", dashboard.dashboard, name="dashboard"),
-    path("dashboard/data", dashboard.dashboard_data, name="dashboard-data"),
     path("", include("django_prometheus.urls")),
 ]
 

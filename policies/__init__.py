@@ -1,1 +1,1 @@
-"""The policies app: batching policy records and the bridge that hands them to the engine."""
+"""The policies app: batching policy records and the policy source that hands them to the engine."""

@@ -6,13 +6,12 @@ import math
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
+from engine.holder import peek_engine
 from policies.models import BatchingPolicy
 
 
 def live_figures(lane: str) -> dict | None:
     """The engine's last-minute figures of `lane` in this process, or None without an engine."""
-    from morphoweb.engine_runtime import peek_engine
-
     engine = peek_engine()
     if engine is None:
         return None

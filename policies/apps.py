@@ -1,5 +1,8 @@
-"""App configuration for policies: exports the engine and policy metrics once the app is ready."""
+"""App configuration for policies: every engine this process builds follows the active records."""
 from django.apps import AppConfig
+
+from engine.metrics import read_policies_with
+from engine.signals import engine_built
 
 
 class PoliciesConfig(AppConfig):
@@ -8,6 +11,8 @@ class PoliciesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from policies.metrics import register_collector
+        # policies.source reads the models: it loads once the app registry is ready, here.
+        from policies.source import attach, current_policies
 
-        register_collector()
+        engine_built.connect(attach, dispatch_uid="policies.attach")
+        read_policies_with(current_policies)

@@ -1,13 +1,37 @@
 """Batching policy records: one active per lane, validated with the engine's own bounds and words."""
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any, Dict
+
 from django.core.exceptions import ValidationError
 from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, plain_number
-from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
+from gpu_engine import scheduler
+from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, plain_number, policy_errors
+
+# The engine's policy fields, which a record holds under the same names.
+ENGINE_FIELDS = tuple(f.name for f in fields(scheduler.BatchingPolicy))
+
+
+def record_values(record: Any) -> Dict[str, Any]:
+    """The engine's fields of a policy record, by name."""
+    return {name: getattr(record, name) for name in ENGINE_FIELDS}
+
+
+def record_errors(record: Any) -> Dict[str, str]:
+    """Field -> message in the engine's words; fields still empty are left to Django's own check."""
+    values = record_values(record)
+    return {name: message for name, message in policy_errors(values).items()
+            if values.get(name) is not None}
+
+
+def engine_policy(record: Any) -> scheduler.BatchingPolicy:
+    """The immutable engine policy of a record (the one place a record becomes one); raises
+    PolicyError when it is out of range."""
+    return scheduler.BatchingPolicy(**record_values(record))
 
 
 def _help(field: str, text: str) -> str:
@@ -15,7 +39,7 @@ def _help(field: str, text: str) -> str:
     return f"{text} Allowed: {plain_number(lo)}..{plain_number(hi)} {unit}."
 
 
-_DEFAULT = EnginePolicy()
+_DEFAULT = scheduler.BatchingPolicy()
 
 
 class BatchingPolicy(models.Model):
@@ -72,8 +96,6 @@ class BatchingPolicy(models.Model):
 
     def clean(self) -> None:
         # The engine's own check, so the admin, any API and the engine say the same words.
-        from policies.bridge import record_errors
-
         errors = record_errors(self)
         errors.update(self.lane_errors())
         if errors:

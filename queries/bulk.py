@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterable
 from datetime import timedelta
 
+from celery import current_app
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Exists, F, Max, OuterRef, Q
@@ -17,6 +18,9 @@ from queries.models import ACTIVE, BulkChunk, BulkJob, BulkResult, JobStatus
 
 log = logging.getLogger(__name__)
 
+# The Celery task that answers one chunk (queries/tasks.py), sent by name: the task module
+# imports this one.
+ANSWER_CHUNK_TASK = "queries.answer_chunk"
 # Claims one worker tries before giving its task up: each failed try means another worker took
 # a chunk or a turn meanwhile, so the work is moving.
 CLAIM_TRIES = 100
@@ -98,10 +102,9 @@ def create_job(
 
 def send_chunk(chunk_id: int) -> bool:
     """Send one chunk's task to the GPU workers' queue; False when the broker cannot take it now."""
-    from queries.tasks import answer_chunk  # the task module imports this one
-
     try:
-        answer_chunk.apply_async(
+        current_app.send_task(
+            ANSWER_CHUNK_TASK,
             (chunk_id,),
             queue=settings.MORPHO_BULK_QUEUE,
             retry=True,

@@ -14,16 +14,18 @@ from django.db import DatabaseError, connections
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
+from engine.errors import EngineStartFailed
+from engine.holder import get_engine
 from gpu_engine.engine import EngineBusy
-from morphoweb.engine_runtime import EngineStartFailed, get_engine
 from queries import bulk
 from queries.bulk_runner import ChunkRejected, answer_queries, parse_chunk
 from queries.models import BulkChunk, JobStatus
 
 log = logging.getLogger(__name__)
 
-# Failures that pass: the engine is busy or (re)starting, the database is briefly unreachable.
-TRANSIENT = (EngineBusy, EngineStartFailed, DatabaseError)
+# Failures that pass: the engine is busy or (re)starting (EngineStartFailed is an EngineBusy), the
+# database is briefly unreachable.
+TRANSIENT = (EngineBusy, DatabaseError)
 # Seconds between writes of a running chunk's progress: launch by launch, but at most this often
 # (a GPU resolves hundreds of launches a second; each write is a database round trip).
 PROGRESS_WRITE_S = 0.25
@@ -65,7 +67,7 @@ class ChunkTask(Task):
         bulk.fail_held(task_id, f"{type(exc).__name__}: {exc}")
 
 
-@shared_task(base=ChunkTask, bind=True, name="queries.answer_chunk")
+@shared_task(base=ChunkTask, bind=True, name=bulk.ANSWER_CHUNK_TASK)
 def answer_chunk(self, chunk_id: int) -> str:
     """Claim the next chunk in turn (chunk_id is a hint: bulk.claim_chunk), answer it on this
     worker's engine (bulk lane), store its answers once; then the next in turn, for up to

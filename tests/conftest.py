@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from morphoweb.partyprocs import NotHealthy, free_port, isolated_env, wait_healthy  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +71,7 @@ def vector_matrix_path(tmp_path_factory) -> Path:
 @pytest.fixture
 def serve_matrix(settings):
     """Point this process's engine at a matrix file (CPU backend); restarts it, and stops it after."""
-    from morphoweb.engine_runtime import shutdown_engine
+    from engine.holder import shutdown_engine
 
     def serve(path, **overrides):
         shutdown_engine()
@@ -87,12 +86,6 @@ def serve_matrix(settings):
 
 
 # --- Live servers in their own processes ----------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_json(url: str, body=None, timeout: float = 60.0):
@@ -123,18 +116,11 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, timeout: float = 90.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                status, _, body = http_json(self.url + "/health", timeout=5)
-                if status == 200 and body.get("status") == "ok":
-                    return self
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()[-4000:]}")
+        try:
+            wait_healthy(self.url, {"server": self.proc}, timeout)
+        except NotHealthy as exc:
+            raise AssertionError(f"{exc}:\n{self.log()[-4000:]}") from None
+        return self
 
     def wait_exit(self, timeout: float = 60.0) -> int:
         try:
@@ -153,12 +139,8 @@ class ServerProcess:
         self._log.close()
 
 
-def server_env(**values) -> dict:
-    """The environment of a child server: this one's, minus settings that would leak in."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
-    env.update({k: str(v) for k, v in values.items()})
-    return env
+# The environment of a child server: this one's, minus settings that would leak in.
+server_env = isolated_env
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +170,7 @@ def start_server(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_request_counters():
     """Each test starts with no request counted against any limit (user ids repeat per test)."""
-    from morphoweb.throttling import reset_counter
+    from queries.api.throttling import reset_counter
 
     reset_counter()
 
@@ -198,6 +180,6 @@ def _stop_live_watcher_at_the_end():
     """Stop this process's live-policy watcher before pytest closes its output streams, so the
     thread neither logs into closed files nor holds the test database at teardown."""
     yield
-    from policies.live import default_watcher
+    from engine.watcher import default_watcher
 
     default_watcher().stop()

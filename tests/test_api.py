@@ -8,7 +8,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from gpu_engine.dpf import gen_keys, key_length
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import (
     ANSWER0_PREFIX,

@@ -35,7 +35,7 @@ def two_parties(start_server, tmp_path_factory):
 def push_row(env: dict) -> None:
     """An operator's row update, stored by another process; the party's server follows it."""
     subprocess.run([sys.executable, "manage.py", "shell", "-v0", "-c",
-                    f"from epochs.runtime import push_rows; push_rows([({ROW}, {DATA!r})])"],
+                    f"from epochs.sync import push_rows; push_rows([({ROW}, {DATA!r})])"],
                    cwd=REPO, env=env, check=True, timeout=300)
 
 

@@ -8,9 +8,9 @@ import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from epochs import runtime
+from epochs import sync
 from gpu_engine.dpf import gen_keys
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_page_and_data_show_what_metrics_exports(staff, serve_matrix, vector_mat
     rng = np.random.default_rng(2)
     keys = [gen_keys(p, 8, rng=rng)[0].to_bytes().hex() for p in (1, 2, 3)]
     assert APIClient().post("/query/page/gpu", {"keys": keys}, format="json").status_code == 200
-    runtime.push_rows([(17, bytes(256))])
+    sync.push_rows([(17, bytes(256))])
 
     metrics = staff.get("/metrics").content.decode()
     data = staff.get("/dashboard/data").json()
@@ -69,7 +69,7 @@ def test_bulk_jobs_in_flight_are_listed(staff):
 
 
 def test_without_an_engine_the_page_says_not_available(staff):
-    from morphoweb.engine_runtime import shutdown_engine
+    from engine.holder import shutdown_engine
 
     shutdown_engine()
     page = staff.get("/dashboard/").content.decode()

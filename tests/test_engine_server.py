@@ -24,7 +24,7 @@ PAGES = 40  # d = 6
 
 
 class Policies:
-    """A policy source the test swaps, as the live-policy bridge does."""
+    """A policy source the test swaps, as the policies app's policy source does."""
 
     def __init__(self, **interactive) -> None:
         self.current = {"interactive": BatchingPolicy(name="test-interactive", **interactive),

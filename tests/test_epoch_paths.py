@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 
 from epochs.models import Epoch
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 
 PAGES = 16
 SECRET = b"root:$6$not-a-real-hash:19000:0:99999:7:::\n" * 100  # 4,300 bytes of "secrets"

@@ -11,7 +11,7 @@ from epochs.models import Epoch, EpochState, RowUpdate, UpdateState
 from gpu_engine.backends.cpu import reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import ROW_BYTES, load_matrix, write_epoch_metadata, write_matrix_file
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 
 PAGES = 64  # 1024 rows, domain_bits 6
 
@@ -208,7 +208,7 @@ def test_answers_match_the_reference_for_the_named_epoch(served, operator, matri
 
 def test_load_epoch_from_a_process_without_an_engine_is_followed_at_engine_start(db, serve_matrix, matrices):
     # `manage.py load_epoch --activate` runs beside the servers: it only records the switch.
-    from morphoweb.engine_runtime import peek_engine, shutdown_engine
+    from engine.holder import peek_engine, shutdown_engine
 
     shutdown_engine()
     serve_matrix(matrices[1])
@@ -235,9 +235,9 @@ def test_switch_to_a_larger_epoch_changes_the_domain_clients_see(served, operato
 
 
 def test_listings_are_paged_newest_first(served, operator):
-    from epochs import runtime
+    from epochs import sync
 
-    runtime.push_rows([(row, row_bytes(row)) for row in range(5)])
+    sync.push_rows([(row, row_bytes(row)) for row in range(5)])
     page = operator.get("/api/row-updates/?limit=2").json()
     assert page["count"] == 5 and [u["row"] for u in page["results"]] == [4, 3]
     assert "offset=2" in page["next"]

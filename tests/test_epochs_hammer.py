@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from rest_framework.test import APIClient
 
-from epochs import runtime
+from epochs import sync
 from epochs.models import Epoch
 from gpu_engine.backends.cpu import reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import ROW_BYTES, load_matrix, write_epoch_metadata, write_matrix_file
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 
 PAGES = 64
 DOMAIN_BITS = 6
@@ -102,14 +102,14 @@ def test_hammer_queries_while_epochs_switch_and_updates_land(db, serve_matrix, t
                 data = rng.integers(0, 256, ROW_BYTES, dtype=np.uint8).tobytes()
                 rows = {**snapshots[-1].rows, row: data}
                 step(snapshots[-1].epoch_id, rows,
-                     lambda row=row, data=data: runtime.push_rows([(row, data)]))
+                     lambda row=row, data=data: sync.push_rows([(row, data)]))
             record = Epoch(epoch_id=next_epoch, matrix_path=str(paths[next_epoch]),
                            pending_updates=pending, switch_mode=mode)
             record.full_clean()
             record.save()
             kept = dict(snapshots[-1].rows) if pending == "absorb" else {}
             time.sleep(0.03)
-            step(next_epoch, kept, lambda record=record: runtime.activate(record))
+            step(next_epoch, kept, lambda record=record: sync.activate(record))
         # The last state is served from here on: on a loaded machine the plan can end before
         # the threads have asked enough, so they go on until they have (at most 30 s).
         deadline = time.monotonic() + 30

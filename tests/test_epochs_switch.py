@@ -107,7 +107,7 @@ def small_device_party(db, serve_matrix, tmp_path, monkeypatch):
 
     from epochs.models import Epoch as EpochRecord
     from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
-    from morphoweb.engine_runtime import get_engine
+    from engine.holder import get_engine
 
     paths = {}
     for epoch_id in (1, 2):
@@ -126,7 +126,7 @@ def small_device_party(db, serve_matrix, tmp_path, monkeypatch):
 
 
 def test_api_refuses_a_switch_that_does_not_fit_and_offers_stop_the_world(small_device_party):
-    from morphoweb.engine_runtime import get_engine
+    from engine.holder import get_engine
 
     client, record, device = small_device_party
     refused = client.post(f"/api/epochs/{record.pk}/activate/", {}, format="json")
@@ -158,14 +158,14 @@ def test_admin_action_reports_the_refusal_in_words(small_device_party, client):
 
 
 def test_failed_stop_the_world_keeps_serving_the_current_epoch_with_its_updates(small_device_party, tmp_path):
-    from epochs import runtime
+    from epochs import sync
     from epochs.models import Epoch as EpochRecord
     from gpu_engine.matrix import load_matrix, write_matrix_file
-    from morphoweb.engine_runtime import get_engine
+    from engine.holder import get_engine
 
     client, record, _ = small_device_party
     data = bytes([7]) * 256
-    runtime.push_rows([(5, data)])
+    sync.push_rows([(5, data)])
     huge = EpochRecord(epoch_id=3, matrix_path=str(write_matrix_file(tmp_path / "e3.bin", 64, seed=3)))
     huge.full_clean()
     huge.save()
@@ -191,11 +191,11 @@ def committed_party(django_db_serialized_rollback, transactional_db, serve_matri
     """Epoch 1 served with row 5 updated, epochs 2 and 3 recorded. Every write commits, so other
     connections (other threads here, other processes in a party) see and contend for it; the
     rows the migrations made (the default policies) are restored after the flush, for later tests."""
-    from epochs import runtime
+    from epochs import sync
     from epochs.models import Epoch as EpochRecord
     from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
-    from morphoweb.engine_runtime import get_engine
-    from policies.live import default_watcher
+    from engine.holder import get_engine
+    from engine.watcher import default_watcher
 
     paths, records = {}, {}
     for epoch_id in (1, 2, 3):
@@ -207,7 +207,7 @@ def committed_party(django_db_serialized_rollback, transactional_db, serve_matri
     # and the shared in-memory SQLite of the tests refuses a write while another connection reads
     # the table, where a database file waits.
     default_watcher().stop()
-    runtime.push_rows([(5, ROW5)])
+    sync.push_rows([(5, ROW5)])
     for epoch_id in (2, 3):
         records[epoch_id] = EpochRecord(epoch_id=epoch_id, matrix_path=str(paths[epoch_id]))
         records[epoch_id].full_clean()
@@ -260,16 +260,16 @@ class HeldUpload:
 
 
 def _switch_in_thread(record):
-    """runtime.activate(record) on its own thread and database connection; (thread, outcome)."""
+    """sync.activate(record) on its own thread and database connection; (thread, outcome)."""
     from django.db import connection
 
-    from epochs import runtime
+    from epochs import sync
 
     outcome = {}
 
     def switch():
         try:
-            outcome["record"] = runtime.activate(record)
+            outcome["record"] = sync.activate(record)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome["error"] = exc
         finally:
@@ -315,13 +315,13 @@ def test_the_database_stays_writable_while_the_new_epoch_loads(committed_party, 
 
 @pytest.mark.parametrize("mode", list(SwitchMode))
 def test_a_failed_load_changes_nothing(committed_party, monkeypatch, mode):
-    from epochs import runtime
+    from epochs import sync
 
     engine, records, paths = committed_party
     before = _database_state()
     upload = HeldUpload(engine, monkeypatch, error=OSError("device lost during the upload"))
-    with pytest.raises(runtime.EpochSwitchError, match="OSError: device lost during the upload"):
-        runtime.activate(records[2], mode)
+    with pytest.raises(sync.EpochSwitchError, match="OSError: device lost during the upload"):
+        sync.activate(records[2], mode)
     assert upload.calls == (2 if mode is SwitchMode.STOP_THE_WORLD else 1)  # stop the world reloads
     assert _database_state() == before
     records[2].refresh_from_db()
@@ -330,7 +330,7 @@ def test_a_failed_load_changes_nothing(committed_party, monkeypatch, mode):
 
 
 def test_a_switch_committed_elsewhere_during_the_load_wins(committed_party, monkeypatch):
-    from epochs import runtime
+    from epochs import sync
     from epochs.models import Epoch as EpochRecord
     from epochs.models import RowUpdate
 
@@ -340,7 +340,7 @@ def test_a_switch_committed_elsewhere_during_the_load_wins(committed_party, monk
     try:
         assert upload.started.wait(30)
         # Another engine server of the party, done loading epoch 3, commits its switch first.
-        runtime._commit_switch(records[3], 1, runtime._active_marks())
+        sync._commit_switch(records[3], 1, sync._active_marks())
     finally:
         upload.released.set()
         switcher.join(30)

@@ -17,7 +17,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 
 EXAMPLES = 25  # per operation
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

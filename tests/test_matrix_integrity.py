@@ -29,7 +29,7 @@ from gpu_engine.matrix import (
     write_epoch_metadata,
     write_matrix_file,
 )
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 from tests.conftest import REPO, http_json, server_env
 
 PAGES = 64  # domain_bits 6

@@ -10,8 +10,8 @@ from rest_framework.test import APIClient
 
 from gpu_engine.dpf import gen_keys
 from gpu_engine.engine_stats import Histogram
-from morphoweb.engine_runtime import get_engine
-from policies.metrics import EngineCollector
+from engine.holder import get_engine
+from engine.metrics import EngineCollector
 
 pytestmark = pytest.mark.django_db
 

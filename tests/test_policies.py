@@ -13,10 +13,10 @@ from django.contrib.admin.models import LogEntry
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
+from engine.watcher import Watcher
 from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
-from policies.bridge import LivePolicies, engine_policy, policies_version
-from policies.live import Watcher
-from policies.models import BatchingPolicy
+from policies.models import BatchingPolicy, engine_policy
+from policies.source import LivePolicies, policies_version
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.django_db

@@ -8,7 +8,7 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from benchmarks import loadgen, loadgen_http, policy_http
-from policies.bridge import engine_policy
+from policies.models import engine_policy
 from policies.models import BatchingPolicy
 
 

@@ -8,13 +8,13 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, OperationalError, transaction
 
+import policies.source
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.engine import Engine
 from gpu_engine.matrix import Epoch, random_matrix
 from gpu_engine.scheduler import DEFAULT_POLICIES
-from policies import bridge
-from policies.bridge import LivePolicies, engine_policy
-from policies.models import BatchingPolicy
+from policies.models import BatchingPolicy, engine_policy
+from policies.source import LivePolicies
 
 pytestmark = pytest.mark.django_db
 
@@ -102,7 +102,7 @@ def test_the_database_refuses_two_active_policies_in_a_lane_even_around_the_mode
 def test_the_engine_side_warns_when_a_lane_has_no_active_record(caplog):
     BatchingPolicy.objects.filter(lane="interactive").update(active=False)  # raw, around the model
     source = LivePolicies()
-    with caplog.at_level(logging.WARNING, logger="policies.bridge"):
+    with caplog.at_level(logging.WARNING, logger="policies.source"):
         source.apply()
     assert "no valid active interactive policy in the database: the lane keeps interactive-builtin" \
         in caplog.text
@@ -113,7 +113,7 @@ def test_with_the_database_unreachable_at_start_the_bulk_lane_runs_the_bulk_defa
     def unreachable():
         raise OperationalError("could not connect to server: Connection refused")
 
-    monkeypatch.setattr(bridge, "load_active", unreachable)
+    monkeypatch.setattr(policies.source, "load_active", unreachable)
     source = LivePolicies()
     with pytest.raises(OperationalError):
         source.apply()  # the watcher's first check as the engine starts; it keeps what it has

@@ -93,7 +93,7 @@ def test_paired_ratio_compares_slo_with_the_best_static_mode_round_by_round():
 
 
 def test_the_service_sets_the_gil_switch_interval_when_its_engine_starts(serve_matrix, vector_matrix_path):
-    from morphoweb.engine_runtime import get_engine
+    from engine.holder import get_engine
 
     before = sys.getswitchinterval()
     try:

@@ -20,7 +20,7 @@ from schemathesis.checks import (
 )
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 
 EXAMPLES = 40  # per operation and mode
 

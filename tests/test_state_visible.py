@@ -14,10 +14,10 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from epochs.models import Epoch, EpochState
-from epochs.runtime import record_served_epoch
-from morphoweb import dashboard
-from morphoweb.engine_runtime import get_engine, shutdown_engine
-from policies.bridge import live_policies
+from epochs.sync import record_served_epoch
+from engine import dashboard
+from engine.holder import get_engine, shutdown_engine
+from policies.source import live_policies
 from policies.models import BatchingPolicy
 from queries import bulk
 from queries.bulk_runner import answer_queries, parse_chunk

@@ -16,7 +16,7 @@ from rest_framework.settings import api_settings
 from rest_framework.test import APIRequestFactory
 from rest_framework.throttling import SimpleRateThrottle
 
-from morphoweb.throttling import LocalCounter, SharedCounter, reset_counter
+from queries.api.throttling import LocalCounter, SharedCounter, reset_counter
 from tests.conftest import REPO, ServerProcess, free_port, server_env
 
 LIMIT = 60

@@ -13,7 +13,7 @@ from rest_framework.test import APIClient
 from gpu_engine.backends.cpu import reference_answers
 from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys, key_length
 from gpu_engine.matrix import load_matrix
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 from queries import bulk
 from queries.bulk_runner import answer_queries, parse_chunk
 from queries.models import BulkChunk, BulkJob

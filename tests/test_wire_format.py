@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
 from gpu_engine.dpf import gen_keys, key_length
-from morphoweb.engine_runtime import get_engine
+from engine.holder import get_engine
 from queries.client import plan_query
 from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, vector_pages

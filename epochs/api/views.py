@@ -9,7 +9,7 @@ from rest_framework.exceptions import APIException
 from rest_framework.permissions import DjangoModelPermissions
 from rest_framework.response import Response
 
-from epochs import runtime
+from epochs import sync
 from epochs.api.serializers import ActivateSerializer, EpochSerializer, RowUpdateSerializer
 from epochs.models import Epoch, EpochState, RowUpdate
 from gpu_engine.engine import SwitchMode
@@ -60,8 +60,8 @@ class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrie
             raise SwitchConflict(f"epoch {record.epoch_id} is already active")
         mode = body.validated_data.get("switch_mode")
         try:
-            runtime.activate(record, None if mode is None else SwitchMode(mode))
-        except runtime.EpochSwitchError as exc:
+            sync.activate(record, None if mode is None else SwitchMode(mode))
+        except sync.EpochSwitchError as exc:
             raise SwitchConflict(str(exc)) from None
         return Response(self.get_serializer(record).data)
 
@@ -75,5 +75,5 @@ class RowUpdateViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Re
 
     def perform_create(self, serializer):
         update = RowUpdate(**serializer.validated_data, created_by=self.request.user)
-        runtime.save_updates([update])
+        sync.save_updates([update])
         serializer.instance = update

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.http.request import UnreadablePostError
 from rest_framework import exceptions, status
 
-from morphoweb.throttling import AtomicRateThrottle
+from queries.api.throttling import AtomicRateThrottle
 from queries.api.bulk_parsing import READ_BYTES
 from queries.models import ACTIVE, BulkJob
 

@@ -9,6 +9,7 @@ from django.conf import settings
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 
+from queries import bulk
 from queries.api.binary import body_bytes, check_body, parse_query, query_bytes
 from queries.api.bulk_parsing import JSONQueryArray, QuerySpool, ndjson_lines
 from queries.api.serializers import PageQuerySerializer, json_type
@@ -148,8 +149,6 @@ class BulkJobCreateSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
     def create(self, validated_data) -> BulkJob:
-        from queries import bulk
-
         queries = validated_data["queries"]
         try:
             return bulk.create_job(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import exceptions, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
@@ -16,8 +16,8 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
+from engine.holder import get_engine
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
-from morphoweb.engine_runtime import get_engine
 from queries import bulk
 from queries.api.binary import (
     EPOCH_IDS_HEADER,
@@ -40,6 +40,7 @@ from queries.api.bulk_serializers import (
 from queries.api.bulk_limits import BulkSubmitThrottle, check_quota, drain, slots
 from queries.api.bulk_parsing import StreamingBulkJSONParser
 from queries.api.errors import exception_handler as api_exception_handler
+from queries.api.openapi import response_headers
 from queries.bulk_runner import bulk_policy
 from queries.models import BulkJob, BulkResult
 
@@ -254,15 +255,12 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
             409: OpenApiResponse(description="the job is still queued or running"),
         }
     )
-    @extend_schema(parameters=[
-        OpenApiParameter(QUERIES_HEADER, int, OpenApiParameter.HEADER, response=[200],
-                         description="Binary results: the number of queries answered."),
-        OpenApiParameter(EPOCH_IDS_HEADER, str, OpenApiParameter.HEADER, response=[200],
-                         description="Binary results: the epochs, comma-separated."),
-        OpenApiParameter(EPOCH_RANGES_HEADER, str, OpenApiParameter.HEADER, response=[200],
-                         description="Binary results: `first-last=epoch_id` per run of queries "
-                         "answered against one epoch, comma-separated."),
-    ])
+    @extend_schema(parameters=response_headers(
+        (QUERIES_HEADER, int, "Binary results: the number of queries answered."),
+        (EPOCH_IDS_HEADER, str, "Binary results: the epochs, comma-separated."),
+        (EPOCH_RANGES_HEADER, str, "Binary results: `first-last=epoch_id` per run of queries "
+                                   "answered against one epoch, comma-separated."),
+    ))
     @action(detail=True, methods=["get"],
             renderer_classes=[JSONRenderer, NDJSONRenderer, OctetStreamRenderer])
     def results(self, request, pk=None):

@@ -1,26 +1,15 @@
 """Error responses: field-keyed 400s, 503 + Retry-After for refusals, JSON 400/403/404/500."""
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator, Optional
 
 from django.core.exceptions import DisallowedHost, RequestDataTooBig
 from django.http import JsonResponse
-from rest_framework import exceptions, status
-from rest_framework.response import Response
+from rest_framework import exceptions
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from engine.errors import unavailable
 from gpu_engine.engine import EngineBusy
-from morphoweb.engine_runtime import EngineStartFailed
-
-
-class Unavailable(Exception):
-    """This request cannot be served now (no answer in time, epoch changed under it): 503."""
-
-    def __init__(self, reason: str, retry_after: float) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after = retry_after
 
 
 def _walk(detail: Any, path: list) -> Iterator[tuple[list, Any]]:
@@ -77,24 +66,9 @@ def flatten_errors(detail: Any, single_query: bool = False) -> list[dict]:
     return errors
 
 
-def _retry_after(seconds: float) -> str:
-    # Retry-After takes whole seconds; never tell a client to retry at once.
-    return str(max(1, math.ceil(seconds or 1)))
-
-
-def unavailable(reason: str, retry_after: float) -> Response:
-    return Response(
-        {"detail": reason},
-        status=status.HTTP_503_SERVICE_UNAVAILABLE,
-        headers={"Retry-After": _retry_after(retry_after)},
-    )
-
-
 def exception_handler(exc, context):
     """DRF exception handler: every error response is JSON that says what was wrong."""
-    if isinstance(exc, EngineBusy):
-        return unavailable(exc.reason, exc.retry_after)
-    if isinstance(exc, (EngineStartFailed, Unavailable)):
+    if isinstance(exc, EngineBusy):  # the engine's refusals, a failed start, no answer in time
         return unavailable(exc.reason, exc.retry_after)
     response = drf_exception_handler(exc, context)
     if response is None:

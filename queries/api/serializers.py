@@ -207,7 +207,7 @@ class BatchQuerySerializer(JsonObjectSerializer):
         return super().to_internal_value(data)
 
 
-class EpochSerializer(serializers.Serializer):
+class ServedEpochSerializer(serializers.Serializer):
     """`GET /epoch`: the epoch a party serves and the shape of its page PIR domain."""
 
     def to_representation(self, epoch) -> dict:

@@ -5,7 +5,6 @@ from rest_framework.routers import SimpleRouter
 from queries.api import bulk_views, views
 
 urlpatterns = [
-    path("health", views.HealthView.as_view(), name="health"),
     path("epoch", views.EpochView.as_view(), name="epoch"),
     path("query/page/gpu", views.PageQueryView.as_view(), name="query-page"),
     path("query/page/gpu/batch", views.BatchPageQueryView.as_view(), name="query-page-batch"),

@@ -10,19 +10,10 @@ from rest_framework.views import APIView
 
 from drf_spectacular.utils import extend_schema
 
+from engine.holder import get_engine
 from gpu_engine.dpf import KeyBatch
+from gpu_engine.engine import EngineUnavailable
 from gpu_engine.protocol import query_key_counts
-from morphoweb.engine_runtime import EngineStartFailed, get_engine
-from morphoweb.openapi import (
-    BATCH_REQUEST,
-    BATCH_RESPONSE,
-    EPOCH_RESPONSE,
-    HEALTH_RESPONSE,
-    PAGE_REQUEST,
-    PAGE_RESPONSE,
-    binary_answer_headers,
-)
-from policies.metrics import observe_query
 from queries.api.binary import (
     BinaryBatchQuerySerializer,
     JSONErrorsMixin,
@@ -37,13 +28,21 @@ from queries.api.binary import (
     wants_binary,
 )
 from queries.api.answers import AnswerBody, AnswerJSONRenderer
-from queries.api.errors import Unavailable, unavailable
+from queries.api.openapi import (
+    BATCH_REQUEST,
+    BATCH_RESPONSE,
+    EPOCH_RESPONSE,
+    PAGE_REQUEST,
+    PAGE_RESPONSE,
+    binary_answer_headers,
+)
 from queries.api.parsers import StrictJSONParser
 from queries.api.serializers import (
     BatchQuerySerializer,
-    EpochSerializer,
+    ServedEpochSerializer,
     PageQuerySerializer,
 )
+from queries.metrics import observe_query
 
 
 class PublicAPIView(APIView):
@@ -88,50 +87,17 @@ def answer(engine, epoch, data):
         # re-reads /epoch and retries.
         if engine.epoch.epoch_id == epoch.epoch_id:
             raise
-        raise Unavailable("the epoch changed while the request was validated", 1) from None
+        raise EngineUnavailable("the epoch changed while the request was validated", 1) from None
     except FutureTimeout:
         # Not cancelled: the engine resolves every future it dequeued, and the answer is
         # simply dropped when it comes.
-        raise Unavailable(f"no answer from the engine within {timeout:g} s", timeout) from None
-
-
-class HealthView(PublicAPIView):
-    """`GET /health`: 200 with the epoch, backend and queue depth; 503 when the engine is down."""
-
-    @extend_schema(responses=HEALTH_RESPONSE)
-    def get(self, request):
-        try:
-            engine = get_engine()
-        except EngineStartFailed as exc:
-            response = unavailable(exc.reason, exc.retry_after)
-            response.data = {"status": "unavailable", "detail": exc.reason}
-            return response
-        health = engine.health()
-        # The protocol's fields first, then everything the engine reports (backend, fallback
-        # reason, queue depth per lane, resident bytes, device memory; with an engine server
-        # also its address, whether it is reachable, and whether it is still warming up).
-        if health.get("warming"):
-            status = "warming"
-        else:
-            status = "ok" if health.get("running", True) else "unavailable"
-        body = {"status": status}
-        if health.get("reachable", True):
-            epoch = engine.epoch
-            body.update(epoch_id=epoch.epoch_id, block_number=epoch.block_number,
-                        num_pages=epoch.matrix.num_pages, domain_bits=epoch.matrix.domain_bits)
-        body.update({key: value for key, value in health.items() if key not in body})
-        if status != "ok":
-            reason = health.get("failure") or f"engine is {status}"
-            response = unavailable(reason, settings.MORPHO_ENGINE_RETRY_AFTER)
-            response.data = body
-            return response
-        return Response(body)
+        raise EngineUnavailable(f"no answer from the engine within {timeout:g} s", timeout) from None
 
 
 class EpochView(PublicAPIView):
     """`GET /epoch`: what a client needs to make keys for this party."""
 
-    serializer_class = EpochSerializer
+    serializer_class = ServedEpochSerializer
 
     @extend_schema(responses=EPOCH_RESPONSE)
     def get(self, request):

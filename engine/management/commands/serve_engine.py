@@ -1,7 +1,7 @@
 """`manage.py serve_engine`: the one process per GPU that owns the device and the matrix."""
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from engine.config import engine_settings
 from engine.serving import serve
 
 
@@ -10,7 +10,7 @@ class Command(BaseCommand):
             "the web and Celery processes that set MORPHO_ENGINE_URL to the same address.")
 
     def add_arguments(self, parser):
-        parser.add_argument("--url", default=settings.MORPHO_ENGINE_URL,
+        parser.add_argument("--url", default=engine_settings().url,
                             help="address to bind, ipc://PATH or tcp://HOST:PORT "
                                  "(default: MORPHO_ENGINE_URL)")
         parser.add_argument("--no-warmup", action="store_true",
@@ -21,7 +21,7 @@ class Command(BaseCommand):
         if not url:
             raise CommandError("no address to bind: pass --url or set MORPHO_ENGINE_URL "
                                "(e.g. ipc:///tmp/morpho-engine.sock)")
-        warm = settings.MORPHO_ENGINE_WARMUP and not options["no_warmup"]
+        warm = engine_settings().warm_up and not options["no_warmup"]
         code = serve(url, warm=warm)
         if code:
             raise SystemExit(code)

@@ -6,9 +6,9 @@ import json
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from epochs import runtime
+from epochs import sync
 from epochs.matrix_files import MatrixPathError, confine
-from epochs.models import Epoch, PendingUpdates
+from epochs.models import Epoch, PendingUpdates, current_epoch_shape
 from gpu_engine.engine import SwitchMode
 from gpu_engine.matrix import metadata_path
 
@@ -44,7 +44,7 @@ class Command(BaseCommand):
             epoch_id = meta.get("epoch_id")
         if epoch_id is None:
             last = Epoch.objects.order_by("-epoch_id").values_list("epoch_id", flat=True).first()
-            epoch_id = (last if last is not None else runtime.current_epoch_shape()[0]) + 1
+            epoch_id = (last if last is not None else current_epoch_shape()[0]) + 1
         record = Epoch(
             epoch_id=epoch_id,
             matrix_path=path,
@@ -65,8 +65,8 @@ class Command(BaseCommand):
                           f"{record.matrix_path} (block {record.block_number})")
         if options["activate"]:
             try:
-                runtime.activate(record)
-            except runtime.EpochSwitchError as exc:
+                sync.activate(record)
+            except sync.EpochSwitchError as exc:
                 raise CommandError(f"epoch {record.epoch_id} was not activated: {exc}") from None
             self.stdout.write(f"epoch {record.epoch_id} is active; every engine of this party "
                               f"switches to it within a second")

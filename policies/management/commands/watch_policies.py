@@ -8,7 +8,7 @@ import time
 
 from django.core.management.base import BaseCommand
 
-from policies.bridge import live_policies
+from policies.source import live_policies
 
 
 def _line(policies) -> str:

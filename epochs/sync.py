@@ -4,7 +4,8 @@ The database is the truth: the active Epoch record (when there is none, the epoc
 file the process was started with is recorded as the active one) plus the pending RowUpdates of
 that epoch. `sync(engine)` brings an
 engine there; it runs when this process changes the state (before the change is acknowledged),
-right after an engine starts, and from the policies watcher when another process changed it.
+right after an engine starts (engine.signals.engine_started), and from the cross-process watcher
+(engine.watcher) when another process changed it.
 """
 from __future__ import annotations
 
@@ -16,25 +17,26 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import Count, Max, Q
 from django.utils import timezone
 
+from engine import holder, watcher
+from engine.config import engine_settings
 from epochs.models import (
     Epoch,
     EpochState,
     PendingUpdates,
     RowUpdate,
     UpdateState,
+    current_epoch_shape,
 )
 from gpu_engine.backends import BackendUnavailable
-from gpu_engine.engine import EngineBusy, SwitchMode
-from gpu_engine.matrix import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, read_epoch_metadata
+from gpu_engine.engine import SwitchMode
+from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
 from gpu_engine.protocol import parse_hex
 from gpu_engine.remote import RemoteError
-from morphoweb import engine_runtime
-from policies import live
 
 log = logging.getLogger(__name__)
 
@@ -81,54 +83,15 @@ _failed: dict[tuple, float] = {}
 
 def _local_engine():
     """The Engine of this process, if it runs one (None where the engine is remote)."""
-    return engine_runtime.local_engine()
-
-
-def _served_engine():
-    """Whatever this process reads the served epoch from: its Engine or the engine server."""
-    engine = engine_runtime.peek_engine()
-    if engine is None and engine_runtime.is_remote():
-        engine = engine_runtime.get_engine()
-    return engine
+    return holder.local_engine()
 
 
 def _remote_call(op: str, **args) -> None:
     """Run `op` in the engine server (where the Engine is); its failure becomes EpochSwitchError."""
     try:
-        engine_runtime.remote_engine().call(op, timeout=REMOTE_CONTROL_TIMEOUT, **args)
+        holder.remote_engine().call(op, timeout=REMOTE_CONTROL_TIMEOUT, **args)
     except RemoteError as exc:
         raise EpochSwitchError(str(exc)) from None
-
-
-def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
-    """(epoch_id, num_rows) of the epoch served now, or of `epoch_id`; LookupError if unknown."""
-    record = Epoch.objects.active() if epoch_id is None else Epoch.objects.filter(epoch_id=epoch_id).first()
-    if record is not None and record.num_pages:
-        return record.epoch_id, record.num_rows
-    engine = _served_engine()
-    if engine is not None:
-        try:
-            served = engine.epoch
-        except EngineBusy as exc:
-            raise LookupError(f"no epoch is being served: {exc.reason}") from None
-        if epoch_id is None or served.epoch_id == epoch_id:
-            return served.epoch_id, served.matrix.num_rows
-        if engine_runtime.is_remote():
-            raise LookupError(f"epoch {epoch_id} is not known to this server")
-    # No engine in this process (a Celery worker, manage.py): the file and its sidecar say, without
-    # reading the whole matrix.
-    try:
-        size = os.path.getsize(settings.MORPHO_MATRIX_PATH)
-        served_id = int(read_epoch_metadata(settings.MORPHO_MATRIX_PATH).get("epoch_id", 1))
-    except (OSError, ValueError) as exc:
-        raise LookupError(f"no epoch is being served: {exc}") from None
-    if size == 0:
-        raise LookupError(
-            f"no epoch is being served: matrix file {settings.MORPHO_MATRIX_PATH} is empty"
-        )
-    if epoch_id is not None and served_id != epoch_id:
-        raise LookupError(f"epoch {epoch_id} is not known to this server")
-    return served_id, -(-size // PAGE_BYTES) * ROWS_PER_PAGE
 
 
 def state_version() -> tuple:
@@ -264,7 +227,7 @@ def record_served_epoch(engine) -> Epoch | None:
             block_number=served.block_number,
             state_root="0x" + served.state_root.hex(),
             seeds=list(served.seeds),
-            domain_bits=settings.MORPHO_DOMAIN_BITS,
+            domain_bits=engine_settings().domain_bits,
             num_pages=served.matrix.num_pages,
             state=EpochState.ACTIVE,
             activated=timezone.now(),
@@ -279,8 +242,9 @@ def record_served_epoch(engine) -> Epoch | None:
     return record
 
 
-def adopt(engine) -> None:
-    """Called once an engine has started: serve the database's epoch and updates before any query."""
+def adopt(engine, **kwargs) -> None:
+    """Once an engine has started (engine.signals.engine_started's receiver): serve the
+    database's epoch and updates before any query."""
     try:
         record_served_epoch(engine)
         sync(engine)
@@ -290,7 +254,7 @@ def adopt(engine) -> None:
         log.warning("epochs: database not ready (%s); serving the matrix file without updates", exc)
     # Changes made by other processes (another web worker, an admin, load_epoch) arrive through
     # the same per-process watcher that carries policy changes.
-    live.register(WATCH_NAME, state_version, lambda version: apply_from_watcher(), check_now=False)
+    watcher.register(WATCH_NAME, state_version, lambda version: apply_from_watcher(), check_now=False)
 
 
 def activate(record: Epoch, mode: SwitchMode | None = None) -> Epoch:
@@ -305,7 +269,7 @@ def activate(record: Epoch, mode: SwitchMode | None = None) -> Epoch:
     """
     if mode is not None:
         record.switch_mode = SwitchMode(mode)
-    if engine_runtime.is_remote():
+    if holder.is_remote():
         # The engine server switches its Engine and commits, as below, in its own process.
         _remote_call("activate", pk=record.pk, switch_mode=record.switch_mode)
         record.refresh_from_db()
@@ -419,14 +383,12 @@ def save_updates(records: Sequence[RowUpdate]) -> None:
                 update.save()
         if engine is not None:
             sync(engine)
-        elif engine_runtime.is_remote():
+        elif holder.is_remote():
             _remote_call("sync")  # acknowledged once the engine server has applied them
 
 
 def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
     """Validate (row, data) pairs against the served epoch, store and apply them; all or none."""
-    from django.core.exceptions import ValidationError
-
     engine = _local_engine()
     with _lock:
         if engine is not None:

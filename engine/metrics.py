@@ -1,14 +1,12 @@
-"""Prometheus metrics (django-prometheus's registry, `/metrics`): HTTP query counts and durations,
-and the engine's stats and active policies turned into metric families at scrape time."""
+"""Prometheus metrics of the engine (django-prometheus's registry, `/metrics`): its stats and the
+batching policies in force, turned into metric families at scrape time."""
 from __future__ import annotations
 
-import functools
 import math
 import threading
-import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -16,32 +14,9 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
+from engine.holder import is_remote, peek_engine
 from gpu_engine.engine import EngineBusy
-from gpu_engine.engine_stats import SECONDS_BOUNDS
-
-QUERY_COUNT = Counter("pir_query_count", "PIR queries answered over HTTP, by endpoint "
-                      "(a batch request counts each of its queries).", ["endpoint"])
-QUERY_DURATION = Histogram("pir_query_duration_seconds", "Time from request to response of a PIR "
-                           "query endpoint, by endpoint.", ["endpoint"], buckets=SECONDS_BOUNDS)
-
-
-def observe_query(endpoint: str, queries: Callable[[object], int] = lambda response: 1):
-    """Decorate a view method: count `queries(response)` answered queries and time the request.
-
-    Only successful responses (status < 400) count as answered queries; every request is timed."""
-    def decorate(view_method):
-        @functools.wraps(view_method)
-        def wrapper(self, request, *args, **kwargs):
-            started = time.perf_counter()
-            try:
-                response = view_method(self, request, *args, **kwargs)
-            finally:
-                QUERY_DURATION.labels(endpoint).observe(time.perf_counter() - started)
-            if getattr(response, "status_code", 500) < 400:
-                QUERY_COUNT.labels(endpoint).inc(queries(response))
-            return response
-        return wrapper
-    return decorate
+from gpu_engine.scheduler import BatchingPolicy
 
 
 def _le(bound: float) -> str:
@@ -127,32 +102,44 @@ class EngineCollector:
         return [modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait, compute, held, cost]
 
 
-_registered = False
+# Functions that return the policies this process applies ({lane: policy}), filled in by the
+# policies app's ready(); read where the engine is in this process (or there is none yet).
+_policy_readers: List[Callable[[], Dict[str, BatchingPolicy]]] = []
+
+
+def read_policies_with(reader: Callable[[], Dict[str, BatchingPolicy]]) -> None:
+    """Let the collector report `reader()`'s policies (called from AppConfig.ready)."""
+    _policy_readers.append(reader)
+
+
+def policies_in_force() -> Dict[str, BatchingPolicy]:
+    """The policies this process applies: the engine server's (as of its last PONG) where the
+    engine is remote, else those the registered readers report; never reads the database."""
+    engine = peek_engine()
+    if engine is not None and is_remote():
+        try:
+            return engine.policies()
+        except EngineBusy:
+            return {}
+    policies: Dict[str, BatchingPolicy] = {}
+    for reader in _policy_readers:
+        policies.update(reader())
+    return policies
+
+
+_registered: set = set()
 _lock = threading.Lock()
 
 
-def register_collector(registry=REGISTRY) -> None:
-    """Export the engine and policy metrics from this process's registry (once)."""
-    global _registered
+def register_once(name: str, make_collector: Callable[[], object], registry=REGISTRY) -> None:
+    """Export `make_collector()` from this process's registry, once per `name` (an app's ready()
+    may run again in tests)."""
     with _lock:
-        if _registered:
-            return
+        if name not in _registered:
+            registry.register(make_collector())
+            _registered.add(name)
 
-        def engine():
-            from morphoweb.engine_runtime import peek_engine
-            return peek_engine()
 
-        def policies():
-            from morphoweb.engine_runtime import is_remote, peek_engine
-            from policies.bridge import current_policies
-
-            engine = peek_engine()
-            if engine is not None and is_remote():
-                try:
-                    return engine.policies()  # the engine server's, as of its last PONG
-                except EngineBusy:
-                    return {}
-            return current_policies()
-
-        registry.register(EngineCollector(engine, policies))
-        _registered = True
+def register_collector() -> None:
+    """Export the engine and policy metrics from this process's registry (once)."""
+    register_once("engine", lambda: EngineCollector(peek_engine, policies_in_force))

@@ -1,12 +1,14 @@
-"""A per-process watcher: polls cheap version functions and applies changes within a second.
+"""The cross-process watcher: one thread per process polls cheap version functions and applies
+changes another process made (an admin's policy edit, an epoch switch) within a second.
 
 Why polling: a post_save signal fires only in the process that saved, a local-memory cache is per
 process, and a cache TTL leaves other processes stale for the whole TTL. One small query every
 POLL_S per process (not per request) reaches web servers and Celery workers alike.
 
-Usage: `register("policies", version_fn, apply_fn)`; `version_fn()` returns any comparable value
-(cheap: an aggregate over an indexed column), `apply_fn(version)` reloads whatever it guards. The
-thread starts on the first registration and again in a forked child (gunicorn, Celery prefork)."""
+Usage (the policies and epochs apps): `register("policies", version_fn, apply_fn)`;
+`version_fn()` returns any comparable value (cheap: an aggregate over an indexed column),
+`apply_fn(version)` reloads whatever it guards. The thread starts on the first registration and
+again in a forked child (gunicorn, Celery prefork)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +16,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
+
+from django.db import connection
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +100,6 @@ def _reset_db_connection() -> None:
     # A broken connection (database restarted) stays broken in this long-lived thread unless
     # closed; the next query opens a fresh one.
     try:
-        from django.db import connection
-
         connection.close()
     except Exception:  # noqa: BLE001 - nothing more to do here
         pass

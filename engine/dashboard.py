@@ -1,6 +1,7 @@
 """The operator dashboard (staff only): one page, fed every second by a JSON view of the very
 figures `/metrics` exports from this process's Prometheus registry, plus a few database rows, and
-the last 15 minutes of per-second figures that this process keeps itself."""
+the last 15 minutes of per-second figures that this process keeps itself. The database rows come
+from the apps that own them (epochs, queries), which add their figures from their ready()."""
 from __future__ import annotations
 
 import logging
@@ -9,14 +10,14 @@ import os
 import threading
 import time
 from collections import deque
+from typing import Callable
 
-from django.apps import apps
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import JsonResponse
 from django.shortcuts import render
 from prometheus_client import REGISTRY
 
-from morphoweb.middleware import header_error
+from engine.json_errors import header_error
 
 # Metric families the page reads (names as registered; samples carry _info, _bucket, ... suffixes).
 FAMILIES = (
@@ -24,8 +25,6 @@ FAMILIES = (
     "pir_query_duration_seconds", "pir_query_count", "pir_latency_p95_last_minute_seconds",
     "pir_device_memory_bytes", "pir_epoch", "pir_row_updates_pending", "gpu_queries_answered",
 )
-RECENT_UPDATES = 10
-BULK_JOBS_SHOWN = 20
 HISTORY_SECONDS = 15 * 60  # per-second points kept server-side and drawn when the page loads
 SAMPLE_EVERY_S = 1.0
 
@@ -182,31 +181,22 @@ def history() -> History:
     return _history
 
 
-def database_figures() -> dict:
-    """The active epoch record, the latest pending row updates, and bulk jobs still running."""
-    from epochs.models import Epoch, RowUpdate, UpdateState
+# Functions that return database figures for the page ({name: JSON-able value}), added by the
+# apps that own the rows (the active epoch and row updates, bulk jobs) from their ready().
+_figure_sources: list[Callable[[], dict]] = []
 
-    record = Epoch.objects.active()
-    updates = RowUpdate.objects.filter(state=UpdateState.PENDING).order_by("-pk")[:RECENT_UPDATES]
-    data = {
-        "active_record": None if record is None else {
-            "epoch_id": record.epoch_id, "block_number": record.block_number,
-            "matrix_path": record.matrix_path, "activated": record.activated.isoformat() if record.activated else None,
-            "message": record.message,
-        },
-        "recent_updates": [{"id": u.pk, "epoch_id": u.epoch_id, "row": u.row,
-                            "created": u.created.isoformat()} for u in updates],
-        "bulk_jobs": None,
-    }
-    try:
-        job_model = apps.get_model("queries", "BulkJob")
-    except LookupError:
-        return data  # bulk jobs are not installed in this deployment
-    running = job_model.objects.filter(status__in=("queued", "running")).order_by("created")
-    # Answered launch by launch, running chunks included (BulkJob.answered_so_far).
-    data["bulk_jobs"] = [{"id": str(job.pk), "status": job.status,
-                          "answered": job.answered_so_far(), "total": job.total}
-                         for job in running[:BULK_JOBS_SHOWN]]
+
+def add_figures(source: Callable[[], dict]) -> None:
+    """Show `source()`'s figures on the page (called from AppConfig.ready)."""
+    _figure_sources.append(source)
+
+
+def database_figures() -> dict:
+    """The active epoch record, the latest pending row updates, and bulk jobs still running
+    (None where the app that keeps them is not installed)."""
+    data = {"active_record": None, "recent_updates": [], "bulk_jobs": None}
+    for source in _figure_sources:
+        data.update(source())
     return data
 
 

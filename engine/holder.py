@@ -2,7 +2,8 @@
 
 With MORPHO_ENGINE_URL set, every web and Celery process shares the engine server's one Engine
 through a RemoteEngine (the same interface); the engine server itself, and any process without
-the setting (tests, runserver), builds its own Engine from settings, once, shared by every thread.
+the setting (tests, runserver), builds its own Engine from the engine settings, once, shared by
+every thread. Other apps hook into a built engine through engine.signals.
 """
 from __future__ import annotations
 
@@ -14,19 +15,15 @@ import threading
 import time
 from typing import Optional
 
-from django.conf import settings
+from engine.config import engine_settings
+from engine.errors import EngineStartFailed
+from engine.signals import engine_built, engine_started
+from gpu_engine import backends
+from gpu_engine.engine import Engine
+from gpu_engine.matrix import load_epoch
+from gpu_engine.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
-
-
-class EngineStartFailed(Exception):
-    """The engine could not be built (no matrix, backend unavailable); the API answers 503."""
-
-    def __init__(self, reason: str, retry_after: float) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after = retry_after
-
 
 _lock = threading.Lock()
 _engine = None
@@ -50,7 +47,7 @@ def become_engine_server() -> None:
 
 def is_remote() -> bool:
     """True where queries go to an engine server in another process."""
-    return bool(settings.MORPHO_ENGINE_URL) and not _serving
+    return engine_settings().remote and not _serving
 
 
 def get_engine():
@@ -65,7 +62,7 @@ def get_engine():
         if _engine is not None and _engine_pid == os.getpid():
             return _engine
         _engine = None
-        retry_after = settings.MORPHO_ENGINE_RETRY_AFTER
+        retry_after = engine_settings().retry_after_s
         if _failure is not None and time.monotonic() - _failure[1] < retry_after:
             raise EngineStartFailed(_failure[0], retry_after)
         try:
@@ -86,10 +83,9 @@ def _remote_engine():
         return engine
     with _lock:
         if _engine is None or _engine_pid != os.getpid():
-            from gpu_engine.remote import RemoteEngine
-
             # A forked child (gunicorn, Celery prefork) cannot use its parent's sockets or thread.
-            _engine = RemoteEngine(settings.MORPHO_ENGINE_URL, settings.MORPHO_ENGINE_DEADLINE)
+            config = engine_settings()
+            _engine = RemoteEngine(config.url, config.deadline_s)
             _engine_pid = os.getpid()
         return _engine
 
@@ -121,19 +117,15 @@ def shutdown_engine() -> None:
 
 
 def _build_engine():
-    # Imported here so that importing settings-level modules does not load NumPy/CuPy.
-    from gpu_engine.backends import create_backend
-    from gpu_engine.engine import Engine
-    from gpu_engine.matrix import load_epoch
-
-    path = settings.MORPHO_MATRIX_PATH
+    config = engine_settings()
+    path = config.matrix_path
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"matrix file {path} does not exist (MORPHO_MATRIX_PATH); make one with "
             f"`python manage.py make_matrix --pages 8192 --seed 1 --out {path}`"
         )
-    requested = settings.MORPHO_ENGINE_BACKEND
-    backend = create_backend(requested)
+    requested = config.backend
+    backend = backends.create_backend(requested)  # looked up here: tests put a device in its place
     if backend.fallback_reason:
         log.warning(
             "engine backend %s (requested %s; fell back because: %s)",
@@ -141,24 +133,21 @@ def _build_engine():
         )
     else:
         log.info("engine backend %s (requested %s)", backend.name, requested)
-    epoch = load_epoch(path, domain_bits=settings.MORPHO_DOMAIN_BITS)
+    epoch = load_epoch(path, domain_bits=config.domain_bits)
     matrix = epoch.matrix
     log.info(
         "serving epoch %s (block %s) from %s: %d pages, domain_bits %d",
         epoch.epoch_id, epoch.block_number, path, matrix.num_pages, matrix.domain_bits,
     )
-    if settings.MORPHO_GIL_SWITCH_INTERVAL_US:
-        sys.setswitchinterval(settings.MORPHO_GIL_SWITCH_INTERVAL_US / 1e6)
+    if config.gil_switch_interval_us:
+        sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
     engine = Engine(backend, epoch)
-    # Batching follows the active policy records live, in every process (policies.bridge).
-    from policies.bridge import attach
-
-    attach(engine)
+    # Batching follows the active policy records live, in every process (the policies app).
+    engine_built.send(sender=Engine, engine=engine)
     engine.start()
-    # Before any query: switch to the database's active epoch and apply its pending row updates.
-    from epochs.runtime import adopt
-
-    adopt(engine)
+    # Before any query: switch to the database's active epoch and apply its pending row updates
+    # (the epochs app).
+    engine_started.send(sender=Engine, engine=engine)
     return engine
 
 

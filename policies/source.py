@@ -1,53 +1,32 @@
-"""The one place a policy record becomes the engine's BatchingPolicy, and the live PolicySource."""
+"""The engine's policy source: the active policy records as the engine's BatchingPolicy values,
+kept current in every process by the cross-process watcher (engine.watcher)."""
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from django.db.models import Count, Max
 
-from gpu_engine.scheduler import DEFAULT_POLICIES, LANES, PolicyError, policy_errors
-from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
-from policies import live
+from engine import watcher
+from gpu_engine import scheduler
+from gpu_engine.scheduler import DEFAULT_POLICIES, LANES, PolicyError
+from policies.models import BatchingPolicy, engine_policy
 
 log = logging.getLogger(__name__)
 
-ENGINE_FIELDS = tuple(f.name for f in fields(EnginePolicy))
 WATCH_NAME = "policies"
-
-
-def record_values(record: Any) -> Dict[str, Any]:
-    """The engine's fields of a policy record, by name."""
-    return {name: getattr(record, name) for name in ENGINE_FIELDS}
-
-
-def record_errors(record: Any) -> Dict[str, str]:
-    """Field -> message in the engine's words; fields still empty are left to Django's own check."""
-    values = record_values(record)
-    return {name: message for name, message in policy_errors(values).items()
-            if values.get(name) is not None}
-
-
-def engine_policy(record: Any) -> EnginePolicy:
-    """The immutable engine policy of a record; raises PolicyError when it is out of range."""
-    return EnginePolicy(**record_values(record))
 
 
 def policies_version() -> Tuple[Any, int]:
     """What changes whenever a policy is saved, activated or deleted: one indexed aggregate."""
-    from policies.models import BatchingPolicy
-
     row = BatchingPolicy.objects.aggregate(latest=Max("updated_at"), count=Count("id"))
     return row["latest"], row["count"]
 
 
-def load_active() -> Dict[str, EnginePolicy]:
+def load_active() -> Dict[str, scheduler.BatchingPolicy]:
     """The active policy of each lane that has one, read from the database."""
-    from policies.models import BatchingPolicy
-
-    active: Dict[str, EnginePolicy] = {}
+    active: Dict[str, scheduler.BatchingPolicy] = {}
     for record in BatchingPolicy.objects.filter(active=True):
         try:
             active[record.lane] = engine_policy(record)
@@ -57,22 +36,22 @@ def load_active() -> Dict[str, EnginePolicy]:
 
 
 class LivePolicies:
-    """The engine's PolicySource: a snapshot of the active policies, swapped whole by the watcher.
+    """The engine's PolicySource: the active policies, swapped whole by the watcher.
 
     A call costs one dict lookup: no database read per query."""
 
-    def __init__(self, initial: Optional[Mapping[str, EnginePolicy]] = None) -> None:
+    def __init__(self, initial: Optional[Mapping[str, scheduler.BatchingPolicy]] = None) -> None:
         # Until the database answers (or if it never does), each lane runs its built-in default.
-        self._snapshot: Dict[str, EnginePolicy] = dict(DEFAULT_POLICIES)
-        self._snapshot.update(initial or {})
+        self._in_force: Dict[str, scheduler.BatchingPolicy] = dict(DEFAULT_POLICIES)
+        self._in_force.update(initial or {})
         self._listeners: list = []
         self._lock = threading.Lock()
 
-    def __call__(self, lane: str) -> EnginePolicy:
-        return self._snapshot[lane]
+    def __call__(self, lane: str) -> scheduler.BatchingPolicy:
+        return self._in_force[lane]
 
-    def current(self) -> Dict[str, EnginePolicy]:
-        return dict(self._snapshot)
+    def current(self) -> Dict[str, scheduler.BatchingPolicy]:
+        return dict(self._in_force)
 
     def on_change(self, listener) -> None:
         """Call listener() after each swap (the engine's poke, so waiting queries see it now)."""
@@ -80,20 +59,20 @@ class LivePolicies:
             self._listeners.append(listener)
 
     def apply(self, version: Any = None) -> None:
-        snapshot = dict(self._snapshot)
+        in_force = dict(self._in_force)
         loaded = load_active()
-        snapshot.update(loaded)
+        in_force.update(loaded)
         for lane in LANES:
             if lane not in loaded:
                 # The model keeps one active record per lane; only raw SQL or a broken record
                 # gets here, and the operator must hear which policy the lane runs instead.
                 log.warning("no valid active %s policy in the database: the lane keeps %s",
-                            lane, snapshot[lane].name)
-        changed = snapshot != self._snapshot
-        self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
+                            lane, in_force[lane].name)
+        changed = in_force != self._in_force
+        self._in_force = in_force  # one reference swap: readers see the old or the new, whole
         if changed:
             log.info("batching policies now: %s", ", ".join(
-                f"{lane}={p.name} ({p.mode})" for lane, p in sorted(snapshot.items())))
+                f"{lane}={p.name} ({p.mode})" for lane, p in sorted(in_force.items())))
             with self._lock:
                 listeners = list(self._listeners)
             for listener in listeners:
@@ -110,21 +89,21 @@ def live_policies() -> LivePolicies:
     with _source_lock:
         if _source is None:
             _source = LivePolicies()
-            live.register(WATCH_NAME, policies_version, _source.apply)
+            watcher.register(WATCH_NAME, policies_version, _source.apply)
         else:
-            live.default_watcher().start()  # a forked child needs its own watcher thread
+            watcher.default_watcher().start()  # a forked child needs its own watcher thread
         return _source
 
 
-def attach(engine) -> LivePolicies:
-    """Make `engine` follow the active policies live (called where the engine is built)."""
+def attach(engine, **kwargs) -> LivePolicies:
+    """Make `engine` follow the active policies live (engine.signals.engine_built's receiver)."""
     source = live_policies()
     engine.set_policy_source(source)
     source.on_change(engine.poke)
     return source
 
 
-def current_policies() -> Dict[str, EnginePolicy]:
+def current_policies() -> Dict[str, scheduler.BatchingPolicy]:
     """The policies this process applies now ({} before anything was loaded); never reads the DB."""
     source = _source
     return source.current() if source is not None else {}

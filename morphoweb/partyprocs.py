@@ -1,0 +1,61 @@
+"""Starting a party's processes and waiting for them: the one copy `make run` (devserver), the
+benchmarks (benchmarks/stack.py, benchmarks/policy_http.py) and the tests (tests/conftest.py) use.
+
+Standard library only: it runs in the supervising process, which loads no Django.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Optional
+
+
+class NotHealthy(RuntimeError):
+    """A party did not answer /health with 200: one of its processes exited, or time ran out."""
+
+
+def free_port() -> int:
+    """A local TCP port free now (for a child server to bind)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def isolated_env(**values) -> dict:
+    """This process's environment without the settings that would leak into a child party (every
+    MORPHO_* variable, DATABASE_URL, CELERY_BROKER_URL), plus `values` as strings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MORPHO_") and k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    env.update({k: str(v) for k, v in values.items()})
+    return env
+
+
+def health_status(url: str) -> Optional[int]:
+    """The status of GET `url`/health (200 only when the engine takes queries), None unreachable."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def wait_healthy(url: str, processes: Mapping[str, subprocess.Popen], timeout: float,
+                 interval: float = 0.2) -> float:
+    """Seconds until `url`/health answers 200; NotHealthy, naming the process and its status, when
+    one of `processes` (name -> process) exits first, or when `timeout` seconds pass."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        for name, proc in processes.items():
+            if proc.poll() is not None:
+                raise NotHealthy(f"{name} exited with status {proc.returncode}")
+        if health_status(url) == 200:
+            return time.monotonic() - started
+        time.sleep(interval)
+    raise NotHealthy(f"{url}: not healthy after {timeout:.0f} s")
