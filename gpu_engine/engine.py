@@ -16,10 +16,10 @@ import numpy as np
 
 from gpu_engine.backends.base import Backend, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
-from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
+from gpu_engine.dpf import KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
-from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES
+from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
@@ -343,7 +343,9 @@ class Engine:
 
         On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to
         `max_batch` queries runs once per lane's dispatch shape, then once more, timed, for the
-        cost model; elsewhere one small launch pages the matrix in. Runs between launches."""
+        cost model; elsewhere one small launch pages the matrix in. v2 keys (their own kernels and
+        buffers) run once per shape too, untimed: the cost model plans with v1 launches, the
+        dearer ones. Runs between launches."""
         sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
 
         def warm() -> None:
@@ -357,6 +359,8 @@ class Engine:
                     timed = time.perf_counter()
                     self._resident.answer(keys, dispatch)
                     self.cost.observe(queries, time.perf_counter() - timed)
+                    self._resident.answer(random_keys(queries * KEYS_PER_QUERY, keys.domain_bits, rng,
+                                                      KEY_FORMAT_V2), dispatch)
             log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
                      len(dispatches), time.perf_counter() - started)
 
@@ -450,12 +454,11 @@ class Engine:
 
     def _launch(self, decision: Launch, batch: List[_Request]) -> None:
         epoch, state = self._epoch, self.state
-        keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
         queries = sum(r.size for r in batch)
         started_mono = time.monotonic()
         started = time.perf_counter()
         try:
-            answers = self._resident.answer(keys, decision.dispatch)
+            answers = self._answer(batch, decision.dispatch)
         except Exception as exc:  # noqa: BLE001 - a device failure fails this batch, not the engine
             log.exception("launch of %d requests failed", len(batch))
             self.stats.failure(decision.lane, queries)
@@ -481,6 +484,25 @@ class Engine:
         self.stats.launched(decision, seconds, [(r.size, started_mono - r.arrived, done - r.arrived)
                                                 for r in batch], done, held, self._waited)
         self._waited = False
+
+    def _answer(self, batch: List[_Request], dispatch) -> np.ndarray:
+        """Every request's answers in order: one launch per key format in the batch (a launch
+        holds keys of one format; v1 and v2 requests queue together)."""
+        formats = sorted({r.keys.key_format for r in batch})
+        if len(formats) == 1:
+            keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
+            return self._resident.answer(keys, dispatch)
+        ends = np.cumsum([len(r.keys) for r in batch])
+        answers = np.empty((int(ends[-1]), PAGE_BYTES), dtype=np.uint8)
+        for fmt in formats:
+            members = [i for i, r in enumerate(batch) if r.keys.key_format == fmt]
+            part = self._resident.answer(_concat([batch[i].keys for i in members]), dispatch)
+            row = 0
+            for i in members:
+                count = len(batch[i].keys)
+                answers[ends[i] - count:ends[i]] = part[row:row + count]
+                row += count
+        return answers
 
     # -- what operators and metrics read --------------------------------------------------
     def health(self) -> dict:
@@ -520,8 +542,10 @@ class Engine:
 
 
 def _concat(batches: Sequence[KeyBatch]) -> KeyBatch:
+    """One batch of the keys of `batches`, all of one key format."""
     return KeyBatch(
         domain_bits=batches[0].domain_bits,
+        key_format=batches[0].key_format,
         root_seed=np.concatenate([b.root_seed for b in batches]),
         root_t=np.concatenate([b.root_t for b in batches]),
         cw_seed=np.concatenate([b.cw_seed for b in batches]),

@@ -23,7 +23,7 @@ from gpu_engine.backends.base import (
     empty_answers,
 )
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
-from gpu_engine.dpf import KeyBatch
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
 from gpu_engine.protocol import MAX_BATCH_KEYS
 
@@ -45,8 +45,8 @@ class _Launch:
 
     def __init__(self, plan: launch.ScanPlan, start: int, stop: int, stream) -> None:
         self.plan, self.start, self.stop, self.stream = plan, start, stop, stream
-        kp, d = plan.padded_keys, plan.domain_bits
-        self.krec = launch.krec_words(d)
+        kp = plan.padded_keys
+        self.krec = launch.krec_words(plan.tree_depth)
         self._keys_mem = cupy.cuda.alloc_pinned_memory(kp * self.krec * 4)
         self.keys_host = np.frombuffer(self._keys_mem, np.uint32, kp * self.krec).reshape(kp, self.krec)
         self.keyrec = cupy.empty((kp, self.krec), dtype=np.uint32)
@@ -56,7 +56,7 @@ class _Launch:
             for st in plan.stages
         ]
         self.top = get_kernel("dpf_scan.cu", "dpf_expand_top") if plan.stages else None
-        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes)
+        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes, plan.scan_kernel)
         self.graph = None
 
     def stage_keys(self, records: np.ndarray) -> None:
@@ -131,16 +131,16 @@ class CudaResident(ResidentMatrix):
             raise RuntimeError("this resident matrix was released")
         return self._pages
 
-    def plan(self, num_keys: int) -> launch.ScanPlan:
+    def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> launch.ScanPlan:
         return launch.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
-                                self.chunk_levels, self._backend.resident_blocks)
+                                self.chunk_levels, self._backend.resident_blocks, key_format)
 
-    def _state(self, num_keys: int, dispatch: DispatchShape) -> _DispatchState:
-        key = (num_keys, dispatch, self.max_group_keys, self.chunk_levels)
+    def _state(self, num_keys: int, dispatch: DispatchShape, key_format: int) -> _DispatchState:
+        key = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format)
         state = self._states.get(key)
         if state is None:
             ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
-            plans = [self.plan(stop - start) for start, stop in ranges]
+            plans = [self.plan(stop - start, key_format) for start, stop in ranges]
             streams = self._streams[: dispatch.streams]
             try:
                 state = _DispatchState(plans, ranges, streams)
@@ -163,7 +163,7 @@ class CudaResident(ResidentMatrix):
         records = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock:
             pages = self._live()
-            state = self._state(len(keys), dispatch)
+            state = self._state(len(keys), dispatch, keys.key_format)
             state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
             for item in state.launches:
                 item.stage_keys(records)
@@ -230,9 +230,10 @@ class CudaBackend(Backend):
 
     def _allocate(self, num_pages: int, domain_bits: int):
         need = num_pages * PAGE_BYTES
-        # room for the largest batch (32 queries) to run beside the matrix
-        working = HEADROOM_BYTES + launch.workspace_bytes(
-            launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks))
+        # room for the largest batch (32 queries) of either key format to run beside the matrix
+        working = HEADROOM_BYTES + max(launch.workspace_bytes(
+            launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
+                             key_format=key_format)) for key_format in (KEY_FORMAT_V1, KEY_FORMAT_V2))
         free, total = runtime.memGetInfo()
         if need + working > free:
             raise BackendUnavailable(
