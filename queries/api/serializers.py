@@ -4,11 +4,16 @@ from __future__ import annotations
 from django.conf import settings
 from rest_framework import serializers
 
-from gpu_engine.dpf import DpfKey, KeyFormatError, key_length
+from gpu_engine.dpf import (
+    KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyFormatError, format_name, key_domain_bits,
+    key_format_of, key_length,
+)
 from gpu_engine.protocol import KEYS_PER_QUERY, HexError, parse_hex
 
 # The encodings the query endpoints speak (docs/PROTOCOL.md section 5), advertised in /epoch.
 ENCODINGS = ("json", "binary")
+# The key formats they take (section 3: v1, section 3.1: v2), advertised in /epoch too.
+KEY_FORMATS = (KEY_FORMAT_V1, KEY_FORMAT_V2)
 
 
 def json_type(value) -> str:
@@ -48,23 +53,41 @@ def _strict_list(data, what: str, lo: int, hi: int) -> list:
     return data
 
 
-def key_from_bytes(raw: bytes, domain_bits: int) -> bytes:
+def key_shape(domain_bits: int, key_format: int) -> str:
+    """How a key's length follows from domain_bits, for messages: "35 + 18 * domain_bits 8"."""
+    if key_format == KEY_FORMAT_V1:
+        return f"35 + 18 * domain_bits {domain_bits}"
+    return f"a v2 key: 36 + 18 * max(domain_bits {domain_bits} - 7, 0)"
+
+
+def format_message(got: int, expected) -> str:
+    """The message of a key in a format the request cannot take."""
+    return (f"key format: a {format_name(got)} key, expected "
+            f"{' or '.join(format_name(f) for f in expected)}: a request's keys share its first "
+            f"key's format, and bulk jobs take v1 keys only")
+
+
+def key_from_bytes(raw: bytes, domain_bits: int, key_formats=KEY_FORMATS) -> bytes:
     """One key's bytes checked against the server's domain_bits: the one key check of both
     encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents.
-    Returns the bytes, which travel on to the engine as they are."""
-    expected_len = key_length(domain_bits)
+    Either key format (byte 18 tells), of those in `key_formats`. Returns the bytes, which
+    travel on to the engine as they are."""
+    key_format = key_format_of(raw)
+    if key_format not in key_formats:
+        raise serializers.ValidationError(format_message(key_format, key_formats), code="key_format")
+    expected_len = key_length(domain_bits, key_format)
     # The length is checked against the server's domain first, so that a key sized for
     # another domain is reported as such rather than as a bad byte inside it.
-    if len(raw) != expected_len and len(raw) >= 19 and raw[18] != domain_bits:
+    if len(raw) != expected_len and len(raw) >= 20 and key_domain_bits(raw) != domain_bits:
         raise serializers.ValidationError(
-            f"domain_bits: expected {domain_bits} (this server's epoch), got {raw[18]} "
-            f"(a key of {len(raw)} bytes)",
+            f"domain_bits: expected {domain_bits} (this server's epoch), got "
+            f"{key_domain_bits(raw)} (a {format_name(key_format)} key of {len(raw)} bytes)",
             code="domain_bits",
         )
     if len(raw) != expected_len:
         raise serializers.ValidationError(
-            f"key length: expected {expected_len} bytes (35 + 18 * domain_bits "
-            f"{domain_bits}), got {len(raw)}",
+            f"key length: expected {expected_len} bytes ({key_shape(domain_bits, key_format)}), "
+            f"got {len(raw)}",
             code="key_length",
         )
     try:
@@ -92,7 +115,8 @@ class DpfKeyField(serializers.Field):
             raw = parse_hex(data)  # digits only: a key holds no spaces
         except HexError as exc:
             raise serializers.ValidationError(str(exc), code=exc.code) from None
-        return key_from_bytes(raw, self.context["domain_bits"])
+        return key_from_bytes(raw, self.context["domain_bits"],
+                              self.context.get("key_formats", KEY_FORMATS))
 
     def to_representation(self, value) -> str:
         return to_hex(value if isinstance(value, (bytes, bytearray)) else value.to_bytes())
@@ -133,10 +157,29 @@ class JsonObjectSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
 
+def mixed_format_errors(queries) -> dict:
+    """{query index: {"keys": {key index: [error]}}} for each key (bytes) of `queries` (lists
+    of keys) whose format is not the first key's: one key format per request."""
+    first = key_format_of(queries[0][0])
+    errors: dict = {}
+    for index, keys in enumerate(queries):
+        for key, raw in enumerate(keys):
+            if key_format_of(raw) != first:
+                errors.setdefault(index, {"keys": {}})["keys"][key] = [serializers.ErrorDetail(
+                    format_message(key_format_of(raw), (first,)), code="key_format")]
+    return errors
+
+
 class PageQuerySerializer(JsonObjectSerializer):
-    """One query: `{"keys": [k0, k1, k2]}`."""
+    """One query: `{"keys": [k0, k1, k2]}`, its keys of one format."""
 
     keys = KeyListField()
+
+    def validate(self, attrs):
+        errors = mixed_format_errors([attrs["keys"]])
+        if errors:
+            raise serializers.ValidationError(errors[0])
+        return attrs
 
 
 class QueryListField(serializers.ListField):
@@ -156,9 +199,16 @@ class QueryListField(serializers.ListField):
 
 
 class BatchQuerySerializer(JsonObjectSerializer):
-    """A batch: `{"queries": [{"keys": [...]}, ...]}`, answered in order against one epoch."""
+    """A batch: `{"queries": [{"keys": [...]}, ...]}`, answered in order against one epoch; every
+    key of one format."""
 
     queries = QueryListField()
+
+    def validate(self, attrs):
+        errors = mixed_format_errors([query["keys"] for query in attrs["queries"]])
+        if errors:
+            raise serializers.ValidationError({"queries": errors})
+        return attrs
 
 
 class PageAnswerSerializer(serializers.Serializer):
@@ -179,4 +229,5 @@ class EpochSerializer(serializers.Serializer):
     def to_representation(self, epoch) -> dict:
         # The epoch's JSON shape is part of the protocol, so it is defined once, beside the
         # Epoch; what this web server speaks is added here.
-        return {**epoch.describe(), "encodings": list(ENCODINGS)}
+        return {**epoch.describe(), "encodings": list(ENCODINGS),
+                "key_formats": [format_name(f) for f in KEY_FORMATS]}

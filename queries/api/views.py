@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from drf_spectacular.utils import extend_schema
 
-from gpu_engine.dpf import KeyBatch
+from gpu_engine.dpf import KeyBatch, key_domain_bits
 from gpu_engine.protocol import query_key_counts
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
 from morphoweb.openapi import (
@@ -73,7 +73,7 @@ def request_keys(data: dict) -> KeyBatch:
         return data["key_batch"]
     queries = [data["keys"]] if "keys" in data else [query["keys"] for query in data["queries"]]
     raw = b"".join(key for query in queries for key in query)  # each checked: key_from_bytes
-    return KeyBatch.from_bytes(raw, raw[18])
+    return KeyBatch.from_bytes(raw, key_domain_bits(raw))  # one key format: the serializers said so
 
 
 def answer(engine, epoch, data):
