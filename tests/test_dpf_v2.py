@@ -243,3 +243,20 @@ def test_bits_past_num_pages_select_nothing(pages, d):
     assert np.array_equal(reference_answers(matrix, ones)[0], expected)
     assert np.array_equal(NumpyResident(matrix, 3).answer(ones)[0], expected)
     assert np.array_equal(protocol_answers(matrix, ones)[0], expected)
+
+
+def test_protocol_md_states_the_v2_vectors_and_lengths_the_code_computes():
+    # docs/PROTOCOL.md section 7 ("v2 keys") and section 3.1 print what this code produces
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "PROTOCOL.md").read_text()
+    section = text[text.index("### 3.1 v2 keys"):text.index("## 4. The answer")]
+    vectors = text[text.index("**v2 keys** (section 3.1)"):text.index("## 8.")]
+    for value in (V2_KEY0_HEX, V2_KEY1_HEX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256,
+                  V2_ANSWER0_PREFIX, V2_SHORT_KEY0_HEX, V2_SHORT_KEY1_HEX,
+                  *[mask for pair in V2_LEAVES.values() for mask in pair]):
+        assert value in vectors, value
+    lengths = {d: key_length(d, V2) for d in (7, 8, 16, 25)}
+    assert (f"36 for `d <= 7`, {lengths[8]} at d = 8, {lengths[16]} at\nd = 16, {lengths[25]} "
+            "at d = 25") in section
+    assert f"| 18 | 1 | `{V2_MARKER:#x}`" in section
