@@ -16,7 +16,7 @@ import numpy as np
 
 from gpu_engine.backends.base import Backend, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
-from gpu_engine.dpf import KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
 from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
@@ -128,8 +128,17 @@ def static_policy(policy: BatchingPolicy) -> PolicySource:
     return lambda lane: policy
 
 
+def key_formats_of(engine) -> Tuple[int, ...]:
+    """The key formats `engine` answers (docs/PROTOCOL.md section 3): an Engine's key_formats;
+    v1 alone for one that does not say (a RemoteEngine, until its wire carries v2 keys and it
+    sets key_formats). The web tier takes and advertises these."""
+    return tuple(getattr(engine, "key_formats", (KEY_FORMAT_V1,)))
+
+
 class Engine:
     """One per process and device; thread-safe. Views and tasks submit, never launch."""
+
+    key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)  # both backends answer both
 
     def __init__(self, backend: Backend, epoch: Epoch, policy: Optional[PolicySource] = None) -> None:
         self.backend = backend

@@ -169,3 +169,18 @@ def test_bulk_jobs_refuse_v2_keys_in_both_encodings(bulk):
     assert "bulk jobs take v1 keys only" in errors[0][2]
     errors = _errors(bulk.generic("POST", "/bulk/jobs", V2_KEY0 * 3, content_type=BIN))
     assert errors[0][:2] == ("body", "key_format")
+
+
+def test_an_engine_that_takes_v1_keys_only_is_advertised_and_guarded_as_such(api, monkeypatch):
+    # a RemoteEngine whose wire carries v1 keys only sets no key_formats (key_formats_of): the
+    # web tier then advertises v1 alone and refuses v2 keys with a 400, never a 500
+    from gpu_engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "key_formats", (1,))
+    assert api.get("/epoch").json()["key_formats"] == ["v1"]
+    errors = _errors(post_json(api, SINGLE, {"keys": [V2_KEY0_HEX] * 3}))
+    assert errors[0][:2] == ("keys[0]", "key_format") and "a v2 key, expected v1" in errors[0][2]
+    errors = _errors(post(api, BATCH, V2_KEY0 * 3, accept=BIN))
+    assert errors[0][:2] == ("body", "key_format")
+    monkeypatch.delattr(Engine, "key_formats")
+    assert api.get("/epoch").json()["key_formats"] == ["v1"]

@@ -163,12 +163,12 @@ def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], 
 
 
 def binary_queries(raw: bytes, domain_bits: int, lo: int, hi: int,
-                   single: bool) -> KeyBatch:
+                   single: bool, key_formats=KEY_FORMATS) -> KeyBatch:
     """Every query's three keys as one batch, or one ValidationError naming each bad query and key.
 
     The whole body is checked in one vectorised pass; only a body that fails it is parsed key by
     key, for errors that name every bad key as the JSON encoding's do."""
-    count = check_body(raw, domain_bits, lo, hi, single=single)
+    count = check_body(raw, domain_bits, lo, hi, single=single, key_formats=key_formats)
     try:
         return KeyBatch.from_bytes(raw, domain_bits)
     except KeyFormatError as exc:
@@ -189,7 +189,8 @@ class BinaryPageQuerySerializer(serializers.BaseSerializer):
 
     def to_internal_value(self, data) -> dict:
         raw = body_bytes(data)
-        return {"key_batch": binary_queries(raw, self.context["domain_bits"], 1, 1, single=True)}
+        return {"key_batch": binary_queries(raw, self.context["domain_bits"], 1, 1, single=True,
+                                            key_formats=self.context.get("key_formats", KEY_FORMATS))}
 
 
 class BinaryBatchQuerySerializer(serializers.BaseSerializer):
@@ -198,7 +199,8 @@ class BinaryBatchQuerySerializer(serializers.BaseSerializer):
     def to_internal_value(self, data) -> dict:
         raw = body_bytes(data)
         return {"key_batch": binary_queries(raw, self.context["domain_bits"], 1,
-                                            settings.MORPHO_MAX_BATCH, single=False)}
+                                            settings.MORPHO_MAX_BATCH, single=False,
+                                            key_formats=self.context.get("key_formats", KEY_FORMATS))}
 
 
 def state_headers(state) -> dict:

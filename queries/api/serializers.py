@@ -229,5 +229,6 @@ class EpochSerializer(serializers.Serializer):
     def to_representation(self, epoch) -> dict:
         # The epoch's JSON shape is part of the protocol, so it is defined once, beside the
         # Epoch; what this web server speaks is added here.
+        formats = self.context.get("key_formats", KEY_FORMATS)  # the engine's (key_formats_of)
         return {**epoch.describe(), "encodings": list(ENCODINGS),
-                "key_formats": [format_name(f) for f in KEY_FORMATS]}
+                "key_formats": [format_name(f) for f in formats]}

@@ -12,6 +12,7 @@ from rest_framework.views import APIView
 from drf_spectacular.utils import extend_schema
 
 from gpu_engine.dpf import KeyBatch, key_domain_bits
+from gpu_engine.engine import key_formats_of
 from gpu_engine.protocol import query_key_counts
 from morphoweb.engine_runtime import EngineStartFailed, get_engine
 from morphoweb.openapi import (
@@ -57,7 +58,8 @@ class PublicAPIView(APIView):
         engine = get_engine()
         epoch = engine.epoch
         serializer = self.serializer_class_for(request)(
-            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
+            data=request.data, context={"domain_bits": epoch.matrix.domain_bits,
+                                        "key_formats": key_formats_of(engine)}
         )
         serializer.is_valid(raise_exception=True)
         return engine, epoch, serializer.validated_data
@@ -138,8 +140,8 @@ class EpochView(PublicAPIView):
     def get(self, request):
         engine = get_engine()
         # the served state beside the epoch: a client compares it between the two parties
-        return Response({**self.serializer_class(engine.epoch).data,
-                         "state": engine.state.describe()})
+        epoch = self.serializer_class(engine.epoch, context={"key_formats": key_formats_of(engine)})
+        return Response({**epoch.data, "state": engine.state.describe()})
 
 
 class QueryAPIView(JSONErrorsMixin, PublicAPIView):
