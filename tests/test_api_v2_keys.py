@@ -16,29 +16,12 @@ from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import (
     KEY0_HEX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256, V2_KEY0_HEX, V2_KEY1_HEX, vector_pages,
 )
+from tests.test_wire_format import (  # noqa: F401 - api: the fixture
+    BATCH, BIN, D, PAGE, SINGLE, api, post, post_json, with_byte,
+)
 
-SINGLE = "/query/page/gpu"
-BATCH = "/query/page/gpu/batch"
-BIN = "application/octet-stream"
-D = 8  # the vector matrix: 200 pages
 V2_LEN = key_length(D, KEY_FORMAT_V2)  # 54
-PAGE = 4096
 V2_KEY0, V2_KEY1 = bytes.fromhex(V2_KEY0_HEX), bytes.fromhex(V2_KEY1_HEX)
-
-
-@pytest.fixture
-def api(serve_matrix, vector_matrix_path):
-    serve_matrix(vector_matrix_path)
-    return APIClient()
-
-
-def post(api, path, body: bytes, content_type=BIN, accept=None):
-    extra = {} if accept is None else {"HTTP_ACCEPT": accept}
-    return api.generic("POST", path, body, content_type=content_type, **extra)
-
-
-def post_json(api, path, body, accept=None):
-    return post(api, path, json.dumps(body).encode(), "application/json", accept)
 
 
 def answers(response) -> list[bytes]:
@@ -113,12 +96,6 @@ def test_json_request_mixing_formats_is_refused_naming_each_key(api):
                                          "queries[1].keys[2]"]
 
 
-def _with_byte(data: bytes, offset: int, value: int) -> bytes:
-    out = bytearray(data)
-    out[offset] = value
-    return bytes(out)
-
-
 @pytest.mark.parametrize("path, body, field, code, message", [
     (BATCH, (V2_KEY0 * 3)[:-1], "body", "body_length",
      "expected a multiple of 162 bytes (one query is 3 keys of 54 bytes: a v2 key: "
@@ -126,11 +103,11 @@ def _with_byte(data: bytes, offset: int, value: int) -> bytes:
     (SINGLE, V2_KEY0 * 2, "body", "body_length", "expected 162 bytes"),
     (BATCH, gen_keys(5, 9, key_format=KEY_FORMAT_V2)[0].to_bytes() * 3, "body", "body_length",
      "got 216; the first key's domain_bits byte is 9, this server's epoch has domain_bits 8"),
-    (BATCH, _with_byte(V2_KEY0, 19, 9) * 3, "queries[0].keys[0]", "key_format",
+    (BATCH, with_byte(V2_KEY0, 19, 9) * 3, "queries[0].keys[0]", "key_format",
      "v2 key is 54 bytes but its domain_bits byte says 9, which needs 72 bytes"),
-    (BATCH, V2_KEY0 + _with_byte(V2_KEY0, 17, 4) + V2_KEY0, "queries[0].keys[1]", "key_format",
+    (BATCH, V2_KEY0 + with_byte(V2_KEY0, 17, 4) + V2_KEY0, "queries[0].keys[1]", "key_format",
      "party byte is 4, expected 0 or 1 (body bytes 54 to 107)"),
-    (BATCH, V2_KEY0 + _with_byte(V2_KEY0, 20 + 16, 2) + V2_KEY0, "queries[0].keys[1]",
+    (BATCH, V2_KEY0 + with_byte(V2_KEY0, 20 + 16, 2) + V2_KEY0, "queries[0].keys[1]",
      "key_format", "level 0 t_cw_left byte is 2"),
     # a v1 key's first 54 bytes where a v2 key should be: one format per request
     (BATCH, V2_KEY0 + bytes.fromhex(KEY0_HEX)[:54] + V2_KEY0, "queries[0].keys[1]", "key_format",

@@ -13,6 +13,7 @@ from gpu_engine.dpf import (
 )
 from gpu_engine.keygen import gen_key_pairs
 from gpu_engine.matrix import PAGE_BYTES, random_matrix
+from tests.test_dpf import _corrupt
 from tests.protocol_vectors import (
     KEY0_HEX, ROOT0, ROOT1, V2_ANSWER0_PREFIX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256, V2_KEY0_HEX,
     V2_KEY1_HEX, V2_LEAVES, V2_SHORT_KEY0_HEX, V2_SHORT_KEY1_HEX, protocol_answers, vector_matrix,
@@ -96,12 +97,6 @@ def test_the_formats_never_parse_as_each_other():
     # a v2 key read by a v1-only parser fails on byte 18, never as a shorter v1 key
     v2 = bytes.fromhex(V2_KEY0_HEX)
     assert not 1 <= v2[18] <= 32
-
-
-def _corrupt(data: bytes, offset: int, value: int) -> bytes:
-    out = bytearray(data)
-    out[offset] = value
-    return bytes(out)
 
 
 @pytest.mark.parametrize("mutate, message", [

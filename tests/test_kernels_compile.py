@@ -106,6 +106,19 @@ def _check_args(kernel, args, expected):
             assert arg == expected[name], name
 
 
+def _check_top_args(plan, keyrec, nodes, depth, leaves):
+    """dpf_expand_top's arguments of every top stage of `plan`: a tree of `depth` levels whose
+    first `leaves` leaves are live."""
+    for i, stage in enumerate(plan.stages):
+        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
+            "keyrec": keyrec, "krec": launch.krec_words(depth), "domain_bits": depth,
+            "num_leaves": leaves, "in_seed": nodes[i - 1][0] if i else nodes[0][0],
+            "in_t": nodes[i - 1][1] if i else nodes[0][1],
+            "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
+            "levels": stage.levels, "out_seed": nodes[i][0], "out_t": nodes[i][1],
+            "out_stride": stage.live_out})
+
+
 def test_argument_builders_follow_the_kernel_signatures():
     plan = launch.plan_scan(4097, 20, 30)
     assert len(plan.stages) == 2
@@ -117,14 +130,7 @@ def test_argument_builders_follow_the_kernel_signatures():
         "keyrec": keyrec, "krec": krec, "num_keys": plan.padded_keys, "root_seed": nodes[1][0],
         "root_t": nodes[1][1], "root_stride": plan.root_stride, "num_groups": plan.num_groups,
         "chunks_per_block": plan.chunks_per_block, "out": out})
-    for i, stage in enumerate(plan.stages):
-        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
-            "keyrec": keyrec, "krec": krec, "domain_bits": 20, "num_leaves": 4097,
-            "in_seed": nodes[i - 1][0] if i else nodes[0][0],
-            "in_t": nodes[i - 1][1] if i else nodes[0][1],
-            "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
-            "levels": stage.levels, "out_seed": nodes[i][0], "out_t": nodes[i][1],
-            "out_stride": stage.live_out})
+    _check_top_args(plan, keyrec, nodes, depth=20, leaves=4097)
     whole = launch.plan_scan(200, 8, 3)  # the chunk is the whole tree: roots from the records
     assert not whole.stages
     args = launch.scan_args(whole, pages, keyrec, [], out)
@@ -145,14 +151,7 @@ def test_argument_builders_follow_the_v2_kernel_signatures():
         "num_keys": plan.padded_keys, "leaf_seed": nodes[1][0], "leaf_t": nodes[1][1],
         "leaf_stride": 8193, "num_groups": plan.num_groups,
         "leaves_per_block": plan.chunks_per_block, "out": out})
-    for i, stage in enumerate(plan.stages):
-        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
-            "keyrec": keyrec, "krec": krec, "domain_bits": 14, "num_leaves": 8193,
-            "in_seed": nodes[i - 1][0] if i else nodes[0][0],
-            "in_t": nodes[i - 1][1] if i else nodes[0][1],
-            "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
-            "levels": stage.levels, "out_seed": nodes[i][0], "out_t": nodes[i][1],
-            "out_stride": stage.live_out})
+    _check_top_args(plan, keyrec, nodes, depth=14, leaves=8193)
     for pages_count, d in [(1, 1), (3, 2), (128, 7)]:  # a depth-0 tree: the root is the leaf
         short = launch.plan_scan(pages_count, d, 3, key_format=2)
         assert not short.stages and short.tree_depth == 0 and short.num_chunks == 1

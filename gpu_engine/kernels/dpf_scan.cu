@@ -250,6 +250,34 @@ __device__ __forceinline__ void accumulate_page(uint4 (&acc)[G], const uint4& v,
     }
 }
 
+// Streams pages [0, count) of one column (col_ptr: the first page's, SCAN_THREADS uint4 apart)
+// through registers, U loads in flight: add(acc, v, p) folds page p's 16 bytes v into acc.
+template <int G, int U, typename Add>
+__device__ __forceinline__ void scan_column(uint4 (&acc)[G], const uint4* col_ptr, int count, const Add& add) {
+    int p = 0;
+    for (; p + U <= count; p += U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
+#pragma unroll
+        for (int u = 0; u < U; ++u) add(acc, v[u], p + u);
+    }
+    for (; p < count; ++p) {
+        add(acc, __ldg(col_ptr + (long long)p * SCAN_THREADS), p);
+    }
+}
+
+// The block's accumulators meet in global memory: key key0 + j's column `col`, by XOR atomics.
+template <int G>
+__device__ __forceinline__ void flush_columns(const uint4 (&acc)[G], u64* out, int key0, int col) {
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
+        atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
+        atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
+    }
+}
+
 template <int G>
 __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MIN_BLOCKS(G))
 dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, int chunk_levels,
@@ -321,27 +349,11 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
             __syncthreads();
         }
 
-        const uint4* col_ptr = pages + leaf0 * SCAN_THREADS + col;
-        int p = 0;
-        for (; p + U <= n_leaves; p += U) {
-            uint4 v[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
-#pragma unroll
-            for (int u = 0; u < U; ++u) accumulate_page<G>(acc, v[u], big + (p + u) * G);
-        }
-        for (; p < n_leaves; ++p) {
-            accumulate_page<G>(acc, __ldg(col_ptr + (long long)p * SCAN_THREADS), big + p * G);
-        }
+        scan_column<G, U>(acc, pages + leaf0 * SCAN_THREADS + col, n_leaves,
+                          [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_page<G>(a, v, big + p * G); });
         __syncthreads();  // the next chunk's roots and levels overwrite these masks
     }
-
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-        u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
-        atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
-        atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
-    }
+    flush_columns<G>(acc, out, key0, col);
 }
 
 // v2 keys (docs/PROTOCOL.md section 3.1): a leaf of the tree selects among LEAF_PAGES (128)
@@ -415,29 +427,12 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
                 const uint4 b = bits[j];
                 sel[j] = w == 0 ? b.x : w == 1 ? b.y : w == 2 ? b.z : b.w;
             }
-            const int count = min(32, n_pages - 32 * w);
-            const uint4* col_ptr = pages + (page0 + 32 * w) * SCAN_THREADS + col;
-            int p = 0;
-            for (; p + U <= count; p += U) {
-                uint4 v[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
-#pragma unroll
-                for (int u = 0; u < U; ++u) accumulate_selected<G>(acc, v[u], sel, p + u);
-            }
-            for (; p < count; ++p) {
-                accumulate_selected<G>(acc, __ldg(col_ptr + (long long)p * SCAN_THREADS), sel, p);
-            }
+            scan_column<G, U>(acc, pages + (page0 + 32 * w) * SCAN_THREADS + col, min(32, n_pages - 32 * w),
+                              [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_selected<G>(a, v, sel, p); });
         }
         __syncthreads();  // the next leaf's bits overwrite these
     }
-
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-        u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
-        atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
-        atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
-    }
+    flush_columns<G>(acc, out, key0, col);
 }
 
 // Explicit instantiations: the group sizes the host may pick (cuda_launch.SCAN_GROUP_SIZES), of
