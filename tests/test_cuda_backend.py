@@ -104,6 +104,43 @@ def test_v2_plan_covers_every_leaf_once(pages, d, keys):
     assert launch.workspace_bytes(plan) >= plan.padded_keys * (4 * launch.krec_words(n) + PAGE_BYTES)
 
 
+def _simulate_scan_bits(plan, matrix, keys):
+    """dpf_scan_bits<G> as its text runs, block by block (the leaves as dpf_expand_top leaves
+    them, with final_cw applied as the kernel applies it): (K, 4096) u8 answers."""
+    from gpu_engine.dpf import eval_full
+
+    bits = eval_full(keys, plan.tree_leaves)  # (K, leaves, 4) u32: a leaf's selection words
+    pad = plan.padded_keys - len(keys)  # the host repeats the last key into the last group
+    bits = np.concatenate([bits, np.repeat(bits[-1:], pad, axis=0)])
+    pages = matrix.block(0, matrix.num_pages)
+    out = np.zeros((plan.padded_keys, pages.shape[1]), dtype=np.uint32)
+    g = plan.group_keys
+    for block in range(plan.grid):
+        group, run = block % plan.num_groups, block // plan.num_groups
+        first = run * plan.chunks_per_block
+        for leaf in range(first, min(plan.tree_leaves, first + plan.chunks_per_block)):
+            n_pages = min(128, plan.num_pages - leaf * 128)
+            for w in range(0, (n_pages + 31) // 32):
+                for p in range(min(32, n_pages - 32 * w)):
+                    page = pages[leaf * 128 + 32 * w + p]
+                    for key in range(group * g, group * g + g):
+                        if (int(bits[key, leaf, w]) >> p) & 1:
+                            out[key] ^= page
+    return out[:len(keys)].astype("<u4").view(np.uint8)
+
+
+@pytest.mark.parametrize("pages, d, keys, max_group", [
+    (1, 1, 2, 16), (3, 2, 5, 16), (130, 8, 7, 4), (255, 9, 3, 16), (700, 10, 11, 4)])
+def test_the_v2_scan_as_planned_equals_numpy(pages, d, keys, max_group):
+    from gpu_engine.backends.cpu import reference_answers
+
+    matrix = random_matrix(pages, seed=pages, domain_bits=d)
+    batch = _keys(keys, pages, d, seed=d, fmt=KEY_FORMAT_V2)
+    plan = launch.plan_scan(pages, d, keys, max_group_keys=max_group, resident_blocks=4,
+                            key_format=KEY_FORMAT_V2)
+    assert np.array_equal(_simulate_scan_bits(plan, matrix, batch), reference_answers(matrix, batch))
+
+
 def test_plan_keeps_key_groups_of_a_run_adjacent_at_mainnet():
     plan = launch.plan_scan(MAINNET_PAGES, 25, 96)
     assert (plan.group_keys, plan.num_groups) == (16, 6)
