@@ -47,6 +47,11 @@ def tree_depth(domain_bits: int, key_format: int = KEY_FORMAT_V1) -> int:
     return domain_bits if key_format == KEY_FORMAT_V1 else max(domain_bits - LEAF_PAGE_BITS, 0)
 
 
+def _v2_prefix(key_format: int) -> str:
+    """"v2 " in the messages about v2 keys; v1 keys keep the messages they always had."""
+    return "" if key_format == KEY_FORMAT_V1 else "v2 "
+
+
 def _header(key_format: int) -> int:
     return _HEADER if key_format == KEY_FORMAT_V1 else _V2_HEADER
 
@@ -149,7 +154,7 @@ class DpfKey:
                                      f"(or {V2_MARKER:#x}, the marker of a v2 key)")
         if len(data) != key_length(d, fmt):
             raise KeyFormatError(
-                f"{format_name(fmt)} key is {len(data)} bytes but its domain_bits byte says {d}, "
+                f"{_v2_prefix(fmt)}key is {len(data)} bytes but its domain_bits byte says {d}, "
                 f"which needs {key_length(d, fmt)} bytes"
             )
         if expected_domain_bits is not None and d != expected_domain_bits:
@@ -343,7 +348,7 @@ class KeyBatch:
         raw = np.frombuffer(data, dtype=np.uint8)
         if raw.size == 0 or raw.size % size:
             raise KeyFormatError(f"{raw.size} key bytes are not a whole number of "
-                                 f"{size}-byte {format_name(fmt)} keys (domain_bits {domain_bits})")
+                                 f"{size}-byte {_v2_prefix(fmt)}keys (domain_bits {domain_bits})")
         k = raw.size // size
         rows = raw.reshape(k, size)
         levels = rows[:, head:head + _LEVEL * n].reshape(k, n, _LEVEL)

@@ -81,7 +81,8 @@ def key_from_bytes(raw: bytes, domain_bits: int, key_formats=KEY_FORMATS) -> byt
     if len(raw) != expected_len and len(raw) >= 20 and key_domain_bits(raw) != domain_bits:
         raise serializers.ValidationError(
             f"domain_bits: expected {domain_bits} (this server's epoch), got "
-            f"{key_domain_bits(raw)} (a {format_name(key_format)} key of {len(raw)} bytes)",
+            f"{key_domain_bits(raw)} (a {'v2 ' if key_format == KEY_FORMAT_V2 else ''}key of "
+            f"{len(raw)} bytes)",
             code="domain_bits",
         )
     if len(raw) != expected_len:
