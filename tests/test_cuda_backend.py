@@ -70,6 +70,7 @@ def test_plan_covers_every_chunk_once(pages, d, keys):
     assert plan.grid == runs * plan.num_groups
     assert runs * plan.chunks_per_block >= plan.num_chunks > (runs - 1) * plan.chunks_per_block
     assert plan.shared_bytes <= launch.MAX_SHARED_BYTES
+    assert plan.scan_template == "dpf_scan" and plan.tree_depth == d and plan.tree_leaves == pages
     if plan.stages:
         last = plan.stages[-1]
         assert last.depth_in + last.levels == d - c
@@ -89,7 +90,7 @@ def test_v2_plan_covers_every_leaf_once(pages, d, keys):
     n, leaves = max(d - 7, 0), -(-pages // 128)
     assert (plan.tree_depth, plan.tree_leaves, plan.chunk_levels, plan.shared_bytes) == (n, leaves, 0, 0)
     assert plan.num_chunks == leaves and plan.depth_top == n
-    assert plan.scan_kernel == "dpf_scan_bits"
+    assert plan.scan_template == "dpf_scan_bits"
     runs = plan.grid // plan.num_groups
     assert plan.grid == runs * plan.num_groups
     assert runs * plan.chunks_per_block >= leaves > (runs - 1) * plan.chunks_per_block

@@ -56,7 +56,7 @@ class _Launch:
             for st in plan.stages
         ]
         self.top = get_kernel("dpf_scan.cu", "dpf_expand_top") if plan.stages else None
-        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes, plan.scan_kernel)
+        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes, plan.scan_template)
         self.graph = None
 
     def stage_keys(self, records: np.ndarray) -> None:

@@ -194,7 +194,7 @@ class ScanPlan:
         return live_nodes(self.num_pages, LEAF_PAGE_BITS)
 
     @property
-    def scan_kernel(self) -> str:
+    def scan_template(self) -> str:
         """The scan's template in dpf_scan.cu: dpf_scan (v1), dpf_scan_bits (v2), of G keys."""
         return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
 
