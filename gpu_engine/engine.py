@@ -16,10 +16,10 @@ import numpy as np
 
 from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
-from gpu_engine.dpf import DpfKey, KeyBatch, random_keys
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import Epoch
-from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES
+from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
@@ -131,6 +131,25 @@ class _Flight:
         return sum(r.size for r in self.batch)
 
 
+class _FormatParts(PendingAnswer):
+    """A batch started as one launch per key format; result() puts the answers back in order."""
+
+    def __init__(self, key_counts: List[int], parts: List[Tuple[List[int], PendingAnswer]]) -> None:
+        self._ends = np.cumsum(key_counts)
+        self._parts = parts
+
+    def result(self) -> np.ndarray:
+        ends = self._ends
+        answers = np.empty((int(ends[-1]), PAGE_BYTES), dtype=np.uint8)
+        for members, pending in self._parts:
+            part, row = pending.result(), 0
+            for i in members:
+                count = int(ends[i] - (ends[i - 1] if i else 0))
+                answers[ends[i] - count:ends[i]] = part[row:row + count]
+                row += count
+        return answers
+
+
 def settle(future: Future, result=None, error: Optional[BaseException] = None) -> None:
     """Resolve a future unless it is already done: a caller may cancel what it waits for."""
     try:
@@ -146,8 +165,17 @@ def static_policy(policy: BatchingPolicy) -> PolicySource:
     return lambda lane: policy
 
 
+def key_formats_of(engine) -> Tuple[int, ...]:
+    """The key formats `engine` answers (docs/PROTOCOL.md section 3): an Engine's key_formats;
+    v1 alone for one that does not say (a RemoteEngine, until its wire carries v2 keys and it
+    sets key_formats). The web tier takes and advertises these."""
+    return tuple(getattr(engine, "key_formats", (KEY_FORMAT_V1,)))
+
+
 class Engine:
     """One per process and device; thread-safe. Views and tasks submit, never launch."""
+
+    key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)  # both backends answer both
 
     def __init__(self, backend: Backend, epoch: Epoch, policy: Optional[PolicySource] = None) -> None:
         self.backend = backend
@@ -363,8 +391,9 @@ class Engine:
         On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to
         `max_batch` queries runs once per lane's dispatch shape, then once more, timed, for the
         cost model, and full batches twice at once (the second set of buffers a batch started
-        behind another one uses); elsewhere one small launch pages the matrix in. Runs between
-        launches."""
+        behind another one uses); elsewhere one small launch pages the matrix in. v2 keys (their
+        own kernels and buffers) run once per shape too, untimed: the cost model plans with v1
+        launches, the dearer ones. Runs between launches."""
         sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
 
         def warm() -> None:
@@ -378,9 +407,12 @@ class Engine:
                     timed = time.perf_counter()
                     self._resident.answer(keys, dispatch)
                     self.cost.observe(queries, time.perf_counter() - timed)
+                    v2 = random_keys(queries * KEYS_PER_QUERY, keys.domain_bits, rng, KEY_FORMAT_V2)
+                    self._resident.answer(v2, dispatch)
                     if queries == max_batch:  # a full batch may start while another runs
-                        for pending in [self._resident.start(keys, dispatch) for _ in range(2)]:
-                            pending.result()
+                        for full in (keys, v2):
+                            for pending in [self._resident.start(full, dispatch) for _ in range(2)]:
+                                pending.result()
             log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
                      len(dispatches), time.perf_counter() - started)
 
@@ -485,11 +517,10 @@ class Engine:
 
     def _start(self, decision: Launch, batch: List[_Request]) -> Optional["_Flight"]:
         """Start `batch` on the device; None when it failed at once (its futures then failed)."""
-        keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
         flight = _Flight(decision, batch, self._epoch, self.state, time.monotonic(),
                          time.perf_counter())
         try:
-            flight.pending = self._resident.start(keys, decision.dispatch)
+            flight.pending = self._start_keys(batch, decision.dispatch)
         except Exception as exc:  # noqa: BLE001 - a device failure fails this batch, not the engine
             self._failed(flight, exc)
             return None
@@ -533,6 +564,25 @@ class Engine:
                                                 for r in batch], done, held, self._waited)
         self._waited = False
 
+    def _start_keys(self, batch: List[_Request], dispatch) -> PendingAnswer:
+        """Start every request's keys: one launch per key format in the batch (a launch holds
+        keys of one format; v1 and v2 requests queue together)."""
+        formats = sorted({r.keys.key_format for r in batch})
+        if len(formats) == 1:
+            keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
+            return self._resident.start(keys, dispatch)
+        parts: List[Tuple[List[int], PendingAnswer]] = []
+        try:
+            for fmt in formats:
+                members = [i for i, r in enumerate(batch) if r.keys.key_format == fmt]
+                parts.append((members, self._resident.start(
+                    _concat([batch[i].keys for i in members]), dispatch)))
+        except Exception:
+            for _, started in parts:  # collected, so their buffers serve the next batch
+                started.result()
+            raise
+        return _FormatParts([len(r.keys) for r in batch], parts)
+
     # -- what operators and metrics read --------------------------------------------------
     def health(self) -> dict:
         with self._cond:
@@ -571,8 +621,10 @@ class Engine:
 
 
 def _concat(batches: Sequence[KeyBatch]) -> KeyBatch:
+    """One batch of the keys of `batches`, all of one key format."""
     return KeyBatch(
         domain_bits=batches[0].domain_bits,
+        key_format=batches[0].key_format,
         root_seed=np.concatenate([b.root_seed for b in batches]),
         root_t=np.concatenate([b.root_t for b in batches]),
         cw_seed=np.concatenate([b.cw_seed for b in batches]),

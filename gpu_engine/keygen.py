@@ -9,15 +9,18 @@ import numpy as np
 
 # The byte layout's offsets live in dpf.py, the one home of PROTOCOL.md section 3's format.
 from gpu_engine.dpf import (
-    _HEADER,
-    _LEVEL,
+    KEY_FORMAT_V1,
+    KEY_FORMAT_V2,
     MAX_DOMAIN_BITS,
     SEED_BYTES,
     DpfKey,
     KeyBatch,
     key_length,
+    key_rows,
+    tree_depth,
 )
 from gpu_engine.prg import expand
+from gpu_engine.protocol import LEAF_PAGES
 
 
 @dataclass(frozen=True)
@@ -30,39 +33,37 @@ class KeyPairs:
 
     domain_bits: int
     root_seeds: np.ndarray  # (K, 2, 16) u8: party 0's root seed, then party 1's
-    cw_seed: np.ndarray  # (K, d, 4) u32
-    cw_t: np.ndarray  # (K, d, 2) u8: [left, right]
+    cw_seed: np.ndarray  # (K, n, 4) u32, n = tree_depth(d, key_format)
+    cw_t: np.ndarray  # (K, n, 2) u8: [left, right]
     final_cw: np.ndarray  # (K, 4) u32
+    key_format: int = KEY_FORMAT_V1
 
     def __len__(self) -> int:
         return int(self.root_seeds.shape[0])
 
+    @property
+    def key_size(self) -> int:
+        """Bytes of one key: 35 + 18 d (v1), 36 + 18 max(d - 7, 0) (v2)."""
+        return key_length(self.domain_bits, self.key_format)
+
     def key_array(self, party: int) -> np.ndarray:
-        """Party `party`'s K serialized keys as one (K, 35 + 18 d) u8 array."""
+        """Party `party`'s K serialized keys as one (K, key_size) u8 array."""
         if party not in (0, 1):
             raise ValueError(f"party must be 0 or 1, got {party}")
-        k, d = len(self), self.domain_bits
-        out = np.empty((k, key_length(d)), dtype=np.uint8)
-        out[:, :SEED_BYTES] = self.root_seeds[:, party]
-        out[:, 16] = party  # root_t is the party's number
-        out[:, 17] = party
-        out[:, 18] = d
-        levels = out[:, _HEADER:_HEADER + _LEVEL * d].reshape(k, d, _LEVEL)
-        levels[:, :, :SEED_BYTES] = self.cw_seed.astype("<u4").view(np.uint8).reshape(k, d, 16)
-        levels[:, :, SEED_BYTES:] = self.cw_t
-        out[:, _HEADER + _LEVEL * d:] = self.final_cw.astype("<u4").view(np.uint8)
-        return out
+        # root_t is the party's number
+        return key_rows(self.domain_bits, self.key_format, self.root_seeds[:, party], party,
+                        party, self.cw_seed, self.cw_t, self.final_cw)
 
     def key_bytes(self, party: int) -> list[bytes]:
         """Party `party`'s K keys in PROTOCOL.md section 3's byte format."""
         raw = self.key_array(party).tobytes()
-        size = key_length(self.domain_bits)
+        size = self.key_size
         return [raw[i:i + size] for i in range(0, len(raw), size)]
 
     def key_hex(self, party: int) -> list[str]:
         """The same keys as lower-case hex strings (no 0x), as the JSON API takes them."""
         text = self.key_array(party).tobytes().hex()
-        size = 2 * key_length(self.domain_bits)
+        size = 2 * self.key_size
         return [text[i:i + size] for i in range(0, len(text), size)]
 
     def pair(self, index: int) -> tuple[DpfKey, DpfKey]:
@@ -80,6 +81,7 @@ class KeyPairs:
             cw_seed=self.cw_seed.copy(),
             cw_t=self.cw_t.copy(),
             final_cw=self.final_cw.copy(),
+            key_format=self.key_format,
         )
 
 
@@ -95,8 +97,10 @@ def gen_key_pairs(
     domain_bits: int,
     root_seeds=None,
     rng: Optional[np.random.Generator] = None,
+    key_format: int = KEY_FORMAT_V1,
 ) -> KeyPairs:
-    """Key pairs for every target at once (PROTOCOL.md section 3), vectorised over the targets.
+    """Key pairs for every target page at once (PROTOCOL.md section 3, or 3.1 with
+    KEY_FORMAT_V2), vectorised over the targets.
 
     `root_seeds` is (K, 2, 16) bytes-like (party 0's root, party 1's root per target) or None for
     fresh random ones. Given the same roots, pair i is byte for byte `gen_keys(targets[i], ...)`.
@@ -119,7 +123,8 @@ def gen_key_pairs(
             raise ValueError(
                 f"root_seeds must have shape ({k}, 2, {SEED_BYTES}), got {roots.shape}"
             )
-    d = domain_bits
+    d = tree_depth(domain_bits, key_format)
+    leaf = target >> (domain_bits - d)  # v1: the page; v2: its leaf of 128 pages
     # Rows 0..k-1 are party 0's nodes, rows k..2k-1 party 1's: one expand call per level for both.
     seeds = np.ascontiguousarray(roots.transpose(1, 0, 2)).view("<u4").astype(np.uint32)
     seeds = seeds.reshape(2 * k, 4)
@@ -128,7 +133,7 @@ def gen_key_pairs(
     cw_t = np.empty((k, d, 2), dtype=np.uint8)
     for level in range(d):
         left, right, t_left, t_right = expand(seeds)
-        bit = ((target >> (d - 1 - level)) & 1).astype(bool)
+        bit = ((leaf >> (d - 1 - level)) & 1).astype(bool)
         bit2 = np.concatenate([bit, bit])  # the same path bit for both parties' rows
         keep = np.where(bit2[:, None], right, left)
         lose = np.where(bit2[:, None], left, right)
@@ -145,6 +150,12 @@ def gen_key_pairs(
         on = np.uint32(0) - t.astype(np.uint32)  # 0 or 0xffffffff per row
         seeds = keep ^ (np.concatenate([scw, scw]) & on[:, None])
         t = keep_t ^ (np.concatenate([t_keep, t_keep]) & t)
-    final_cw = seeds[:k] ^ seeds[k:] ^ np.uint32(0xFFFFFFFF)
-    return KeyPairs(domain_bits=d, root_seeds=roots, cw_seed=cw_seed, cw_t=cw_t,
-                    final_cw=final_cw)
+    if key_format == KEY_FORMAT_V2:  # the one-hot vector of bit target & 127 (section 3.1)
+        j = target & (LEAF_PAGES - 1)
+        difference = np.where(np.arange(4)[None, :] == (j // 32)[:, None],
+                              np.uint32(1) << (j % 32).astype(np.uint32)[:, None], np.uint32(0))
+    else:
+        difference = np.uint32(0xFFFFFFFF)
+    final_cw = seeds[:k] ^ seeds[k:] ^ difference.astype(np.uint32)
+    return KeyPairs(domain_bits=domain_bits, root_seeds=roots, cw_seed=cw_seed, cw_t=cw_t,
+                    final_cw=final_cw, key_format=key_format)

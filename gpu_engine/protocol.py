@@ -15,7 +15,12 @@ KEYS_PER_QUERY = 3  # section 4: a query names three candidate pages, one key ea
 MAX_BATCH_QUERIES = 32  # section 5: queries in one batch request, and in one launch
 MAX_BATCH_KEYS = MAX_BATCH_QUERIES * KEYS_PER_QUERY  # 96: the largest batch the device runs
 BACKEND_NAMES = ("auto", "cpu", "cuda")  # MORPHO_ENGINE_BACKEND: auto = CUDA where present, else CPU
-
+# Section 3: the key formats, by the names /epoch advertises them under (section 5.1). "v1" gives
+# every page a 16-byte mask; "v2" stops the tree 7 levels early (section 3.1), a leaf selecting
+# LEAF_PAGES pages by one bit each. Every server speaks both; a client picks v2 where offered.
+KEY_FORMAT_NAMES = ("v1", "v2")
+LEAF_PAGE_BITS = 7  # v2: log2 of the pages one leaf selects among
+LEAF_PAGES = 1 << LEAF_PAGE_BITS  # 128: one selection bit each, the 128 bits of a leaf
 
 
 def query_key_counts(key_count: int) -> tuple:

@@ -25,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gpu_engine import wire
 from gpu_engine.backends.base import PAGE_BYTES
-from gpu_engine.dpf import DpfKey, KeyBatch
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, key_format_of
 from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
 from gpu_engine.matrix import Epoch, epoch_from_description
 from gpu_engine.protocol import MAX_BATCH_QUERIES
@@ -54,6 +54,8 @@ class RemoteEngine:
         self.url = url
         self.deadline_s = deadline_s
         self.backend_name = "remote"
+        # the key formats the engine server's wire carries (QUERY keys are sized by their format)
+        self.key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)
         self._context = context or zmq.Context()
         self._ids = itertools.count(1)
         self._pending: Dict[int, Tuple[Future, Optional[Tuple[int, ...]]]] = {}
@@ -278,7 +280,7 @@ class RemoteEngine:
                 if not self._send_now(dealer, item):
                     self._resolve_error([wire.unpack_id(item[1])], "engine server is not connected")
                 continue
-            shape = (item.lane, item.domain_bits, item.per_query)
+            shape = (item.lane, item.domain_bits, item.per_query, key_format_of(item.raw))
             group = groups.setdefault(shape, [])
             if group and sum(q.queries for q in group) + item.queries > self._merge_cap(item.lane):
                 self._send_queries(dealer, group)

@@ -8,6 +8,7 @@ server's status, which is how clients learn the epoch and policies and notice a 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 import zmq
 
 from gpu_engine import wire
-from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
+from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length_from_bytes
 from gpu_engine.engine import BatchAnswer, Engine, EngineBusy, EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,9 @@ class EngineServer:
             return _error_body(EngineBusy("the engine server is warming up (compiling kernels, "
                                           "capturing graphs)", retry_after=2))
         try:
-            lane, domain_bits, query_keys = wire.unpack_query(header, len(raw), key_length)
+            # keys sized by their own format (byte 18 of the first: v1 or v2)
+            lane, domain_bits, query_keys = wire.unpack_query(
+                header, len(raw), functools.partial(key_length_from_bytes, raw))
             keys = KeyBatch.from_bytes(raw, domain_bits)
             future = self.engine.submit_keys(keys, query_keys, lane)
         except BaseException as exc:  # noqa: BLE001 - refusals and bad input go back as ERROR

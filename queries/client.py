@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
+from gpu_engine.dpf import KEY_FORMAT_V1, format_by_name
 from gpu_engine.keygen import gen_key_pairs
-from gpu_engine.protocol import (KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES, ROW_BYTES,
-                                 ROWS_PER_PAGE, HexError, parse_hex)
+from gpu_engine.protocol import (KEY_FORMAT_NAMES, KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES,
+                                 ROW_BYTES, ROWS_PER_PAGE, HexError, parse_hex)
 from queries.client_plan import (BulkState, StateError, choose_pages, parse_result_line,
                                  read_rows_file)
 
@@ -34,6 +35,9 @@ DIGEST_HEADER = "X-Morpho-State-Digest"
 MISMATCH_ATTEMPTS = 3  # tries of a fetch whose parties answered from different epochs or states
 MISMATCH_RETRY_S = 0.5  # pause before the next try: parties follow a change within a second
 ENCODINGS = ("auto", "json", "binary")  # auto: binary where /epoch advertises it, else JSON
+# DPF key formats (docs/PROTOCOL.md section 3): auto is v2 (section 3.1, a tree 7 levels
+# shallower) where both parties' /epoch list it, else v1
+KEY_FORMATS = ("auto",) + KEY_FORMAT_NAMES
 
 
 class PirError(Exception):
@@ -69,6 +73,7 @@ class EpochInfo:
     block_number: int
     state_root: str
     encodings: tuple[str, ...] = ("json",)  # what the party's query endpoints speak
+    key_formats: tuple[str, ...] = ("v1",)  # the key formats they take
 
     @classmethod
     def from_json(cls, body: dict, url: str) -> "EpochInfo":
@@ -83,7 +88,8 @@ class EpochInfo:
                 state_root=str(body["state_root"]),
             )
             page_size, rows_per_page = int(pir["page_size_bytes"]), int(pir["rows_per_page"])
-            info = _with_encodings(info, body.get("encodings", ["json"]))
+            info = _with_encodings(info, body.get("encodings", ["json"]),
+                                   body.get("key_formats", ["v1"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ServerError(f"{url}/epoch: not a protocol /epoch body ({exc!r})") from None
         if (page_size, rows_per_page) != (PAGE_BYTES, ROWS_PER_PAGE):
@@ -105,13 +111,16 @@ class PlannedQuery:
 
 
 def plan_queries(pages: Sequence[int], num_pages: int, domain_bits: int,
-                 rand: Optional[secrets.SystemRandom] = None) -> list[PlannedQuery]:
+                 rand: Optional[secrets.SystemRandom] = None,
+                 key_format: int = KEY_FORMAT_V1) -> list[PlannedQuery]:
     """For each page, key pairs for it and two other pages drawn at random, in random order.
 
-    The keys of all the queries are made in one vectorised batch (gpu_engine.keygen)."""
+    The keys of all the queries are made in one vectorised batch (gpu_engine.keygen), in
+    `key_format` (KEY_FORMAT_V1, or KEY_FORMAT_V2 of docs/PROTOCOL.md section 3.1)."""
     rand = rand or secrets.SystemRandom()
     chosen = [choose_pages(page, num_pages, rand) for page in pages]
-    pairs = gen_key_pairs([p for candidates, _ in chosen for p in candidates], domain_bits)
+    pairs = gen_key_pairs([p for candidates, _ in chosen for p in candidates], domain_bits,
+                          key_format=key_format)
     keys_a, keys_b = pairs.key_hex(0), pairs.key_hex(1)
     plans = []
     for index, (candidates, slot) in enumerate(chosen):
@@ -122,9 +131,10 @@ def plan_queries(pages: Sequence[int], num_pages: int, domain_bits: int,
 
 
 def plan_query(page: int, num_pages: int, domain_bits: int,
-               rand: Optional[secrets.SystemRandom] = None) -> PlannedQuery:
+               rand: Optional[secrets.SystemRandom] = None,
+               key_format: int = KEY_FORMAT_V1) -> PlannedQuery:
     """Key pairs for `page` and two other pages drawn at random, in random order."""
-    return plan_queries([page], num_pages, domain_bits, rand)[0]
+    return plan_queries([page], num_pages, domain_bits, rand, key_format)[0]
 
 
 def _unhex(text, what: str) -> bytes:
@@ -139,11 +149,13 @@ def _unhex(text, what: str) -> bytes:
     return raw
 
 
-def _with_encodings(info: EpochInfo, encodings) -> EpochInfo:
-    # A server older than the binary encoding does not list its encodings: it speaks JSON.
-    if not isinstance(encodings, list) or not all(isinstance(e, str) for e in encodings):
-        raise TypeError(f"encodings: expected an array of strings, got {encodings!r:.60}")
-    return dataclasses.replace(info, encodings=tuple(encodings))
+def _with_encodings(info: EpochInfo, encodings, key_formats) -> EpochInfo:
+    # A server older than the binary encoding does not list its encodings: it speaks JSON; one
+    # older than v2 keys does not list its key formats: it takes v1.
+    for name, value in (("encodings", encodings), ("key_formats", key_formats)):
+        if not isinstance(value, list) or not all(isinstance(e, str) for e in value):
+            raise TypeError(f"{name}: expected an array of strings, got {value!r:.60}")
+    return dataclasses.replace(info, encodings=tuple(encodings), key_formats=tuple(key_formats))
 
 
 def _key_bytes(key) -> bytes:
@@ -212,14 +224,20 @@ class PirClient:
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys."""
 
     def __init__(self, server_a: str, server_b: str, timeout: float = 120.0,
-                 max_batch: int = MAX_BATCH_QUERIES, encoding: str = "auto") -> None:
+                 max_batch: int = MAX_BATCH_QUERIES, encoding: str = "auto",
+                 key_format: str = "auto") -> None:
         if not 1 <= max_batch <= MAX_BATCH_QUERIES:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH_QUERIES}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+        if key_format not in KEY_FORMATS:
+            raise ValueError(f"key_format must be one of {', '.join(KEY_FORMATS)}, got {key_format!r}")
         self.encoding = encoding
+        self.key_format = key_format
+        self.last_key_format: Optional[str] = None  # the format of the last fetch's keys
         self._advertised: tuple = (("json",), ("json",))  # per party, from its /epoch
+        self._key_formats: tuple = (("v1",), ("v1",))  # per party, from its /epoch
         self._used: list = [None, None]  # per party, the encoding of its last query request
         self.servers = (server_a.rstrip("/"), server_b.rstrip("/"))
         self.timeout = timeout
@@ -267,6 +285,7 @@ class PirClient:
                  for body, base in zip(self._both("/epoch"), self.servers)]
         a, b = infos
         self._advertised = (a.encodings, b.encodings)
+        self._key_formats = (a.key_formats, b.key_formats)
         if a.epoch_id != b.epoch_id:
             raise EpochMismatch(
                 f"the servers serve different epochs: A ({self.servers[0]}) epoch {a.epoch_id}, "
@@ -300,13 +319,22 @@ class PirClient:
     def fetch_row(self, row: int) -> bytes:
         return self.fetch_rows([row], batch=False)[0]
 
+    def key_format_for(self, info: EpochInfo) -> str:
+        """"v1" or "v2": the forced format, else v2 where both parties' /epoch list it (the two
+        keys of a pair share their format)."""
+        if self.key_format != "auto":
+            return self.key_format
+        return "v2" if all("v2" in formats for formats in self._key_formats) else "v1"
+
     def _fetch(self, rows: list[int], info: EpochInfo, batch: bool) -> list[bytes]:
         out = []
         step = self.max_batch if batch else 1
+        self.last_key_format = self.key_format_for(info)
+        key_format = format_by_name(self.last_key_format)
         for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
             plans = plan_queries([r // ROWS_PER_PAGE for r in chunk], info.num_pages,
-                                 info.domain_bits)
+                                 info.domain_bits, key_format=key_format)
             pages = self._ask(plans, batch)
             for row, page in zip(chunk, pages):
                 offset = (row % ROWS_PER_PAGE) * ROW_BYTES
@@ -611,11 +639,12 @@ def bulk_main(args, client: PirClient, out: Callable[[str], None]) -> int:
 
 
 def describe_encodings(client: PirClient) -> str:
-    """`encoding: binary`, or each party's when they differ (the -v line)."""
+    """`encoding: binary, keys: v2`, or each party's encoding when they differ (the -v line)."""
     a, b = client.last_encodings
+    keys = f"keys: {client.last_key_format} (requested {client.key_format})"
     if a == b:
-        return f"encoding: {a} (requested {client.encoding})"
-    return f"encoding: {a} with A, {b} with B (requested {client.encoding})"
+        return f"encoding: {a} (requested {client.encoding}), {keys}"
+    return f"encoding: {a} with A, {b} with B (requested {client.encoding}), {keys}"
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = print) -> int:
@@ -634,15 +663,20 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
     parser.add_argument("--encoding", choices=ENCODINGS, default="auto",
                         help="wire encoding of the queries: binary where the server advertises "
                         "it (auto, the default), or force json or binary")
+    parser.add_argument("--key-format", choices=KEY_FORMATS, default="auto",
+                        help="DPF key format: v2 (docs/PROTOCOL.md section 3.1, cheaper for the "
+                        "servers) where both servers advertise it (auto, the default), or force "
+                        "v1 or v2; bulk jobs always use v1")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="say on stderr which encoding each party was spoken to in")
+                        help="say on stderr which encoding each party was spoken to in, and "
+                        "which key format")
     add_bulk_arguments(parser)
     args = parser.parse_args(argv)
     if (args.row is None) == (args.bulk is None):
         parser.error("give the rows with --row (repeatable) or --bulk FILE, one of the two")
     try:
         with PirClient(args.server_a, args.server_b, timeout=args.timeout,
-                       encoding=args.encoding) as client:
+                       encoding=args.encoding, key_format=args.key_format) as client:
             if args.bulk is not None:
                 return bulk_main(args, client, out)
             rows = client.fetch_rows(args.row, batch=args.batch)

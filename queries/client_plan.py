@@ -11,6 +11,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from gpu_engine.dpf import KEY_FORMAT_V1, key_length
 from gpu_engine.keygen import KeyPairs, gen_key_pairs, random_root_seeds
 from gpu_engine.protocol import KEYS_PER_QUERY
 
@@ -45,7 +46,8 @@ class BulkState:
     """Everything a rerun needs to resume the same jobs and combine their answers.
 
     The keys are not stored: their root seeds are (32 bytes a key pair), and the keys are made
-    again from them, byte for byte, when a party's job still has to be submitted.
+    again from them, byte for byte, when a party's job still has to be submitted. Bulk jobs take
+    v1 keys only (docs/PROTOCOL.md section 5.5), so these are v1 keys whatever the parties offer.
     """
 
     servers: tuple[str, str]
@@ -77,7 +79,8 @@ class BulkState:
     def key_pairs(self, first: int, last: int) -> KeyPairs:
         """The key pairs of queries [first, last), three per query in slot order."""
         return gen_key_pairs(self.pages[first:last].reshape(-1), self.domain_bits,
-                             root_seeds=self.seeds[first:last].reshape(-1, 2, 16))
+                             root_seeds=self.seeds[first:last].reshape(-1, 2, 16),
+                             key_format=KEY_FORMAT_V1)
 
     def ndjson_lines(self, party: int, step: int = 1024) -> Iterator[bytes]:
         """Party `party`'s job body, `{"keys": [k0, k1, k2]}` a line, `step` queries at a time."""
@@ -88,7 +91,7 @@ class BulkState:
 
     def ndjson_length(self) -> int:
         """Bytes of either party's body: every line has the same length at one domain_bits."""
-        key = "0" * 2 * (35 + 18 * self.domain_bits)
+        key = "0" * 2 * key_length(self.domain_bits, KEY_FORMAT_V1)
         return len(self.rows) * len(f'{{"keys": ["{key}", "{key}", "{key}"]}}\n')
 
     def check_resumes(self, servers: Sequence[str], rows: Sequence[int], path: Path) -> None:

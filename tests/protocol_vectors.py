@@ -1,7 +1,7 @@
 """The test vectors of docs/PROTOCOL.md section 7 and its answer formula, shared by the test modules."""
 import numpy as np
 
-from gpu_engine.dpf import KeyBatch, eval_full
+from gpu_engine.dpf import KeyBatch, eval_pages
 from gpu_engine.matrix import PageMatrix
 
 ROOT0 = bytes(range(16))
@@ -24,6 +24,23 @@ ANSWER0_SHA256 = "b121b8e8fcd3b32edaa53de533cffc4e2237cddb2cac36d21ccc34c24bdb04
 ANSWER1_SHA256 = "67f5b6d8f09a7a45f207b4ed92f5d633538d6e0d9117e98a3395a87d17a756a4"
 ANSWER0_PREFIX = "2d00d7182f7577e733c749242127bb6cbd00e7b8aff5c7c73307091451879b3c"
 
+# Section 7, "v2 keys" (section 3.1): the same roots and target, d = 8, so a tree of depth 1.
+V2_KEY0_HEX = (
+    "000102030405060708090a0b0c0d0e0f00008208cd3f287358a378bafc41832129e717060100fc54124da50209a5"
+    "eec4cb55c3353ded"
+)
+V2_KEY1_HEX = "101112131415161718191a1b1c1d1e1f0101" + V2_KEY0_HEX[36:]
+V2_LEAVES = {  # leaf -> (key0 leaf, key1 leaf): leaf 0 differs in bit 42 alone (byte 5, 0x04)
+    0: ("5cd42678f7d0ce4acbc573af6a2eea6b", "5cd42678f7d4ce4acbc573af6a2eea6b"),
+    1: ("4f1fb139b34b7db24f47070e0c8c5dca",) * 2,
+}
+V2_ANSWER0_SHA256 = "26784051ddfc2287fa7bf60856f21866a9dc020f28272eff621c65b4cc757249"
+V2_ANSWER1_SHA256 = "e25a57c8e502949cffb8e0a4be81bd9f4dbb1a22d889840ee0501b5d0969ebb2"
+V2_ANSWER0_PREFIX = "b3a0fdc2b7a411f6bba8654affac599e83708d128734a106cb38f51a0f3ce92e"
+# d = 2 (4 pages), target 3: a tree of depth 0, 36-byte keys whose leaf is the root
+V2_SHORT_KEY0_HEX = "000102030405060708090a0b0c0d0e0f0000820218101010101010101010101010101010"
+V2_SHORT_KEY1_HEX = "101112131415161718191a1b1c1d1e1f0101820218101010101010101010101010101010"
+
 
 def vector_pages() -> np.ndarray:
     """The 200-page matrix whose page i byte j is (131*i + 17*j + 11) mod 256, as bytes."""
@@ -38,8 +55,8 @@ def vector_matrix() -> PageMatrix:
 
 def protocol_answers(matrix: PageMatrix, keys: KeyBatch) -> np.ndarray:
     """Answers by docs/PROTOCOL.md section 4 written plainly, not by any backend's scan: XOR over
-    pages of page AND the key's tiled mask; (K, 4096) u8."""
-    masks = eval_full(keys, matrix.num_pages)
+    pages of page AND the key's tiled mask (either key format); (K, 4096) u8."""
+    masks = eval_pages(keys, matrix.num_pages)
     pages = matrix.block(0, matrix.num_pages).reshape(matrix.num_pages, 256, 4)
     return np.stack([np.bitwise_xor.reduce(pages & masks[k][:, None, :], axis=0).reshape(-1)
                      for k in range(len(keys))]).astype("<u4").view(np.uint8)

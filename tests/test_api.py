@@ -80,6 +80,7 @@ def test_epoch_is_the_protocol_shape(api):
         "page_pir": {"domain_bits": 8, "rows_per_page": 16, "num_pages": 200,
                      "page_size_bytes": 4096},
         "encodings": ["json", "binary"],
+        "key_formats": ["v1", "v2"],
         # no row written over the epoch's file yet: zero updates, the zero digest
         "state": {"epoch_id": 5, "updates": 0, "digest": "0x" + "00" * 32},
     }

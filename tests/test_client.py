@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gpu_engine.dpf import DpfKey, eval_point
+from gpu_engine.dpf import DpfKey, eval_point, page_mask
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
 from queries.client import (MISMATCH_ATTEMPTS, EpochInfo, EpochMismatch, PirClient, ServerError,
                             plan_query)
@@ -137,6 +137,16 @@ def test_every_query_hides_its_page_among_three():
     assert sorted(plan_query(1, num_pages=2, domain_bits=1).pages) == [0, 0, 1]
 
 
+def test_v2_plans_are_point_functions_of_their_pages():
+    plan = plan_query(300, num_pages=400, domain_bits=9, key_format=2)
+    for slot, (ha, hb) in enumerate(zip(plan.keys_a, plan.keys_b)):
+        ka, kb = DpfKey.from_bytes(bytes.fromhex(ha), 9), DpfKey.from_bytes(bytes.fromhex(hb), 9)
+        assert (ka.key_format, len(bytes.fromhex(ha))) == (2, 72)
+        for page in (plan.pages[slot], plan.pages[slot] ^ 1, 0, 399):
+            at = bytes(x ^ y for x, y in zip(page_mask(ka, page), page_mask(kb, page)))
+            assert at == (b"\xff" * 16 if page == plan.pages[slot] else bytes(16))
+
+
 class EpochRewritingProxy:
     """Forwards to a real party but names another epoch in its first `lies` query answers."""
 
@@ -157,8 +167,10 @@ class EpochRewritingProxy:
                                                  headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=60) as response:
                     payload = json.loads(response.read())
-                # It speaks JSON only, like a server from before the binary encoding.
+                # It speaks JSON and v1 keys only, like a server from before the binary
+                # encoding and v2 keys.
                 payload.pop("encodings", None)
+                payload.pop("key_formats", None)
                 if self.path.startswith("/query/"):
                     proxy.queries += 1
                     if proxy.queries <= proxy.lies:
@@ -194,6 +206,7 @@ def test_answers_from_different_epochs_are_retried(parties, expected, lies, retr
             if retried_ok:
                 assert client.fetch_rows([3, 4000], batch=True) == [expected.row(3), expected.row(4000)]
                 assert client.last_encodings == ("binary", "json")  # each party in its own
+                assert client.last_key_format == "v1"  # B does not take v2 keys
             else:
                 with pytest.raises(EpochMismatch, match="answered from different epochs: 11 and 1011"):
                     client.fetch_rows([3], batch=True)
@@ -219,9 +232,12 @@ def test_each_encoding_fetches_the_same_rows(parties, expected, encoding, used):
 
 
 @pytest.mark.parametrize("flag, line", [
-    ([], "encoding: binary (requested auto)"),
-    (["--encoding", "json"], "encoding: json (requested json)"),
-    (["--encoding", "binary"], "encoding: binary (requested binary)"),
+    ([], "encoding: binary (requested auto), keys: v2 (requested auto)"),
+    (["--encoding", "json"], "encoding: json (requested json), keys: v2 (requested auto)"),
+    (["--encoding", "binary", "--key-format", "v1"],
+     "encoding: binary (requested binary), keys: v1 (requested v1)"),
+    (["--key-format", "v2", "--encoding", "json"],
+     "encoding: json (requested json), keys: v2 (requested v2)"),
 ])
 def test_cli_says_which_encoding_it_used_with_v(parties, expected, flag, line):
     a, b, _ = parties
@@ -233,6 +249,45 @@ def test_cli_says_which_encoding_it_used_with_v(parties, expected, flag, line):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [f"row 5: 0x{expected.row(5).hex()}"]
     assert result.stderr.splitlines() == [line]
+
+
+# --- key formats (docs/PROTOCOL.md section 3.1) --------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["json", "binary"])
+@pytest.mark.parametrize("key_format, used", [("auto", "v2"), ("v2", "v2"), ("v1", "v1")])
+def test_each_key_format_fetches_the_same_rows(parties, expected, encoding, key_format, used):
+    a, b, _ = parties
+    rows = random.Random(9).sample(range(PAGES * 16), 34)  # a full batch of 32, then 2
+    with PirClient(a, b, encoding=encoding, key_format=key_format) as client:
+        assert client.last_key_format is None
+        assert client.fetch_rows(rows, batch=True) == [expected.row(r) for r in rows]
+        assert client.last_key_format == used
+        assert client.fetch_row(PAGES * 16 - 1) == expected.row(PAGES * 16 - 1)
+        assert client.epoch().key_formats == ("v1", "v2")
+
+
+def test_the_key_format_is_v2_only_where_both_parties_offer_it():
+    body = {"epoch_id": 1, "num_rows": 32, "seeds": [1, 2, 3], "block_number": 0,
+            "state_root": "0x" + "00" * 32,
+            "page_pir": {"domain_bits": 1, "rows_per_page": 16, "num_pages": 2,
+                         "page_size_bytes": 4096}}
+    old = EpochInfo.from_json(body, "http://x")
+    new = EpochInfo.from_json({**body, "key_formats": ["v1", "v2"]}, "http://x")
+    assert (old.key_formats, new.key_formats) == (("v1",), ("v1", "v2"))
+    with pytest.raises(ServerError, match="key_formats: expected an array of strings"):
+        EpochInfo.from_json({**body, "key_formats": "v2"}, "http://x")
+    with PirClient("http://a", "http://b") as client:
+        assert client.key_format_for(new) == "v1"  # nothing advertised yet
+        for formats, chosen in [((new, new), "v2"), ((new, old), "v1"), ((old, new), "v1")]:
+            client._key_formats = tuple(info.key_formats for info in formats)
+            assert client.key_format_for(new) == chosen
+    for forced in ("v1", "v2"):
+        with PirClient("http://a", "http://b", key_format=forced) as client:
+            client._key_formats = (("v1",), ("v1",))
+            assert client.key_format_for(old) == forced
+    with pytest.raises(ValueError, match="key_format must be one of auto, v1, v2, got 'v3'"):
+        PirClient("http://a", "http://b", key_format="v3")
 
 
 def test_a_server_that_lists_no_encodings_speaks_json():

@@ -1,4 +1,5 @@
-"""The CUDA backend: launch planning and argument checks (no GPU), and answers equal to NumPy's (GPU)."""
+"""The CUDA backend: launch planning and argument checks (no GPU), and answers equal to NumPy's (GPU),
+for both key formats (v1, docs/PROTOCOL.md section 3, and v2, section 3.1)."""
 import hashlib
 
 import numpy as np
@@ -6,16 +7,21 @@ import pytest
 
 from gpu_engine.backends import BackendUnavailable, DispatchShape
 from gpu_engine.backends import cuda_launch as launch
-from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import PAGE_BYTES, PageMatrix, random_matrix
-from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, vector_matrix, vector_pages
+from tests.protocol_vectors import (
+    ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256,
+    V2_KEY0_HEX, V2_KEY1_HEX, vector_matrix, vector_pages,
+)
 
 MAINNET_PAGES = 16_817_159
+FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2]  # every GPU answer test runs for both key formats
 
 
-def _keys(num_keys, num_pages, d, seed):
+def _keys(num_keys, num_pages, d, seed, fmt=KEY_FORMAT_V1):
     rng = np.random.default_rng(seed)
-    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng)[i % 2] for i in range(num_keys)])
+    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng, key_format=fmt)[i % 2]
+                               for i in range(num_keys)])
 
 
 # --- launch planning and checks: pure code, run in CI ---------------------------------------------
@@ -64,6 +70,7 @@ def test_plan_covers_every_chunk_once(pages, d, keys):
     assert plan.grid == runs * plan.num_groups
     assert runs * plan.chunks_per_block >= plan.num_chunks > (runs - 1) * plan.chunks_per_block
     assert plan.shared_bytes <= launch.MAX_SHARED_BYTES
+    assert plan.scan_template == "dpf_scan" and plan.tree_depth == d and plan.tree_leaves == pages
     if plan.stages:
         last = plan.stages[-1]
         assert last.depth_in + last.levels == d - c
@@ -72,6 +79,67 @@ def test_plan_covers_every_chunk_once(pages, d, keys):
             assert nxt.live_in == prev.live_out
     else:
         assert d == c and plan.num_chunks == 1
+
+
+@pytest.mark.parametrize("pages, d, keys", [
+    (1, 1, 1), (1, 25, 3), (2, 1, 2), (3, 2, 96), (128, 7, 5), (129, 8, 5), (255, 8, 7),
+    (4097, 13, 30), (4097, 20, 3), (65536, 16, 96), (2**20 + 17, 21, 96), (MAINNET_PAGES, 25, 96),
+])
+def test_v2_plan_covers_every_leaf_once(pages, d, keys):
+    plan = launch.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2)
+    n, leaves = max(d - 7, 0), -(-pages // 128)
+    assert (plan.tree_depth, plan.tree_leaves, plan.chunk_levels, plan.shared_bytes) == (n, leaves, 0, 0)
+    assert plan.num_chunks == leaves and plan.depth_top == n
+    assert plan.scan_template == "dpf_scan_bits"
+    runs = plan.grid // plan.num_groups
+    assert plan.grid == runs * plan.num_groups
+    assert runs * plan.chunks_per_block >= leaves > (runs - 1) * plan.chunks_per_block
+    if n:
+        last = plan.stages[-1]
+        assert last.depth_in + last.levels == n
+        assert plan.root_stride == last.live_out == leaves
+        for prev, nxt in zip(plan.stages, plan.stages[1:]):
+            assert nxt.live_in == prev.live_out
+    else:
+        assert not plan.stages and leaves == 1 and plan.root_stride == 1
+    assert launch.workspace_bytes(plan) >= plan.padded_keys * (4 * launch.krec_words(n) + PAGE_BYTES)
+
+
+def _simulate_scan_bits(plan, matrix, keys):
+    """dpf_scan_bits<G> as its text runs, block by block (the leaves as dpf_expand_top leaves
+    them, with final_cw applied as the kernel applies it): (K, 4096) u8 answers."""
+    from gpu_engine.dpf import eval_full
+
+    bits = eval_full(keys, plan.tree_leaves)  # (K, leaves, 4) u32: a leaf's selection words
+    pad = plan.padded_keys - len(keys)  # the host repeats the last key into the last group
+    bits = np.concatenate([bits, np.repeat(bits[-1:], pad, axis=0)])
+    pages = matrix.block(0, matrix.num_pages)
+    out = np.zeros((plan.padded_keys, pages.shape[1]), dtype=np.uint32)
+    g = plan.group_keys
+    for block in range(plan.grid):
+        group, run = block % plan.num_groups, block // plan.num_groups
+        first = run * plan.chunks_per_block
+        for leaf in range(first, min(plan.tree_leaves, first + plan.chunks_per_block)):
+            n_pages = min(128, plan.num_pages - leaf * 128)
+            for w in range(0, (n_pages + 31) // 32):
+                for p in range(min(32, n_pages - 32 * w)):
+                    page = pages[leaf * 128 + 32 * w + p]
+                    for key in range(group * g, group * g + g):
+                        if (int(bits[key, leaf, w]) >> p) & 1:
+                            out[key] ^= page
+    return out[:len(keys)].astype("<u4").view(np.uint8)
+
+
+@pytest.mark.parametrize("pages, d, keys, max_group", [
+    (1, 1, 2, 16), (3, 2, 5, 16), (130, 8, 7, 4), (255, 9, 3, 16), (700, 10, 11, 4)])
+def test_the_v2_scan_as_planned_equals_numpy(pages, d, keys, max_group):
+    from gpu_engine.backends.cpu import reference_answers
+
+    matrix = random_matrix(pages, seed=pages, domain_bits=d)
+    batch = _keys(keys, pages, d, seed=d, fmt=KEY_FORMAT_V2)
+    plan = launch.plan_scan(pages, d, keys, max_group_keys=max_group, resident_blocks=4,
+                            key_format=KEY_FORMAT_V2)
+    assert np.array_equal(_simulate_scan_bits(plan, matrix, batch), reference_answers(matrix, batch))
 
 
 def test_plan_keeps_key_groups_of_a_run_adjacent_at_mainnet():
@@ -98,10 +166,12 @@ def test_split_micro_batches():
         launch.split_micro_batches(3, -1)
 
 
-def test_key_records_hold_every_field_where_the_kernel_reads_it():
-    keys = _keys(3, 100, 7, seed=1)
+@pytest.mark.parametrize("fmt, d, depth", [(KEY_FORMAT_V1, 7, 7), (KEY_FORMAT_V2, 14, 7),
+                                             (KEY_FORMAT_V2, 7, 0)])
+def test_key_records_hold_every_field_where_the_kernel_reads_it(fmt, d, depth):
+    keys = _keys(3, 100, d, seed=1, fmt=fmt)
     rec = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
-    d = 7
+    d = depth  # the tree's levels: the records hold those
     assert rec.dtype == np.uint32 and rec.shape == (3, launch.krec_words(d))
     assert rec.shape[1] % 4 == 0 and rec.shape[1] >= 12 + 5 * d
     for k in range(3):
@@ -114,6 +184,7 @@ def test_key_records_hold_every_field_where_the_kernel_reads_it():
 
 
 def test_key_batch_checks_reject_before_launch():
+    launch.check_key_batch(_keys(2, 50, 9, seed=2, fmt=KEY_FORMAT_V2), 9)  # 2 levels
     keys = _keys(2, 50, 6, seed=2)
     launch.check_key_batch(keys, 6)
     with pytest.raises(ValueError, match="domain_bits"):
@@ -169,11 +240,15 @@ def _reference(matrix, keys):
 
 
 @pytest.mark.gpu
-def test_protocol_vectors_on_gpu(cuda):
-    keys = KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(h)) for h in (KEY0_HEX, KEY1_HEX)])
+@pytest.mark.parametrize("key_hex, sha256", [
+    ((KEY0_HEX, KEY1_HEX), (ANSWER0_SHA256, ANSWER1_SHA256)),
+    ((V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),  # section 7, v2 keys
+])
+def test_protocol_vectors_on_gpu(cuda, key_hex, sha256):
+    keys = KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(h)) for h in key_hex])
     answers = cuda.load(vector_matrix()).answer(keys)
-    assert hashlib.sha256(answers[0].tobytes()).hexdigest() == ANSWER0_SHA256
-    assert hashlib.sha256(answers[1].tobytes()).hexdigest() == ANSWER1_SHA256
+    assert hashlib.sha256(answers[0].tobytes()).hexdigest() == sha256[0]
+    assert hashlib.sha256(answers[1].tobytes()).hexdigest() == sha256[1]
     assert (answers[0] ^ answers[1]).tobytes() == vector_pages()[42].tobytes()
 
 
@@ -184,53 +259,90 @@ _SHAPES = [(1, d) for d in (1, 2, 5, 13, 25)] + [(2, 1), (2, 3), (3, 2), (3, 9),
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("pages, d", _SHAPES)
-def test_matches_numpy(cuda, pages, d):
+def test_matches_numpy(cuda, pages, d, fmt):
     matrix = random_matrix(pages, seed=pages + d, domain_bits=d)
-    keys = _keys(7, pages, d, seed=d)
+    keys = _keys(7, pages, d, seed=d, fmt=fmt)
     assert np.array_equal(cuda.load(matrix).answer(keys), _reference(matrix, keys))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("queries", [1, 2, 3, 5, 8, 11, 16, 24, 32])
-def test_batch_sizes_match_numpy(cuda, queries):
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("queries", list(range(1, 33)))
+def test_batch_sizes_match_numpy(cuda, queries, fmt):
     matrix = random_matrix(4097, seed=queries)
-    keys = _keys(3 * queries, 4097, matrix.domain_bits, seed=100 + queries)
+    keys = _keys(3 * queries, 4097, matrix.domain_bits, seed=100 + queries, fmt=fmt)
     assert np.array_equal(cuda.load(matrix).answer(keys), _reference(matrix, keys))
 
 
 @pytest.fixture(scope="module")
 def shared_65536(cuda):
-    """One resident 65,536-page matrix and two 96-key batches with their NumPy answers."""
+    """One resident 65,536-page matrix and, per key format, two 96-key batches with their NumPy
+    answers."""
     matrix = random_matrix(65536, seed=3)
-    batches = [_keys(96, 65536, 16, seed=s) for s in (31, 32)]
-    return cuda.load(matrix), [(keys, _reference(matrix, keys)) for keys in batches]
+    batches = {fmt: [_keys(96, 65536, 16, seed=s, fmt=fmt) for s in (31, 32)] for fmt in FORMATS}
+    return cuda.load(matrix), {fmt: [(keys, _reference(matrix, keys)) for keys in batches[fmt]]
+                               for fmt in FORMATS}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dispatch", [
     DispatchShape(), DispatchShape(micro_batch=3), DispatchShape(micro_batch=12, streams=4),
     DispatchShape(graph=True), DispatchShape(micro_batch=24, streams=2, graph=True),
 ])
 @pytest.mark.parametrize("max_group_keys", [8, 16, 32])
-def test_dispatch_shapes_and_groups_match_numpy(shared_65536, dispatch, max_group_keys):
+def test_dispatch_shapes_and_groups_match_numpy(shared_65536, dispatch, max_group_keys, fmt):
     resident, batches = shared_65536
     resident.max_group_keys = max_group_keys
     try:
-        for keys, expect in batches:  # a replayed graph must answer the new keys, not the captured ones
+        for keys, expect in batches[fmt]:  # a replayed graph must answer the new keys, not the captured ones
             assert np.array_equal(resident.answer(keys, dispatch), expect)
     finally:
         resident.max_group_keys = launch.DEFAULT_MAX_GROUP_KEYS
 
 
 @pytest.mark.gpu
-def test_large_shape_matches_numpy(cuda):
+@pytest.mark.parametrize("dispatch", [DispatchShape(), DispatchShape(micro_batch=12, streams=4, graph=True)])
+def test_poisoned_buffers_never_reach_the_answers(shared_65536, dispatch):
+    # every device and pinned buffer a launch writes is filled with garbage between batches of
+    # both formats: each answer must still be the NumPy one (the kernels clear and overwrite it all)
+    import cupy
+
+    resident, batches = shared_65536
+    for _ in range(2):
+        for fmt in FORMATS:
+            for keys, expect in batches[fmt]:
+                for state in resident._states.values():
+                    state.out_host.view(np.uint8)[...] = 0x5A
+                    for item in state.launches:
+                        item.out.fill(0xDEADBEEF)
+                        for seed, t in item.nodes:
+                            seed.fill(0xFFFFFFFF)
+                            t.fill(1)
+                cupy.cuda.Device().synchronize()
+                assert np.array_equal(resident.answer(keys, dispatch), expect)
+
+
+@pytest.mark.gpu
+def test_mixed_formats_in_turn_use_their_own_buffers(shared_65536):
+    resident, batches = shared_65536
+    for (v1, expect1), (v2, expect2) in zip(batches[KEY_FORMAT_V1], batches[KEY_FORMAT_V2]):
+        assert np.array_equal(resident.answer(v2), expect2)
+        assert np.array_equal(resident.answer(v1), expect1)
+        assert np.array_equal(resident.answer(v2), expect2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_large_shape_matches_numpy(cuda, fmt):
     pages = 2**20 + 17
     resident = cuda.generate(pages, seed=4)
     import cupy
 
     host = PageMatrix(cupy.asnumpy(resident._pages))
-    keys = _keys(9, pages, host.domain_bits, seed=4)
+    keys = _keys(9, pages, host.domain_bits, seed=4, fmt=fmt)
     assert np.array_equal(resident.answer(keys), _reference(host, keys))
     assert resident.read_page(pages - 1) == host.page(pages - 1)
 
@@ -246,7 +358,8 @@ def test_generated_pages_follow_the_host_formula(cuda):
 
 
 @pytest.mark.gpu
-def test_write_rows_reach_the_answers(cuda):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_rows_reach_the_answers(cuda, fmt):
     matrix = random_matrix(600, seed=8)
     resident = cuda.load(matrix)
     rng = np.random.default_rng(8)
@@ -254,7 +367,7 @@ def test_write_rows_reach_the_answers(cuda):
     resident.write_rows(rows)
     for r, data in rows.items():
         matrix.write_row(r, data)
-    keys = _keys(12, 600, matrix.domain_bits, seed=9)
+    keys = _keys(12, 600, matrix.domain_bits, seed=9, fmt=fmt)
     assert np.array_equal(resident.answer(keys), _reference(matrix, keys))
     with pytest.raises(ValueError, match="outside"):
         resident.write_rows({600 * 16: bytes(256)})
@@ -285,22 +398,24 @@ def test_too_large_matrix_is_refused_naming_both_sizes(cuda):
 
 
 @pytest.mark.gpu
-def test_bad_keys_raise_before_launch(cuda):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bad_keys_raise_before_launch(cuda, fmt):
     resident = cuda.load(random_matrix(10, seed=1))  # 10 pages: domain_bits 4
-    keys = _keys(2, 10, 5, seed=1)
+    keys = _keys(2, 10, 5, seed=1, fmt=fmt)
     with pytest.raises(ValueError, match="domain_bits"):
         resident.answer(keys)
 
 
 @pytest.mark.gpu
-def test_batch_buffers_are_rebuilt_after_out_of_memory(cuda, monkeypatch):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batch_buffers_are_rebuilt_after_out_of_memory(cuda, monkeypatch, fmt):
     import cupy
 
     from gpu_engine.backends import cuda as cuda_mod
 
     matrix = random_matrix(300, seed=6)
     resident = cuda.load(matrix)
-    resident.answer(_keys(6, 300, matrix.domain_bits, seed=6))  # one cached batch shape
+    resident.answer(_keys(6, 300, matrix.domain_bits, seed=6, fmt=fmt))  # one cached batch shape
     real, calls = cuda_mod._DispatchState, []
 
     def first_call_fails(*args):
@@ -310,13 +425,14 @@ def test_batch_buffers_are_rebuilt_after_out_of_memory(cuda, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(cuda_mod, "_DispatchState", first_call_fails)
-    keys = _keys(9, 300, matrix.domain_bits, seed=7)
+    keys = _keys(9, 300, matrix.domain_bits, seed=7, fmt=fmt)
     assert np.array_equal(resident.answer(keys), _reference(matrix, keys))
     assert calls == [1, 0]  # the retry came after the cached shape was dropped
 
 
 @pytest.mark.gpu
-def test_engine_answers_and_writes_rows_on_the_gpu(cuda):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
     from concurrent.futures import ThreadPoolExecutor
 
     from gpu_engine.engine import Engine
@@ -327,7 +443,7 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda):
     try:
         rng = np.random.default_rng(12)
         targets = [[int(t) for t in rng.integers(0, 5000, size=3)] for _ in range(12)]
-        pairs = [[gen_keys(t, matrix.domain_bits, rng) for t in query] for query in targets]
+        pairs = [[gen_keys(t, matrix.domain_bits, rng, key_format=fmt) for t in query] for query in targets]
         with ThreadPoolExecutor(6) as pool:  # concurrent requests are coalesced into launches
             side0 = list(pool.map(lambda q: engine.answer([[p[0] for p in q]], timeout=60), pairs))
             side1 = list(pool.map(lambda q: engine.answer([[p[1] for p in q]], timeout=60), pairs))

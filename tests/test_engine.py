@@ -13,9 +13,10 @@ from gpu_engine.scheduler import BatchingPolicy, PolicyError
 from tests.protocol_vectors import protocol_answers
 
 
-def _query(target, d, rng):
+def _query(target, d, rng, key_format=1):
     """Three key pairs (target plus two decoys), as a client would make them."""
-    pairs = [gen_keys(int(t), d, rng) for t in (target, rng.integers(1 << d), rng.integers(1 << d))]
+    pairs = [gen_keys(int(t), d, rng, key_format=key_format)
+             for t in (target, rng.integers(1 << d), rng.integers(1 << d))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -79,6 +80,33 @@ def test_concurrent_requests_are_coalesced_into_fewer_launches(engine):
     # Coalesced launches still answer each request from its own keys (row 0 written first).
     expected = _expected(random_matrix(300, seed=1), [r[0] for r in requests], {0: b"\x00" * 256})
     assert [page for r in results for page in _answered(r)] == expected
+
+
+def test_requests_of_both_key_formats_coalesce_and_each_gets_its_own_answers(engine):
+    # v1 and v2 requests (PROTOCOL.md section 3.1) share the queue; a launch takes one format
+    rng = np.random.default_rng(4)
+    d = engine.epoch.matrix.domain_bits
+    targets = list(range(0, 300, 13))
+    pairs = [_query(t, d, rng, key_format=1 + i % 2) for i, t in enumerate(targets)]
+    gate = threading.Event()
+    results = {}
+
+    def client(i, side):
+        gate.wait()
+        results[i, side] = engine.answer([pairs[i][side]], timeout=60)
+
+    threads = [threading.Thread(target=client, args=(i, side))
+               for i in range(len(targets)) for side in (0, 1)]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join()
+    assert engine.stats.queries_answered == 2 * len(targets)
+    for i, target in enumerate(targets):
+        a, b = results[i, 0], results[i, 1]
+        assert bytes(x ^ y for x, y in zip(a.pages[0][0], b.pages[0][0])) == engine.epoch.matrix.page(target)
+        assert _answered(a) == _expected(random_matrix(300, seed=1), [pairs[i][0]])
 
 
 def test_row_write_is_in_every_later_answer(engine):

@@ -170,5 +170,6 @@ def test_warm_up_starts_two_full_batches_at_once(held):
                 batch.release.set()
     warming.result(20)
     sizes = [size for event, size in backend.log if event == "started"]
-    assert sizes == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4]
-    assert backend.log[-4:] == [("started", 4), ("started", 4), ("collected", 4), ("collected", 4)]
+    # each size: v1 twice (the second timed) and v2 once; full batches of each format twice at once
+    assert sizes == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4]
+    assert backend.log[-8:] == [("started", 4), ("started", 4), ("collected", 4), ("collected", 4)] * 2

@@ -23,7 +23,8 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on t
 # Threads per block the host launches each kernel with (gpu_engine/backends/cuda.py); a kernel's
 # __launch_bounds__ must be exactly this: fewer and the launch fails, more and registers are lost.
 LAUNCH_THREADS = {"dpf_expand_top": TOP_THREADS,
-                  **{f"dpf_scan<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES}}
+                  **{f"dpf_scan<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
+                  **{f"dpf_scan_bits<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES}}
 
 
 def test_every_cu_file_is_loaded_by_the_backend():
@@ -44,12 +45,13 @@ def _code(name):
 def test_the_host_constants_are_the_compilers_d_options():
     defines = launch.kernel_defines()
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
-                            "KREC_FINAL", "KREC_ROOT_T", "KREC_CW"}
+                            "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(launch, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
         f"-D{name}={getattr(launch, name)}" for name in defines]
     assert launch.SCAN_THREADS * 16 == 4096  # a thread per 16-byte column of a page
+    assert launch.LEAF_PAGES == 128  # a v2 leaf: 128 selection bits, 4 words of 32 pages
 
 
 def test_every_macro_the_scan_kernel_uses_is_defined_in_it_or_by_the_host_not_both():
@@ -104,6 +106,19 @@ def _check_args(kernel, args, expected):
             assert arg == expected[name], name
 
 
+def _check_top_args(plan, keyrec, nodes, depth, leaves):
+    """dpf_expand_top's arguments of every top stage of `plan`: a tree of `depth` levels whose
+    first `leaves` leaves are live."""
+    for i, stage in enumerate(plan.stages):
+        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
+            "keyrec": keyrec, "krec": launch.krec_words(depth), "domain_bits": depth,
+            "num_leaves": leaves, "in_seed": nodes[i - 1][0] if i else nodes[0][0],
+            "in_t": nodes[i - 1][1] if i else nodes[0][1],
+            "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
+            "levels": stage.levels, "out_seed": nodes[i][0], "out_t": nodes[i][1],
+            "out_stride": stage.live_out})
+
+
 def test_argument_builders_follow_the_kernel_signatures():
     plan = launch.plan_scan(4097, 20, 30)
     assert len(plan.stages) == 2
@@ -115,18 +130,33 @@ def test_argument_builders_follow_the_kernel_signatures():
         "keyrec": keyrec, "krec": krec, "num_keys": plan.padded_keys, "root_seed": nodes[1][0],
         "root_t": nodes[1][1], "root_stride": plan.root_stride, "num_groups": plan.num_groups,
         "chunks_per_block": plan.chunks_per_block, "out": out})
-    for i, stage in enumerate(plan.stages):
-        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
-            "keyrec": keyrec, "krec": krec, "domain_bits": 20, "num_leaves": 4097,
-            "in_seed": nodes[i - 1][0] if i else nodes[0][0],
-            "in_t": nodes[i - 1][1] if i else nodes[0][1],
-            "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
-            "levels": stage.levels, "out_seed": nodes[i][0], "out_t": nodes[i][1],
-            "out_stride": stage.live_out})
+    _check_top_args(plan, keyrec, nodes, depth=20, leaves=4097)
     whole = launch.plan_scan(200, 8, 3)  # the chunk is the whole tree: roots from the records
     assert not whole.stages
     args = launch.scan_args(whole, pages, keyrec, [], out)
     assert args[7] is keyrec and args[8] is keyrec and args[9] == 1
+
+
+def test_argument_builders_follow_the_v2_kernel_signatures():
+    # v2 keys (PROTOCOL.md section 3.1): the top stages reach the leaves, 128 pages each
+    plan = launch.plan_scan(2**20 + 17, 21, 30, key_format=2)
+    assert plan.tree_depth == 14 and plan.tree_leaves == 8193 and plan.chunk_levels == 0
+    assert [(s.depth_in, s.levels) for s in plan.stages] == [(0, 5), (5, 9)]
+    assert plan.stages[-1].live_out == plan.num_chunks == 8193
+    pages, keyrec, out = object(), object(), object()
+    nodes = [(object(), object()) for _ in plan.stages]
+    krec = launch.krec_words(14)
+    _check_args("dpf_scan_bits", launch.scan_args(plan, pages, keyrec, nodes, out), {
+        "pages": pages, "num_pages": 2**20 + 17, "tree_depth": 14, "keyrec": keyrec, "krec": krec,
+        "num_keys": plan.padded_keys, "leaf_seed": nodes[1][0], "leaf_t": nodes[1][1],
+        "leaf_stride": 8193, "num_groups": plan.num_groups,
+        "leaves_per_block": plan.chunks_per_block, "out": out})
+    _check_top_args(plan, keyrec, nodes, depth=14, leaves=8193)
+    for pages_count, d in [(1, 1), (3, 2), (128, 7)]:  # a depth-0 tree: the root is the leaf
+        short = launch.plan_scan(pages_count, d, 3, key_format=2)
+        assert not short.stages and short.tree_depth == 0 and short.num_chunks == 1
+        args = launch.scan_args(short, pages, keyrec, [], out)
+        assert args[6] is keyrec and args[7] is keyrec and args[8] == 1
 
 
 @dataclass(frozen=True)
@@ -202,6 +232,8 @@ def test_scan_instantiations_match_the_host_and_do_not_spill(compiled):
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     compiled_sizes = sorted(int(m) for e in entries for m in re.findall(r"dpf_scanILi(\d+)E", e))
     assert compiled_sizes == sorted(SCAN_GROUP_SIZES)
+    bits_sizes = sorted(int(m) for e in entries for m in re.findall(r"dpf_scan_bitsILi(\d+)E", e))
+    assert bits_sizes == sorted(SCAN_GROUP_SIZES)
     assert "dpf_expand_top" in entries
     # registers capped by __launch_bounds__ must not push accumulators to local memory
     for block in report.split("Compiling entry function")[1:]:

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from rest_framework import serializers
 
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2
 from gpu_engine.keygen import gen_key_pairs
 from queries.api.serializers import (
     BatchQuerySerializer,
@@ -14,8 +15,9 @@ from queries.api.serializers import (
 D = 10
 
 
-def _hex_keys(count: int, seed: int) -> list:
-    return gen_key_pairs(np.random.default_rng(seed).integers(0, 1 << D, count), D).key_hex(seed % 2)
+def _hex_keys(count: int, seed: int, key_format: int = KEY_FORMAT_V1) -> list:
+    targets = np.random.default_rng(seed).integers(0, 1 << D, count)
+    return gen_key_pairs(targets, D, key_format=key_format).key_hex(seed % 2)
 
 
 def _field_by_field(query):
@@ -42,10 +44,11 @@ def _mutations(keys: list, rng) -> list:
     return [[m] + keys[1:] for m in bad] + [keys[:2], keys + keys[:1], "nope", {"k": 1}]
 
 
+@pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
 @pytest.mark.parametrize("seed", range(6))
-def test_agrees_with_the_field_by_field_check(seed):
+def test_agrees_with_the_field_by_field_check(seed, key_format):
     rng = np.random.default_rng(seed)
-    keys = _hex_keys(3, seed)
+    keys = _hex_keys(3, seed, key_format)
     cases = [{"keys": keys}, {"keys": keys, "extra": True}, []] + \
             [{"keys": m} for m in _mutations(keys, rng)]
     for query in cases:
@@ -76,3 +79,11 @@ def test_whole_bodies_take_the_quick_path_with_the_same_bytes():
     assert batch.validated_data["key_batch"].to_bytes() == expected
     assert b"".join(single.validated_data["keys"]) == expected[:len(expected) // 5]
     assert single.validated_data["key_batch"].to_bytes() == expected[:len(expected) // 5]
+
+
+def test_keys_of_two_formats_or_a_format_not_taken_fall_back():
+    v1, v2 = _hex_keys(3, 1), _hex_keys(3, 2, KEY_FORMAT_V2)
+    assert keys_checked_at_once([{"keys": v1}, {"keys": v2}], D) is None
+    assert keys_checked_at_once([{"keys": v2[:2] + v1[:1]}], D) is None
+    assert keys_checked_at_once([{"keys": v2}], D, key_formats=(KEY_FORMAT_V1,)) is None
+    assert keys_checked_at_once([{"keys": v2}, {"keys": v2}], D).key_format == KEY_FORMAT_V2

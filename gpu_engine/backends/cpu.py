@@ -9,7 +9,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from gpu_engine.backends.base import Backend, DispatchShape, ProgressFn, ResidentMatrix
-from gpu_engine.dpf import KeyBatch, iter_mask_chunks
+from gpu_engine.dpf import KeyBatch, iter_page_masks
 from gpu_engine.matrix import PAGE_BYTES, WORDS_PER_PAGE, PageMatrix
 
 SCAN_PAGES = 64  # pages per scan block: 256 KiB of matrix + 256 KiB scratch stay in L2
@@ -34,7 +34,7 @@ def _scan_part(matrix: PageMatrix, keys: KeyBatch, chunk_bits: int, part: int, p
     k = len(keys)
     acc = np.zeros((k, WORDS_PER_PAGE // 4, 4), dtype=np.uint32)
     scratch = np.empty((SCAN_PAGES, WORDS_PER_PAGE // 4, 4), dtype=np.uint32)
-    for first, masks in iter_mask_chunks(keys, matrix.num_pages, chunk_bits, part, parts):
+    for first, masks in iter_page_masks(keys, matrix.num_pages, chunk_bits, part, parts):
         for off in range(0, masks.shape[1], SCAN_PAGES):
             n = min(SCAN_PAGES, masks.shape[1] - off)
             block = matrix.block(first + off, first + off + n).reshape(n, WORDS_PER_PAGE // 4, 4)

@@ -23,15 +23,15 @@ from gpu_engine.backends.base import (
     ResidentMatrix,
 )
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
-from gpu_engine.dpf import KeyBatch
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
-from gpu_engine.protocol import MAX_BATCH_KEYS
+from gpu_engine.protocol import MAX_BATCH_KEYS, MAX_BATCH_QUERIES
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
-# (batch size, dispatch) entries whose buffers and graphs are kept: warm-up makes 32, the bulk
-# lane one more
-MAX_CACHED_SHAPES = 48
+# (batch size, dispatch, key format) entries whose buffers and graphs are kept: warm-up makes 32
+# per key format, the bulk lane one more (v1), and room is left for a second dispatch's few
+MAX_CACHED_SHAPES = 2 * MAX_BATCH_QUERIES + 16
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 
@@ -45,8 +45,8 @@ class _Launch:
 
     def __init__(self, plan: launch.ScanPlan, start: int, stop: int, stream) -> None:
         self.plan, self.start, self.stop, self.stream = plan, start, stop, stream
-        kp, d = plan.padded_keys, plan.domain_bits
-        self.krec = launch.krec_words(d)
+        kp = plan.padded_keys
+        self.krec = launch.krec_words(plan.tree_depth)
         self._keys_mem = cupy.cuda.alloc_pinned_memory(kp * self.krec * 4)
         self.keys_host = np.frombuffer(self._keys_mem, np.uint32, kp * self.krec).reshape(kp, self.krec)
         self.keyrec = cupy.empty((kp, self.krec), dtype=np.uint32)
@@ -56,7 +56,7 @@ class _Launch:
             for st in plan.stages
         ]
         self.top = get_kernel("dpf_scan.cu", "dpf_expand_top") if plan.stages else None
-        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes)
+        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes, plan.scan_template)
         self.graph = None
 
     def stage_keys(self, records: np.ndarray) -> None:
@@ -153,21 +153,22 @@ class CudaResident(ResidentMatrix):
             raise RuntimeError("this resident matrix was released")
         return self._pages
 
-    def plan(self, num_keys: int) -> launch.ScanPlan:
+    def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> launch.ScanPlan:
         return launch.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
-                                self.chunk_levels, self._backend.resident_blocks)
+                                self.chunk_levels, self._backend.resident_blocks, key_format)
 
-    def _state(self, num_keys: int, dispatch: DispatchShape) -> Tuple[tuple, _DispatchState]:
+    def _state(self, num_keys: int, dispatch: DispatchShape,
+               key_format: int) -> Tuple[tuple, _DispatchState]:
         """The buffers (and graphs) of this batch shape that no started batch is using: a second
         set where the engine starts a batch while one of the same shape still runs."""
-        shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels)
+        shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format)
         key = shape + (1 if shape + (0,) in self._started else 0,)
         if key in self._started:
             raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
         state = self._states.get(key)
         if state is None:
             ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
-            plans = [self.plan(stop - start) for start, stop in ranges]
+            plans = [self.plan(stop - start, key_format) for start, stop in ranges]
             streams = self._streams[: dispatch.streams]
             try:
                 state = _DispatchState(plans, ranges, streams)
@@ -194,7 +195,7 @@ class CudaResident(ResidentMatrix):
         records = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock:
             pages = self._live()
-            key, state = self._state(len(keys), dispatch)
+            key, state = self._state(len(keys), dispatch, keys.key_format)
             state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
             for item in state.launches:
                 item.stage_keys(records)
@@ -271,10 +272,11 @@ class CudaBackend(Backend):
 
     def _allocate(self, num_pages: int, domain_bits: int):
         need = num_pages * PAGE_BYTES
-        # room for two of the largest batches (32 queries) beside the matrix: the engine starts
-        # the next batch while one runs
-        working = HEADROOM_BYTES + 2 * launch.workspace_bytes(
-            launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks))
+        # room for two of the largest batches (32 queries) of either key format beside the
+        # matrix: the engine starts the next batch while one runs
+        working = HEADROOM_BYTES + 2 * max(launch.workspace_bytes(
+            launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
+                             key_format=key_format)) for key_format in (KEY_FORMAT_V1, KEY_FORMAT_V2))
         free, total = runtime.memGetInfo()
         if need + working > free:
             raise BackendUnavailable(

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from gpu_engine.protocol import PAGE_BYTES, ROW_BYTES
+from gpu_engine.dpf import KEY_FORMAT_V1, format_name, tree_depth
+from gpu_engine.protocol import LEAF_PAGE_BITS, LEAF_PAGES, PAGE_BYTES, ROW_BYTES
 
 SCAN_THREADS = PAGE_BYTES // 16  # 256: one thread per 16-byte column of a page
 TOP_THREADS = 256
@@ -52,6 +53,7 @@ def kernel_defines() -> Dict[str, int]:
         "KREC_FINAL": KREC_FINAL,
         "KREC_ROOT_T": KREC_ROOT_T,
         "KREC_CW": KREC_CW,
+        "LEAF_PAGES": LEAF_PAGES,  # v2 keys: pages one leaf selects among (dpf_scan_bits)
     }
 
 
@@ -69,7 +71,8 @@ def krec_words(domain_bits: int) -> int:
 
 def pack_key_records(root_seed: np.ndarray, root_t: np.ndarray, cw_seed: np.ndarray,
                      cw_t: np.ndarray, final_cw: np.ndarray) -> np.ndarray:
-    """The (K, krec_words(d)) u32 records dpf_scan.cu reads, from KeyBatch arrays."""
+    """The (K, krec_words(n)) u32 records dpf_scan.cu reads, from KeyBatch arrays (n levels:
+    the tree's depth, domain_bits for v1 keys)."""
     k, d = cw_seed.shape[0], cw_seed.shape[1]
     rec = np.zeros((k, krec_words(d)), dtype=np.uint32)
     rec[:, KREC_ROOT : KREC_ROOT + 4] = root_seed
@@ -103,7 +106,7 @@ def check_key_batch(batch, domain_bits: int) -> None:
         raise ValueError("empty key batch")
     if batch.domain_bits != domain_bits:
         raise ValueError(f"keys have domain_bits {batch.domain_bits}, matrix has {domain_bits}")
-    d = domain_bits
+    d = batch.tree_depth
     check_array("root_seed", batch.root_seed, np.uint32, (k, 4))
     check_array("root_t", batch.root_t, np.uint8, (k,))
     check_array("cw_seed", batch.cw_seed, np.uint32, (k, d, 4))
@@ -157,7 +160,8 @@ class TopStage:
 
 @dataclass(frozen=True)
 class ScanPlan:
-    """Every size of one batch's launches (top stages, then one dpf_scan<G> launch)."""
+    """Every size of one batch's launches (top stages, then one dpf_scan<G> launch; for v2 keys
+    the top stages reach the leaves and dpf_scan_bits<G> scans, one chunk per leaf)."""
 
     num_pages: int
     domain_bits: int
@@ -170,6 +174,7 @@ class ScanPlan:
     grid: int
     shared_bytes: int
     stages: Tuple[TopStage, ...]
+    key_format: int = KEY_FORMAT_V1
 
     @property
     def padded_keys(self) -> int:
@@ -177,8 +182,25 @@ class ScanPlan:
         return self.group_keys * self.num_groups
 
     @property
+    def tree_depth(self) -> int:
+        """Levels of the keys' tree: domain_bits (v1), max(domain_bits - 7, 0) (v2)."""
+        return tree_depth(self.domain_bits, self.key_format)
+
+    @property
+    def tree_leaves(self) -> int:
+        """Leaves of the tree that hold a page: num_pages (v1), ceil(num_pages / 128) (v2)."""
+        if self.key_format == KEY_FORMAT_V1:
+            return self.num_pages
+        return live_nodes(self.num_pages, LEAF_PAGE_BITS)
+
+    @property
+    def scan_template(self) -> str:
+        """The scan's template in dpf_scan.cu: dpf_scan (v1), dpf_scan_bits (v2), of G keys."""
+        return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
+
+    @property
     def depth_top(self) -> int:
-        return self.domain_bits - self.chunk_levels
+        return self.tree_depth - self.chunk_levels
 
     @property
     def root_stride(self) -> int:
@@ -189,9 +211,12 @@ class ScanPlan:
 def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
               max_group_keys: int = DEFAULT_MAX_GROUP_KEYS,
               chunk_levels: int = DEFAULT_CHUNK_LEVELS,
-              resident_blocks: int = 132 * 2) -> ScanPlan:
-    """Plan one launch of num_keys keys over num_pages pages of a depth-domain_bits tree.
+              resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1) -> ScanPlan:
+    """Plan one launch of num_keys keys over num_pages pages of a domain of 2**domain_bits pages.
 
+    v1 keys: top stages to depth d - c, then dpf_scan<G> expands chunks of 2**c leaves. v2 keys:
+    top stages to the leaves (depth max(d - 7, 0); none when that is 0), then dpf_scan_bits<G>
+    scans 128 pages a leaf (chunk_levels does not apply: the plan's is 0, a chunk is one leaf).
     Blocks of one chunk run and consecutive key groups are adjacent (block = run * groups +
     group), so a run's pages are read from memory once and from L2 by the other groups.
     """
@@ -199,25 +224,30 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
         raise ValueError(f"chunk_levels must be >= 1, got {chunk_levels}")
-    c = min(chunk_levels, domain_bits)
     group_keys, groups = pick_group_keys(num_keys, max_group_keys)
-    shared = scan_shared_bytes(group_keys, c)
+    if key_format == KEY_FORMAT_V1:
+        depth, leaves = domain_bits, num_pages
+        c = min(chunk_levels, domain_bits)
+        shared = scan_shared_bytes(group_keys, c)
+    else:
+        depth, leaves = tree_depth(domain_bits, key_format), live_nodes(num_pages, LEAF_PAGE_BITS)
+        c, shared = 0, 0  # dpf_scan_bits holds G leaves in static shared memory
     if shared > MAX_SHARED_BYTES:
         raise ValueError(
             f"{group_keys} keys x 2**{c}-page chunks need {shared} bytes of shared memory, "
             f"over the {MAX_SHARED_BYTES}-byte limit"
         )
-    chunks = live_nodes(num_pages, c)
+    chunks = live_nodes(leaves, c)
     target_runs = max(1, -(-resident_blocks * WAVES_PER_LAUNCH // groups))
     runs = min(chunks, target_runs)
     per_block = -(-chunks // runs)
     runs = -(-chunks // per_block)
     stages = tuple(
-        TopStage(a, b, live_nodes(num_pages, domain_bits - a), live_nodes(num_pages, domain_bits - a - b))
-        for a, b in top_stages(domain_bits - c)
+        TopStage(a, b, live_nodes(leaves, depth - a), live_nodes(leaves, depth - a - b))
+        for a, b in top_stages(depth - c)
     )
     return ScanPlan(num_pages, domain_bits, num_keys, group_keys, groups, c, chunks, per_block,
-                    runs * groups, shared, stages)
+                    runs * groups, shared, stages, key_format)
 
 
 def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
@@ -227,19 +257,22 @@ def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
     in_seed, in_t = nodes[stage - 1] if stage else nodes[stage]  # stage 0 reads the roots
     in_stride = plan.stages[stage - 1].live_out if stage else 0
     out_seed, out_t = nodes[stage]
-    return (keyrec, np.int32(krec_words(plan.domain_bits)), np.int32(plan.domain_bits),
-            np.int64(plan.num_pages), in_seed, in_t, np.int64(in_stride), np.int32(st.depth_in),
+    return (keyrec, np.int32(krec_words(plan.tree_depth)), np.int32(plan.tree_depth),
+            np.int64(plan.tree_leaves), in_seed, in_t, np.int64(in_stride), np.int32(st.depth_in),
             np.int32(st.levels), out_seed, out_t, np.int64(st.live_out))
 
 
 def scan_args(plan: ScanPlan, pages, keyrec, nodes, out) -> Tuple[Any, ...]:
-    """dpf_scan<G>'s 13 arguments, in its order: the chunk roots are the last top stage's nodes
-    (none when the chunk is the whole tree: the kernel then reads the key records' roots)."""
+    """The scan's arguments, in its order: dpf_scan<G>'s 13 (v1), dpf_scan_bits<G>'s 12, the same
+    less chunk_levels (v2). The chunk roots (v2: the leaves) are the last top stage's nodes (none
+    when the chunk is the whole tree: the kernel then reads the key records' roots)."""
     roots_seed, roots_t = nodes[-1] if nodes else (keyrec, keyrec)
-    return (pages, np.int64(plan.num_pages), np.int32(plan.domain_bits),
-            np.int32(plan.chunk_levels), keyrec, np.int32(krec_words(plan.domain_bits)),
-            np.int32(plan.padded_keys), roots_seed, roots_t, np.int64(plan.root_stride),
-            np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
+    head = (pages, np.int64(plan.num_pages), np.int32(plan.tree_depth))
+    if plan.key_format == KEY_FORMAT_V1:
+        head += (np.int32(plan.chunk_levels),)
+    return head + (keyrec, np.int32(krec_words(plan.tree_depth)),
+                   np.int32(plan.padded_keys), roots_seed, roots_t, np.int64(plan.root_stride),
+                   np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
 
 
 def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]]:
@@ -253,7 +286,7 @@ def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]
 def workspace_bytes(plan: ScanPlan) -> int:
     """Device bytes one launch needs besides the matrix: key records, tree nodes, answers."""
     nodes = sum(st.live_out for st in plan.stages) * plan.padded_keys * 17
-    return plan.padded_keys * (4 * krec_words(plan.domain_bits) + PAGE_BYTES) + nodes
+    return plan.padded_keys * (4 * krec_words(plan.tree_depth) + PAGE_BYTES) + nodes
 
 
 def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -272,7 +305,7 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
-    return (f"keys={plan.num_keys} G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
+    return (f"{format_name(plan.key_format)} keys={plan.num_keys} G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "
             f"smem={plan.shared_bytes} top=[{stages}]")
 

@@ -18,7 +18,8 @@ NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
 # The kernels of each file, by the names get_kernel() takes (a template instantiation by its name
 # expression, which NVRTC must be told to keep); the CI nvcc check holds each file to its list.
 KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
-    "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES)),
+    "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
+                    *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES)),
     "matrix_fill.cu": ("fill_pages",),
 }
 KERNEL_FILES = tuple(KERNEL_NAMES)
@@ -58,11 +59,12 @@ def _kernel(module, kernel_name: str):
     return module.get_function(kernel_name)
 
 
-def scan_kernel(group_keys: int, shared_bytes: int):
-    """dpf_scan<group_keys>, its dynamic shared-memory limit raised to at least shared_bytes."""
+def scan_kernel(group_keys: int, shared_bytes: int, name: str = "dpf_scan"):
+    """`name`<group_keys> (dpf_scan, or dpf_scan_bits for v2 keys), its dynamic shared-memory
+    limit raised to at least shared_bytes."""
     if group_keys not in SCAN_GROUP_SIZES:
         raise ValueError(f"group_keys must be one of {SCAN_GROUP_SIZES}, got {group_keys}")
-    kernel = get_kernel("dpf_scan.cu", f"dpf_scan<{group_keys}>")
+    kernel = get_kernel("dpf_scan.cu", f"{name}<{group_keys}>")
     if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
         kernel.max_dynamic_shared_size_bytes = shared_bytes
     return kernel

@@ -250,6 +250,34 @@ __device__ __forceinline__ void accumulate_page(uint4 (&acc)[G], const uint4& v,
     }
 }
 
+// Streams pages [0, count) of one column (col_ptr: the first page's, SCAN_THREADS uint4 apart)
+// through registers, U loads in flight: add(acc, v, p) folds page p's 16 bytes v into acc.
+template <int G, int U, typename Add>
+__device__ __forceinline__ void scan_column(uint4 (&acc)[G], const uint4* col_ptr, int count, const Add& add) {
+    int p = 0;
+    for (; p + U <= count; p += U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
+#pragma unroll
+        for (int u = 0; u < U; ++u) add(acc, v[u], p + u);
+    }
+    for (; p < count; ++p) {
+        add(acc, __ldg(col_ptr + (long long)p * SCAN_THREADS), p);
+    }
+}
+
+// The block's accumulators meet in global memory: key key0 + j's column `col`, by XOR atomics.
+template <int G>
+__device__ __forceinline__ void flush_columns(const uint4 (&acc)[G], u64* out, int key0, int col) {
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
+        atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
+        atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
+    }
+}
+
 template <int G>
 __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MIN_BLOCKS(G))
 dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, int chunk_levels,
@@ -321,35 +349,101 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
             __syncthreads();
         }
 
-        const uint4* col_ptr = pages + leaf0 * SCAN_THREADS + col;
-        int p = 0;
-        for (; p + U <= n_leaves; p += U) {
-            uint4 v[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) v[u] = __ldg(col_ptr + (long long)(p + u) * SCAN_THREADS);
-#pragma unroll
-            for (int u = 0; u < U; ++u) accumulate_page<G>(acc, v[u], big + (p + u) * G);
-        }
-        for (; p < n_leaves; ++p) {
-            accumulate_page<G>(acc, __ldg(col_ptr + (long long)p * SCAN_THREADS), big + p * G);
-        }
+        scan_column<G, U>(acc, pages + leaf0 * SCAN_THREADS + col, n_leaves,
+                          [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_page<G>(a, v, big + p * G); });
         __syncthreads();  // the next chunk's roots and levels overwrite these masks
     }
+    flush_columns<G>(acc, out, key0, col);
+}
 
+// v2 keys (docs/PROTOCOL.md section 3.1): a leaf of the tree selects among LEAF_PAGES (128)
+// consecutive pages, one bit each, so the tree is 7 levels shallower and this kernel expands
+// nothing: dpf_expand_top has written every leaf (seed and t at depth tree_depth; with tree_depth
+// 0 the key's root is its only leaf and comes from the key record). Blocks are (run of leaves,
+// key group) as in dpf_scan. Per leaf, G threads turn the leaf into its 128 selection bits
+// (seed ^ final_cw where t is 1) in shared memory; then thread `col` owns 16-byte column `col` of
+// each of the leaf's pages and, for every key, XORs the page's words in where the key's bit is 1
+// (acc ^= v & -bit, on the ALU). Bits of pages past num_pages are never read.
+
+// acc[j] ^= v where bit p of sel[j] is 1, for the G keys of one page column.
+template <int G>
+__device__ __forceinline__ void accumulate_selected(uint4 (&acc)[G], const uint4& v, const u32 (&sel)[G], int p) {
 #pragma unroll
     for (int j = 0; j < G; ++j) {
-        u64* o = out + (long long)(key0 + j) * (SCAN_THREADS * 2) + col * 2;
-        atomicXor(o, ((u64)acc[j].y << 32) | acc[j].x);
-        atomicXor(o + 1, ((u64)acc[j].w << 32) | acc[j].z);
+        const u32 on = 0u - ((sel[j] >> p) & 1u);
+        acc[j].x ^= v.x & on;
+        acc[j].y ^= v.y & on;
+        acc[j].z ^= v.z & on;
+        acc[j].w ^= v.w & on;
     }
 }
 
-// Explicit instantiations: the group sizes the host may pick (cuda_launch.SCAN_GROUP_SIZES).
-// nvcc in CI compiles exactly these; NVRTC looks them up by name.
+template <int G>
+__global__ void __launch_bounds__(SCAN_THREADS, SCAN_MIN_BLOCKS(G))
+dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_depth,
+              const u32* __restrict__ keyrec, int krec, int num_keys,
+              const uint4* __restrict__ leaf_seed, const u8* __restrict__ leaf_t, long long leaf_stride,
+              int num_groups, int leaves_per_block, u64* __restrict__ out) {
+    __shared__ uint4 bits[G];  // the current leaf's 128 selection bits of each key
+
+    const int group = blockIdx.x % num_groups;
+    const long long run = blockIdx.x / num_groups;
+    const int key0 = group * G;  // num_keys == num_groups * G: the host pads the last group
+    const long long num_leaves = (num_pages + LEAF_PAGES - 1) / LEAF_PAGES;
+    const long long leaf_begin = run * leaves_per_block;
+    const long long leaf_end = min(num_leaves, leaf_begin + leaves_per_block);
+    const int col = threadIdx.x;
+
+    uint4 acc[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) acc[j] = make_uint4(0, 0, 0, 0);
+
+    constexpr int U = SCAN_UNROLL(G);
+    for (long long leaf = leaf_begin; leaf < leaf_end; ++leaf) {
+        if (threadIdx.x < G) {
+            const int key = key0 + threadIdx.x;
+            const u32* rec = keyrec + (long long)key * krec;
+            uint4 seed;
+            u32 t;
+            if (tree_depth == 0) {
+                seed = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+                t = rec[KREC_ROOT_T];
+            } else {
+                seed = leaf_seed[key * leaf_stride + leaf];
+                t = leaf_t[key * leaf_stride + leaf];
+            }
+            const uint4 fcw = make_uint4(rec[KREC_FINAL], rec[KREC_FINAL + 1], rec[KREC_FINAL + 2], rec[KREC_FINAL + 3]);
+            bits[threadIdx.x] = xor4(seed, and_mask(fcw, 0u - (t & 1u)));
+        }
+        __syncthreads();
+
+        const long long page0 = leaf * LEAF_PAGES;
+        const int n_pages = (int)min((long long)LEAF_PAGES, num_pages - page0);
+        // 32 pages per selection word: word w of a leaf holds the bits of pages 32w .. 32w + 31
+        for (int w = 0; w * 32 < n_pages; ++w) {
+            u32 sel[G];
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                const uint4 b = bits[j];
+                sel[j] = w == 0 ? b.x : w == 1 ? b.y : w == 2 ? b.z : b.w;
+            }
+            scan_column<G, U>(acc, pages + (page0 + 32 * w) * SCAN_THREADS + col, min(32, n_pages - 32 * w),
+                              [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_selected<G>(a, v, sel, p); });
+        }
+        __syncthreads();  // the next leaf's bits overwrite these
+    }
+    flush_columns<G>(acc, out, key0, col);
+}
+
+// Explicit instantiations: the group sizes the host may pick (cuda_launch.SCAN_GROUP_SIZES), of
+// both scans. nvcc in CI compiles exactly these; NVRTC looks them up by name.
 #define INSTANTIATE_SCAN(G)                                                                   \
     template __global__ void dpf_scan<G>(const uint4*, long long, int, int, const u32*, int, \
                                          int, const uint4*, const u8*, long long, int, int,   \
-                                         u64*);
+                                         u64*);                                               \
+    template __global__ void dpf_scan_bits<G>(const uint4*, long long, int, const u32*, int, \
+                                              int, const uint4*, const u8*, long long, int,   \
+                                              int, u64*);
 INSTANTIATE_SCAN(1)
 INSTANTIATE_SCAN(2)
 INSTANTIATE_SCAN(3)

@@ -13,9 +13,9 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.utils.mediatypes import media_type_matches
 
-from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
+from gpu_engine.dpf import KEY_FORMAT_V1, KeyBatch, KeyFormatError, key_domain_bits, key_format_of, key_length
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
-from queries.api.serializers import key_from_bytes
+from queries.api.serializers import KEY_FORMATS, format_message, key_from_bytes, key_shape
 
 OCTET_STREAM = "application/octet-stream"
 EPOCH_HEADER = "X-Morpho-Epoch-Id"  # the epoch all answers of a binary response were computed on
@@ -106,17 +106,24 @@ def body_bytes(data) -> bytes:
     return data if isinstance(data, (bytes, bytearray)) else b""
 
 
-def query_bytes(domain_bits: int) -> int:
-    """Bytes of one query in a binary body: three keys of 35 + 18 * domain_bits bytes."""
-    return KEYS_PER_QUERY * key_length(domain_bits)
+def query_bytes(domain_bits: int, key_format: int = KEY_FORMAT_V1) -> int:
+    """Bytes of one query in a binary body: three keys of 35 + 18 * domain_bits bytes (v1), of
+    36 + 18 * max(domain_bits - 7, 0) (v2)."""
+    return KEYS_PER_QUERY * key_length(domain_bits, key_format)
 
 
 def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool = False,
-               limit_setting: str = "") -> int:
-    """The number of queries in a binary body, or a ValidationError naming the length or count."""
-    size = query_bytes(domain_bits)
-    shape = (f"{KEYS_PER_QUERY} keys of {key_length(domain_bits)} bytes: 35 + 18 * domain_bits "
-             f"{domain_bits}")
+               limit_setting: str = "", key_formats=KEY_FORMATS) -> int:
+    """The number of queries in a binary body, or a ValidationError naming the length or count.
+    The keys' format is the first key's (byte 18), one of `key_formats`."""
+    key_format = key_format_of(raw)
+    if key_format not in key_formats:
+        raise serializers.ValidationError(
+            {"body": [serializers.ErrorDetail(format_message(key_format, key_formats),
+                                              code="key_format")]})
+    size = query_bytes(domain_bits, key_format)
+    shape = (f"{KEYS_PER_QUERY} keys of {key_length(domain_bits, key_format)} bytes: "
+             f"{key_shape(domain_bits, key_format)}")
     if single and len(raw) != size:
         message = f"expected {size} bytes (one query, {shape}), got {len(raw)}"
     elif len(raw) % size:
@@ -129,23 +136,25 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
             raise serializers.ValidationError({"queries": [serializers.ErrorDetail(
                 f"expected {lo} to {hi} queries{setting}, got {count}", code="count")]})
         return count
-    if len(raw) > 18 and raw[18] != domain_bits:
+    if len(raw) > 18 + (key_format != KEY_FORMAT_V1) and key_domain_bits(raw) != domain_bits:
         # The likeliest cause: keys made for another epoch's domain.
-        message += (f"; the first key's domain_bits byte is {raw[18]}, this server's epoch has "
-                    f"domain_bits {domain_bits}")
+        message += (f"; the first key's domain_bits byte is {key_domain_bits(raw)}, this server's "
+                    f"epoch has domain_bits {domain_bits}")
     raise serializers.ValidationError(
         {"body": [serializers.ErrorDetail(message, code="body_length")]})
 
 
 def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], dict]:
-    """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key."""
-    length = key_length(domain_bits)
+    """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key.
+    Every key is of the body's format, its first key's."""
+    key_format = key_format_of(raw)
+    length = key_length(domain_bits, key_format)
     keys: list[bytes] = []
     errors: dict = {}
     for key in range(KEYS_PER_QUERY):
         start = (index * KEYS_PER_QUERY + key) * length
         try:
-            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits))
+            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits, (key_format,)))
         except serializers.ValidationError as exc:
             (detail,) = exc.detail
             errors[key] = [serializers.ErrorDetail(
@@ -154,12 +163,12 @@ def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], 
 
 
 def binary_queries(raw: bytes, domain_bits: int, lo: int, hi: int,
-                   single: bool) -> KeyBatch:
+                   single: bool, key_formats=KEY_FORMATS) -> KeyBatch:
     """Every query's three keys as one batch, or one ValidationError naming each bad query and key.
 
     The whole body is checked in one vectorised pass; only a body that fails it is parsed key by
     key, for errors that name every bad key as the JSON encoding's do."""
-    count = check_body(raw, domain_bits, lo, hi, single=single)
+    count = check_body(raw, domain_bits, lo, hi, single=single, key_formats=key_formats)
     try:
         return KeyBatch.from_bytes(raw, domain_bits)
     except KeyFormatError as exc:
@@ -180,7 +189,8 @@ class BinaryPageQuerySerializer(serializers.BaseSerializer):
 
     def to_internal_value(self, data) -> dict:
         raw = body_bytes(data)
-        return {"key_batch": binary_queries(raw, self.context["domain_bits"], 1, 1, single=True)}
+        return {"key_batch": binary_queries(raw, self.context["domain_bits"], 1, 1, single=True,
+                                            key_formats=self.context.get("key_formats", KEY_FORMATS))}
 
 
 class BinaryBatchQuerySerializer(serializers.BaseSerializer):
@@ -189,7 +199,8 @@ class BinaryBatchQuerySerializer(serializers.BaseSerializer):
     def to_internal_value(self, data) -> dict:
         raw = body_bytes(data)
         return {"key_batch": binary_queries(raw, self.context["domain_bits"], 1,
-                                            settings.MORPHO_MAX_BATCH, single=False)}
+                                            settings.MORPHO_MAX_BATCH, single=False,
+                                            key_formats=self.context.get("key_formats", KEY_FORMATS))}
 
 
 def state_headers(state) -> dict:

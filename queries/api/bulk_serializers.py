@@ -9,6 +9,7 @@ from django.conf import settings
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 
+from gpu_engine.dpf import KEY_FORMAT_V1
 from queries import bulk
 from queries.api.binary import body_bytes, check_body, parse_query, query_bytes
 from queries.api.bulk_parsing import JSONQueryArray, QuerySpool, ndjson_lines
@@ -76,7 +77,8 @@ class BulkQueriesField(serializers.Field):
                 f"expected 1 to {limit} queries (MORPHO_BULK_MAX_QUERIES), got {len(data)}",
                 code="count",
             )
-        context = {"domain_bits": self.context["domain_bits"]}
+        # bulk jobs store and run v1 keys (docs/PROTOCOL.md 5.5): v2 keys are refused, each named
+        context = {"domain_bits": self.context["domain_bits"], "key_formats": (KEY_FORMAT_V1,)}
         queries = QuerySpool()  # key bytes only, and on disk past a few MiB
         errors: dict = {}
         bad = 0
@@ -171,7 +173,7 @@ class BulkBinaryJobSerializer(BulkJobCreateSerializer):
         raw = memoryview(body_bytes(data))
         domain_bits = self.context["domain_bits"]
         count = check_body(raw, domain_bits, 1, settings.MORPHO_BULK_MAX_QUERIES,
-                           limit_setting="MORPHO_BULK_MAX_QUERIES")
+                           limit_setting="MORPHO_BULK_MAX_QUERIES", key_formats=(KEY_FORMAT_V1,))
         size = query_bytes(domain_bits)
         errors: dict = {}
         bad = 0

@@ -7,6 +7,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, inline_serializer
 from rest_framework import serializers
 
+from gpu_engine.protocol import KEY_FORMAT_NAMES
 from queries.api.binary import (ANSWER_BYTES, DIGEST_HEADER, EPOCH_HEADER, OCTET_STREAM,
                                 QUERIES_HEADER, UPDATES_HEADER)
 from queries.api.serializers import BatchQuerySerializer, PageQuerySerializer
@@ -39,6 +40,11 @@ EPOCH_RESPONSE = inline_serializer("EpochInfo", {
         child=serializers.ChoiceField(choices=["json", "binary"]),
         help_text='The encodings the query endpoints speak: "json" (hex) and "binary" '
                   f"({OCTET_STREAM})."),
+    "key_formats": serializers.ListField(
+        child=serializers.ChoiceField(choices=list(KEY_FORMAT_NAMES)),
+        help_text='The DPF key formats the query endpoints take (docs/PROTOCOL.md section 3): "v1" '
+                  '(a 16-byte mask a page) and "v2" (section 3.1: the tree stops 7 levels early, '
+                  "a leaf selects among 128 pages). A server that does not list it takes v1 only."),
     "state": STATE,
 })
 
@@ -58,7 +64,8 @@ BATCH_RESPONSE = inline_serializer("BatchAnswer", {
 def _binary_keys(count: str) -> dict:
     return {"type": "string", "format": "binary", "description": (
         f"{count}: the DPF keys as raw bytes, concatenated, 3 per query in key order, each "
-        "35 + 18 * domain_bits bytes (domain_bits of GET /epoch); the length gives the count.")}
+        "35 + 18 * domain_bits bytes (domain_bits of GET /epoch), or all v2 keys of "
+        "36 + 18 * max(domain_bits - 7, 0) bytes (their byte 18 is 0x82); the length gives the count.")}
 
 
 _ANSWERS = (

@@ -7,11 +7,17 @@ from typing import Optional
 from django.conf import settings
 from rest_framework import serializers
 
-from gpu_engine.dpf import DpfKey, KeyBatch, KeyFormatError, key_length
+from gpu_engine.dpf import (
+    KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, DpfKey, KeyBatch, KeyFormatError, format_name,
+    key_domain_bits, key_format_of, key_length,
+)
 from gpu_engine.protocol import KEYS_PER_QUERY, HexError, parse_hex
 
 # The encodings the query endpoints speak (docs/PROTOCOL.md section 5), advertised in /epoch.
 ENCODINGS = ("json", "binary")
+# The key formats they take (section 3: v1, section 3.1: v2), advertised in /epoch too.
+KEY_FORMATS = (KEY_FORMAT_V1, KEY_FORMAT_V2)
+V2_MARKER_HEX = f"{V2_MARKER:02x}"  # byte 18 of a v2 key, as the hex of a JSON body spells it
 
 
 def json_type(value) -> str:
@@ -51,23 +57,42 @@ def _strict_list(data, what: str, lo: int, hi: int) -> list:
     return data
 
 
-def key_from_bytes(raw: bytes, domain_bits: int) -> bytes:
+def key_shape(domain_bits: int, key_format: int) -> str:
+    """How a key's length follows from domain_bits, for messages: "35 + 18 * domain_bits 8"."""
+    if key_format == KEY_FORMAT_V1:
+        return f"35 + 18 * domain_bits {domain_bits}"
+    return f"a v2 key: 36 + 18 * max(domain_bits {domain_bits} - 7, 0)"
+
+
+def format_message(got: int, expected) -> str:
+    """The message of a key in a format the request cannot take."""
+    return (f"key format: a {format_name(got)} key, expected "
+            f"{' or '.join(format_name(f) for f in expected)}: a request's keys share its first "
+            f"key's format, and bulk jobs take v1 keys only")
+
+
+def key_from_bytes(raw: bytes, domain_bits: int, key_formats=KEY_FORMATS) -> bytes:
     """One key's bytes checked against the server's domain_bits: the one key check of both
     encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents.
-    Returns the bytes, which travel on to the engine as they are."""
-    expected_len = key_length(domain_bits)
+    Either key format (byte 18 tells), of those in `key_formats`. Returns the bytes, which
+    travel on to the engine as they are."""
+    key_format = key_format_of(raw)
+    if key_format not in key_formats:
+        raise serializers.ValidationError(format_message(key_format, key_formats), code="key_format")
+    expected_len = key_length(domain_bits, key_format)
     # The length is checked against the server's domain first, so that a key sized for
     # another domain is reported as such rather than as a bad byte inside it.
-    if len(raw) != expected_len and len(raw) >= 19 and raw[18] != domain_bits:
+    if len(raw) != expected_len and len(raw) >= 20 and key_domain_bits(raw) != domain_bits:
         raise serializers.ValidationError(
-            f"domain_bits: expected {domain_bits} (this server's epoch), got {raw[18]} "
-            f"(a key of {len(raw)} bytes)",
+            f"domain_bits: expected {domain_bits} (this server's epoch), got "
+            f"{key_domain_bits(raw)} (a {'v2 ' if key_format == KEY_FORMAT_V2 else ''}key of "
+            f"{len(raw)} bytes)",
             code="domain_bits",
         )
     if len(raw) != expected_len:
         raise serializers.ValidationError(
-            f"key length: expected {expected_len} bytes (35 + 18 * domain_bits "
-            f"{domain_bits}), got {len(raw)}",
+            f"key length: expected {expected_len} bytes ({key_shape(domain_bits, key_format)}), "
+            f"got {len(raw)}",
             code="key_length",
         )
     try:
@@ -77,14 +102,15 @@ def key_from_bytes(raw: bytes, domain_bits: int) -> bytes:
     return bytes(raw)
 
 
-def keys_checked_at_once(queries, domain_bits: int) -> Optional[KeyBatch]:
-    """The keys of JSON queries that are all well formed (`{"keys": [3 hex keys]}` each), checked
-    in one vectorised pass; None when anything is off, and the caller then validates field by
-    field to name every error. It accepts only what the field-by-field check accepts, with the
-    same keys: digits with an optional 0x, the length of a key of this domain, and the checks of
-    DpfKey.check (KeyBatch.from_bytes makes the same ones for every key at once)."""
+def keys_checked_at_once(queries, domain_bits: int, key_formats=KEY_FORMATS) -> Optional[KeyBatch]:
+    """The keys of JSON queries that are all well formed (`{"keys": [3 hex keys]}` each, all in
+    the first key's format, one of `key_formats`), checked in one vectorised pass; None when
+    anything is off, and the caller then validates field by field to name every error. It
+    accepts only what the field-by-field check accepts, with the same keys: digits with an
+    optional 0x, the length of a key of this domain, and the checks of DpfKey.check
+    (KeyBatch.from_bytes makes the same ones for every key at once)."""
     digits = []
-    width = 2 * key_length(domain_bits)
+    width = key_format = None
     for query in queries:
         keys = query.get("keys") if type(query) is dict else None
         if type(keys) is not list or len(keys) != KEYS_PER_QUERY:
@@ -93,14 +119,20 @@ def keys_checked_at_once(queries, domain_bits: int) -> Optional[KeyBatch]:
             if type(key) is not str:
                 return None
             key = key[2:] if key[:2] in ("0x", "0X") else key
+            if width is None:  # the request's format: its first key's byte 18
+                key_format = KEY_FORMAT_V2 if key[36:38].lower() == V2_MARKER_HEX else KEY_FORMAT_V1
+                if key_format not in key_formats:
+                    return None
+                width = 2 * key_length(domain_bits, key_format)
             if len(key) != width:
                 return None
             digits.append(key)
     try:
         raw = binascii.unhexlify("".join(digits))  # hex digits only: no spaces, no signs
-        return KeyBatch.from_bytes(raw, domain_bits)
+        batch = KeyBatch.from_bytes(raw, domain_bits)
     except (ValueError, KeyFormatError):  # binascii.Error is a ValueError
         return None
+    return batch if batch.key_format == key_format else None
 
 
 class DpfKeyField(serializers.Field):
@@ -121,7 +153,8 @@ class DpfKeyField(serializers.Field):
             raw = parse_hex(data)  # digits only: a key holds no spaces
         except HexError as exc:
             raise serializers.ValidationError(str(exc), code=exc.code) from None
-        return key_from_bytes(raw, self.context["domain_bits"])
+        return key_from_bytes(raw, self.context["domain_bits"],
+                              self.context.get("key_formats", KEY_FORMATS))
 
     def to_representation(self, value) -> str:
         return to_hex(value if isinstance(value, (bytes, bytearray)) else value.to_bytes())
@@ -162,19 +195,39 @@ class JsonObjectSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
 
+def mixed_format_errors(queries) -> dict:
+    """{query index: {"keys": {key index: [error]}}} for each key (bytes) of `queries` (lists
+    of keys) whose format is not the first key's: one key format per request."""
+    first = key_format_of(queries[0][0])
+    errors: dict = {}
+    for index, keys in enumerate(queries):
+        for key, raw in enumerate(keys):
+            if key_format_of(raw) != first:
+                errors.setdefault(index, {"keys": {}})["keys"][key] = [serializers.ErrorDetail(
+                    format_message(key_format_of(raw), (first,)), code="key_format")]
+    return errors
+
+
 class PageQuerySerializer(JsonObjectSerializer):
-    """One query: `{"keys": [k0, k1, k2]}`."""
+    """One query: `{"keys": [k0, k1, k2]}`, its keys of one format."""
 
     keys = KeyListField()
 
     def to_internal_value(self, data):
         if self.parent is None:  # a request's whole body (in a batch, the batch checks at once)
-            batch = keys_checked_at_once([data], self.context["domain_bits"])
+            batch = keys_checked_at_once([data], self.context["domain_bits"],
+                                         self.context.get("key_formats", KEY_FORMATS))
             if batch is not None:
                 size = len(batch.raw) // KEYS_PER_QUERY
                 return {"keys": [batch.raw[i * size:(i + 1) * size] for i in range(KEYS_PER_QUERY)],
                         "key_batch": batch}
         return super().to_internal_value(data)
+
+    def validate(self, attrs):
+        errors = mixed_format_errors([attrs["keys"]])
+        if errors:
+            raise serializers.ValidationError(errors[0])
+        return attrs
 
 
 class QueryListField(serializers.ListField):
@@ -194,17 +247,27 @@ class QueryListField(serializers.ListField):
 
 
 class BatchQuerySerializer(JsonObjectSerializer):
-    """A batch: `{"queries": [{"keys": [...]}, ...]}`, answered in order against one epoch."""
+    """A batch: `{"queries": [{"keys": [...]}, ...]}`, answered in order against one epoch; every
+    key of one format."""
 
     queries = QueryListField()
 
     def to_internal_value(self, data):
         queries = data.get("queries") if type(data) is dict else None
         if type(queries) is list and 1 <= len(queries) <= settings.MORPHO_MAX_BATCH:
-            batch = keys_checked_at_once(queries, self.context["domain_bits"])
+            batch = keys_checked_at_once(queries, self.context["domain_bits"],
+                                         self.context.get("key_formats", KEY_FORMATS))
             if batch is not None:
                 return {"key_batch": batch}
         return super().to_internal_value(data)
+
+    def validate(self, attrs):
+        if "key_batch" in attrs:  # checked at once: one format, the first key's
+            return attrs
+        errors = mixed_format_errors([query["keys"] for query in attrs["queries"]])
+        if errors:
+            raise serializers.ValidationError({"queries": errors})
+        return attrs
 
 
 class ServedEpochSerializer(serializers.Serializer):
@@ -213,4 +276,6 @@ class ServedEpochSerializer(serializers.Serializer):
     def to_representation(self, epoch) -> dict:
         # The epoch's JSON shape is part of the protocol, so it is defined once, beside the
         # Epoch; what this web server speaks is added here.
-        return {**epoch.describe(), "encodings": list(ENCODINGS)}
+        formats = self.context.get("key_formats", KEY_FORMATS)  # the engine's (key_formats_of)
+        return {**epoch.describe(), "encodings": list(ENCODINGS),
+                "key_formats": [format_name(f) for f in formats]}

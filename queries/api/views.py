@@ -11,8 +11,8 @@ from rest_framework.views import APIView
 from drf_spectacular.utils import extend_schema
 
 from engine.holder import get_engine
-from gpu_engine.dpf import KeyBatch
-from gpu_engine.engine import EngineUnavailable
+from gpu_engine.dpf import KeyBatch, key_domain_bits
+from gpu_engine.engine import EngineUnavailable, key_formats_of
 from gpu_engine.protocol import query_key_counts
 from queries.api.binary import (
     BinaryBatchQuerySerializer,
@@ -55,7 +55,8 @@ class PublicAPIView(APIView):
         engine = get_engine()
         epoch = engine.epoch
         serializer = self.serializer_class_for(request)(
-            data=request.data, context={"domain_bits": epoch.matrix.domain_bits}
+            data=request.data, context={"domain_bits": epoch.matrix.domain_bits,
+                                        "key_formats": key_formats_of(engine)}
         )
         serializer.is_valid(raise_exception=True)
         return engine, epoch, serializer.validated_data
@@ -71,7 +72,7 @@ def request_keys(data: dict) -> KeyBatch:
         return data["key_batch"]
     queries = [data["keys"]] if "keys" in data else [query["keys"] for query in data["queries"]]
     raw = b"".join(key for query in queries for key in query)  # each checked: key_from_bytes
-    return KeyBatch.from_bytes(raw, raw[18])
+    return KeyBatch.from_bytes(raw, key_domain_bits(raw))  # one key format: the serializers said so
 
 
 def answer(engine, epoch, data):
@@ -103,8 +104,8 @@ class EpochView(PublicAPIView):
     def get(self, request):
         engine = get_engine()
         # the served state beside the epoch: a client compares it between the two parties
-        return Response({**self.serializer_class(engine.epoch).data,
-                         "state": engine.state.describe()})
+        epoch = self.serializer_class(engine.epoch, context={"key_formats": key_formats_of(engine)})
+        return Response({**epoch.data, "state": engine.state.describe()})
 
 
 class QueryAPIView(JSONErrorsMixin, PublicAPIView):
