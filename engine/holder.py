@@ -85,7 +85,6 @@ def _remote_engine():
         if _engine is None or _engine_pid != os.getpid():
             # A forked child (gunicorn, Celery prefork) cannot use its parent's sockets or thread.
             config = engine_settings()
-            _take_turns_sooner(config)
             _engine = RemoteEngine(config.url, config.deadline_s)
             _engine_pid = os.getpid()
         return _engine
@@ -117,13 +116,6 @@ def shutdown_engine() -> None:
         engine.stop()
 
 
-def _take_turns_sooner(config) -> None:
-    """The GIL switch interval of a process that uses an engine: its scheduler thread, or a
-    RemoteEngine's I/O thread, and the request threads take turns sooner."""
-    if config.gil_switch_interval_us:
-        sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
-
-
 def _build_engine():
     config = engine_settings()
     path = config.matrix_path
@@ -147,7 +139,8 @@ def _build_engine():
         "serving epoch %s (block %s) from %s: %d pages, domain_bits %d",
         epoch.epoch_id, epoch.block_number, path, matrix.num_pages, matrix.domain_bits,
     )
-    _take_turns_sooner(config)
+    if config.gil_switch_interval_us:
+        sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
     engine = Engine(backend, epoch)
     # Batching follows the active policy records live, in every process (the policies app).
     engine_built.send(sender=Engine, engine=engine)
