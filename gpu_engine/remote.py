@@ -100,18 +100,18 @@ class RemoteEngine:
 
     @property
     def epoch(self) -> Epoch:
-        self._check_up(allow_warming=True)
+        self._check_up()
         assert self._epoch is not None
         return self._epoch
 
     @property
     def state(self) -> ServedState:
         """The engine server's state as of its last PONG (answers carry their own)."""
-        self._check_up(allow_warming=True)
+        self._check_up()
         return ServedState.from_description(self._status["state"])
 
     def policies(self) -> Dict[str, BatchingPolicy]:
-        self._check_up(allow_warming=True)
+        self._check_up()
         return dict(self._policies)
 
     def submit(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive") -> "Future[BatchAnswer]":
@@ -149,7 +149,7 @@ class RemoteEngine:
 
     def call(self, op: str, timeout: Optional[float] = None, **args: Any) -> Any:
         """Run a control operation in the engine server and wait for its result."""
-        self._check_up(allow_warming=True)
+        self._check_up()
         future = self._send([wire.CONTROL, None, wire.dumps({"op": op, "args": args})], None)
         try:
             reply = future.result(timeout if timeout is not None else self.deadline_s)
@@ -166,14 +166,14 @@ class RemoteEngine:
         self._fail_all("engine client stopped")
 
     # -- internals --------------------------------------------------------------------------
-    def _check_up(self, allow_warming: bool = False) -> None:
+    def _check_up(self) -> None:
+        """Raise EngineUnavailable while the server is down. A warming server is asked all the
+        same: it refuses queries itself until it is ready, and the last PONG may be up to
+        PING_S older than its readiness (a query refused on it would be a needless 503)."""
         if self._status is None and self._down_reason is not None:
             self._heard.wait(CONNECT_WAIT_S)  # a fresh process: give the first PONG a moment
         if self._down_reason is not None:
             raise EngineUnavailable(self._down_reason, retry_after=2)
-        status = self._status or {}
-        if not allow_warming and status.get("warming"):
-            raise EngineUnavailable("the engine server is warming up", retry_after=2)
 
     def _submit_raw(self, raw: bytes, domain_bits: int, per_query: int, queries: int,
                     lane: str) -> "Future[BatchAnswer]":
