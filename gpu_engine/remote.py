@@ -267,9 +267,10 @@ class RemoteEngine:
                     self._wake = None
 
     def _flush(self, dealer: zmq.Socket) -> None:
-        """Send everything queued. Queries that arrived together on one lane travel as one QUERY
-        message (up to the lane's max_batch queries): the engine server then parses, queues and
-        answers them once, and its per-message cost is paid once per group, not per request."""
+        """Send everything queued. Queries that arrived together on one lane, in one key format,
+        travel as one QUERY message (up to the lane's max_batch queries): the engine server then
+        parses, queues and answers them once, and its per-message cost is paid once per group,
+        not per request."""
         groups: Dict[tuple, List[_Query]] = {}
         while True:
             try:
