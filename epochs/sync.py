@@ -229,6 +229,9 @@ def record_served_epoch(engine) -> Epoch | None:
             seeds=list(served.seeds),
             domain_bits=engine_settings().domain_bits,
             num_pages=served.matrix.num_pages,
+            # the file's size and digest as the engine checked them at load (its sidecar's)
+            size_bytes=served.matrix.size_bytes,
+            sha256=served.matrix.sha256 or "",
             state=EpochState.ACTIVE,
             activated=timezone.now(),
         )

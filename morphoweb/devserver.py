@@ -63,6 +63,8 @@ def _manage(args: list[str], env: dict) -> None:
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as the servers bind it: connections of a run just stopped, in TIME_WAIT, hold no port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -50,7 +50,7 @@ class BatchingPolicy(models.Model):
     mode = models.CharField(max_length=20, choices=[(mode, mode) for mode in MODES], default=_DEFAULT.mode)
     max_batch = models.IntegerField(default=_DEFAULT.max_batch, help_text=_help("max_batch", "Queries per launch."))
     window_us = models.IntegerField(
-        "admission window (µs)", default=_DEFAULT.window_us,
+        "admission window (microseconds)", default=_DEFAULT.window_us,
         help_text=_help("window_us", "Longest a partial batch is held, counted from the oldest "
                                      "queued query (throughput, adaptive); the upper bound of "
                                      "the window slo picks."))

@@ -585,9 +585,14 @@ def _bulk_tokens(tokens: Sequence[Optional[str]]) -> tuple[str, str]:
     return chosen
 
 
+def _answered(job: dict):
+    """Queries a job has answered, launch by launch (its `progress`), else as stored."""
+    return (job.get("progress") or {}).get("answered", job.get("answered"))
+
+
 def _print_progress(job_a: dict, job_b: dict) -> None:
     print("  ".join(f"{name}: job {job.get('id')} {job.get('status')} "
-                    f"{job.get('answered')}/{job.get('total')}"
+                    f"{_answered(job)}/{job.get('total')}"
                     for name, job in (("A", job_a), ("B", job_b))), file=sys.stderr, flush=True)
 
 
@@ -611,7 +616,7 @@ def bulk_main(args, client: PirClient, out: Callable[[str], None]) -> int:
     last = {}
 
     def progress(job_a, job_b):
-        figures = [(j.get("status"), j.get("answered")) for j in (job_a, job_b)]
+        figures = [(j.get("status"), _answered(j)) for j in (job_a, job_b)]
         if figures != last.get("figures"):
             last["figures"] = figures
             _print_progress(job_a, job_b)
@@ -678,11 +683,14 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
         with PirClient(args.server_a, args.server_b, timeout=args.timeout,
                        encoding=args.encoding, key_format=args.key_format) as client:
             if args.bulk is not None:
+                if args.verbose:
+                    print("bulk jobs: NDJSON up and down, keys: v1 (bulk jobs take v1 keys)",
+                          file=sys.stderr)
                 return bulk_main(args, client, out)
             rows = client.fetch_rows(args.row, batch=args.batch)
             if args.verbose:
                 print(describe_encodings(client), file=sys.stderr)
-    except (PirError, ValueError) as exc:
+    except (PirError, ValueError, OSError) as exc:  # OSError: a rows file or --out unusable
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for row, data in zip(args.row, rows):

@@ -290,3 +290,21 @@ def test_cli_refuses_the_same_server_twice():
         "error: party A (http://127.0.0.1:8001) and party B (http://localhost:8001) are the same "
         "server (localhost:8001)")
 
+
+
+def test_a_missing_rows_file_is_one_error_line(tmp_path):
+    missing = tmp_path / "no-such-rows.txt"
+    result = run_cli("--server-a", "http://127.0.0.1:9", "--server-b", "http://127.0.0.1:10",
+                     "--bulk", str(missing), "--token-a", "t", "--token-b", "t", timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and str(missing) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_progress_lines_count_launch_by_launch(capsys):
+    from queries.client import _print_progress
+
+    running = {"id": 7, "status": "running", "answered": 0, "total": 512,
+               "progress": {"answered": 96, "total": 512}}
+    _print_progress(running, {**running, "id": 8})
+    assert capsys.readouterr().err.strip() == "A: job 7 running 96/512  B: job 8 running 96/512"

@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 
 from epochs.models import Epoch, EpochState
 from epochs.sync import record_served_epoch
+from gpu_engine.matrix import read_epoch_metadata
 from engine import dashboard
 from engine.holder import get_engine, shutdown_engine
 from policies.source import live_policies
@@ -54,6 +55,10 @@ def test_the_epoch_a_fresh_party_serves_is_listed(serve_matrix, vector_matrix_pa
     assert record["seeds"] == list(VECTOR_EPOCH["seeds"])
     assert record["state_root"] == "0x" + VECTOR_EPOCH["state_root"].hex()
     assert record["num_pages"] == 200 and record["matrix_path"] == os.path.abspath(vector_matrix_path)
+    # the file's size and digest as the engine checked them at load, which every later load checks
+    sidecar = read_epoch_metadata(vector_matrix_path)
+    assert record["size_bytes"] == os.path.getsize(vector_matrix_path) == sidecar["size_bytes"]
+    assert record["sha256"] == sidecar["sha256"] and len(record["sha256"]) == 64
     # Another start of the engine (another process of the party) records nothing twice.
     shutdown_engine()
     get_engine()

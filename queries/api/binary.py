@@ -13,7 +13,10 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.utils.mediatypes import media_type_matches
 
-from gpu_engine.dpf import KEY_FORMAT_V1, KeyBatch, KeyFormatError, key_domain_bits, key_format_of, key_length
+from gpu_engine.dpf import (
+    KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, KeyBatch, KeyFormatError, key_domain_bits, key_format_of,
+    key_length,
+)
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries.api.serializers import KEY_FORMATS, format_message, key_from_bytes, key_shape
 
@@ -140,6 +143,10 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
         # The likeliest cause: keys made for another epoch's domain.
         message += (f"; the first key's domain_bits byte is {key_domain_bits(raw)}, this server's "
                     f"epoch has domain_bits {domain_bits}")
+    if key_format == KEY_FORMAT_V1 and KEY_FORMAT_V2 in key_formats:
+        # the format is read from byte 18: a body meant as v2 whose marker is off reads as v1
+        message += (f"; v2 keys (byte 18 = 0x{V2_MARKER:02x}) are "
+                    f"{query_bytes(domain_bits, KEY_FORMAT_V2)} bytes a query")
     raise serializers.ValidationError(
         {"body": [serializers.ErrorDetail(message, code="body_length")]})
 

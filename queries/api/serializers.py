@@ -64,11 +64,14 @@ def key_shape(domain_bits: int, key_format: int) -> str:
     return f"a v2 key: 36 + 18 * max(domain_bits {domain_bits} - 7, 0)"
 
 
-def format_message(got: int, expected) -> str:
-    """The message of a key in a format the request cannot take."""
+NOT_TAKEN = "GET /epoch lists the key formats this server takes, and bulk jobs take v1 keys only"
+MIXED = "a request's keys share its first key's format"
+
+
+def format_message(got: int, expected, why: str = NOT_TAKEN) -> str:
+    """The message of a key in a format the request cannot take, and why."""
     return (f"key format: a {format_name(got)} key, expected "
-            f"{' or '.join(format_name(f) for f in expected)}: a request's keys share its first "
-            f"key's format, and bulk jobs take v1 keys only")
+            f"{' or '.join(format_name(f) for f in expected)}: {why}")
 
 
 def key_from_bytes(raw: bytes, domain_bits: int, key_formats=KEY_FORMATS) -> bytes:
@@ -204,7 +207,7 @@ def mixed_format_errors(queries) -> dict:
         for key, raw in enumerate(keys):
             if key_format_of(raw) != first:
                 errors.setdefault(index, {"keys": {}})["keys"][key] = [serializers.ErrorDetail(
-                    format_message(key_format_of(raw), (first,)), code="key_format")]
+                    format_message(key_format_of(raw), (first,), MIXED), code="key_format")]
     return errors
 
 
