@@ -250,7 +250,7 @@ class Engine:
         return self._epoch
 
     def set_policy_source(self, policy: PolicySource) -> None:
-        """Read policies from `policy` from the next decision on (the live-policy bridge)."""
+        """Read policies from `policy` from the next decision on (the live policy source)."""
         self._policy = policy
         self.poke()
 
@@ -437,7 +437,8 @@ class Engine:
             settle(future, None)
 
     # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
-    def _snapshot(self, now: float) -> List[LaneQueue]:
+    def _lane_queues(self, now: float) -> List[LaneQueue]:
+        """What each lane holds now, as the scheduler decides from it (under the lock)."""
         return [LaneQueue(lane, tuple(r.size for r in itertools.islice(q, HEAD_REQUESTS)),
                           q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now),
                           self._last_launch_end.get(lane))
@@ -482,7 +483,7 @@ class Engine:
                     expired = self._expire(policies, now)
                     if expired:
                         break
-                    queues = self._snapshot(now)
+                    queues = self._lane_queues(now)
                     decision = decide(queues, policies, self.cost.fit(), now)
                     if isinstance(decision, Launch) and (flight is None
                                                          or overlaps(decision, queues, policies)):

@@ -1,4 +1,4 @@
-"""Batching decisions as pure functions: queue snapshot + policy + cost model + now -> launch or wait."""
+"""Batching decisions as pure functions: lane queues + policy + cost model + now -> launch or wait."""
 from __future__ import annotations
 
 import math
@@ -18,7 +18,7 @@ MODES = ("latency", "throughput", "adaptive", "slo")
 SLO_MAX_UTILISATION = 0.8
 # slo launches without planning until the cost model has seen this many launches.
 SLO_MIN_SAMPLES = 4
-# A snapshot needs no more head requests than a full batch can hold (each has >= 1 query).
+# A LaneQueue needs no more head requests than a full batch can hold (each has >= 1 query).
 HEAD_REQUESTS = MAX_BATCH_QUERIES + 1
 # queries per second under which a lane counts as idle: a lower lane's full batch may then start
 # behind a running one (overlaps)
@@ -100,7 +100,7 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
 
 @dataclass(frozen=True)
 class BatchingPolicy:
-    """How one lane batches; an immutable, validated snapshot read at every decision."""
+    """How one lane batches; an immutable, validated value read at every decision."""
 
     name: str = "default"  # operator's label, shown in metrics and the admin
     mode: str = "latency"  # latency | throughput | adaptive | slo
@@ -134,7 +134,7 @@ class BatchingPolicy:
 
 
 # Each lane's policy while the database's active records cannot be read, from the engine's start
-# on (policies.bridge). The records the migrations create active (policies/migrations/0002) hold
+# on (policies.source). The records the migrations create active (policies/migrations/0002) hold
 # the same values. An Engine given no policy source at all (tests, benchmarks) runs
 # BatchingPolicy() in every lane.
 DEFAULT_POLICIES: Mapping[str, BatchingPolicy] = MappingProxyType({
@@ -205,7 +205,8 @@ def take_requests(sizes: Sequence[int], max_batch: int) -> Tuple[int, int]:
     return taken, queries
 
 
-def launch(queue: LaneQueue, policy: BatchingPolicy, reason: str) -> Launch:
+def _launch_head(queue: LaneQueue, policy: BatchingPolicy, reason: str) -> Launch:
+    """Launch the lane's head requests that fit in one batch of the policy's max_batch."""
     requests, queries = take_requests(queue.request_sizes, policy.max_batch)
     return Launch(queue.lane, requests, queries, reason, policy.mode, policy.dispatch)
 
@@ -238,16 +239,16 @@ def expiry_cutoff(policy: BatchingPolicy, now: float) -> float:
 
 # -- one small rule per mode --------------------------------------------------------------------
 def _latency(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
-    return launch(queue, policy, "now")
+    return _launch_head(queue, policy, "now")
 
 
 def _fill_or_window(queue: LaneQueue, policy: BatchingPolicy, batch: int, window: float,
                     now: float) -> Decision:
     if queue.depth >= batch:
-        return launch(queue, policy, "full")
+        return _launch_head(queue, policy, "full")
     held = now - queue.oldest_arrival
     if held >= window:
-        return launch(queue, policy, "window")
+        return _launch_head(queue, policy, "window")
     return Wait(window - held)
 
 
@@ -328,19 +329,19 @@ def hold_worth(cost: CostFit, arrival_rate: float) -> float:
 
 def _slo(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
     if cost is None or cost.samples < SLO_MIN_SAMPLES:
-        return launch(queue, policy, "warmup")  # no measurements yet: behave like latency
+        return _launch_head(queue, policy, "warmup")  # no measurements yet: behave like latency
     if queue.depth >= policy.max_batch:
-        return launch(queue, policy, "full")  # no plan holds a full batch back
+        return _launch_head(queue, policy, "full")  # no plan holds a full batch back
     # Cheap exits first: this runs between launches with the device idle (on the H100's host,
     # 20 µs more per decision than latency's showed as 1% more idle device time).
     # The 2 s average lags a rising load; a low rate only shortens the hold, so the lag errs
     # towards launching at once. (The rate the queue shows, depth over time since the oldest
     # arrival, was tried: from two arrivals a few µs apart it saw huge rates and held for them.)
     if hold_worth(cost, queue.arrival_rate) <= 0:
-        return launch(queue, policy, "now")
+        return _launch_head(queue, policy, "now")
     plan = plan_slo(policy, cost, queue.arrival_rate)
     if plan.batch <= 1:
-        return launch(queue, policy, "now")
+        return _launch_head(queue, policy, "now")
     return _fill_or_window(queue, policy, plan.batch, plan.window_s, now)
 
 
@@ -364,7 +365,7 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
     for queue in busy[1:]:
         policy = policies[queue.lane]
         if now - queue.starved_since >= policy.max_starvation_ms / 1000:
-            return launch(queue, policy, "starvation")
+            return _launch_head(queue, policy, "starvation")
     wakeups = []
     higher_wait: Optional[float] = None  # how long the higher lanes still hold the device free
     for queue in busy:
