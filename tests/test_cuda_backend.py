@@ -436,10 +436,10 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
     from concurrent.futures import ThreadPoolExecutor
 
     from gpu_engine.engine import Engine
-    from gpu_engine.matrix import Epoch
+    from gpu_engine.matrix import ServedEpoch
 
     matrix = random_matrix(5000, seed=12)
-    engine = Engine(cuda, Epoch(epoch_id=3, matrix=matrix)).start()
+    engine = Engine(cuda, ServedEpoch(epoch_id=3, matrix=matrix)).start()
     try:
         rng = np.random.default_rng(12)
         targets = [[int(t) for t in rng.integers(0, 5000, size=3)] for _ in range(12)]
