@@ -24,11 +24,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gpu_engine import wire
-from gpu_engine.backends.base import PAGE_BYTES
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, key_format_of
 from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
 from gpu_engine.matrix import ServedEpoch, epoch_from_description
-from gpu_engine.protocol import MAX_BATCH_QUERIES
+from gpu_engine.protocol import MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.scheduler import LanePolicy
 from gpu_engine.state import ServedState
 

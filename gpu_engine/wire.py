@@ -22,7 +22,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 import zmq
 
-from gpu_engine.backends.base import PAGE_BYTES
+from gpu_engine.protocol import PAGE_BYTES
 from gpu_engine.scheduler import LANES, LanePolicy
 from gpu_engine.state import ServedState
 

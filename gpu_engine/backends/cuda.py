@@ -190,8 +190,7 @@ class CudaResident(ResidentMatrix):
 
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> "_Started":
         """Queue the batch on its streams and return without waiting for the device."""
-        self.check_keys(keys)
-        cuda_plan.check_key_batch(keys, self.domain_bits)
+        cuda_plan.check_key_batch(keys, self.domain_bits)  # check_keys' checks, then the arrays'
         records = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock:
             pages = self._live()
