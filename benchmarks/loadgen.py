@@ -41,9 +41,9 @@ from gpu_engine.costmodel import CostFit, CostModel  # noqa: E402
 from gpu_engine.dpf import gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, EngineBusy, static_policy  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
-from gpu_engine.matrix import Epoch, random_matrix  # noqa: E402
+from gpu_engine.matrix import ServedEpoch, random_matrix  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
-from gpu_engine.scheduler import BatchingPolicy  # noqa: E402
+from gpu_engine.scheduler import LanePolicy  # noqa: E402
 
 MODES = ("latency", "throughput", "adaptive", "slo")
 # The latency policy measured a second time under another name (an A/A control): how far two
@@ -229,26 +229,26 @@ def _held_pcts(runs: Sequence[Run], launches: int) -> Tuple[float, float]:
 
 
 def bench_policies(window_us: int, target_ms: float, max_batch: int,
-                   control: bool = False) -> Dict[str, BatchingPolicy]:
+                   control: bool = False) -> Dict[str, LanePolicy]:
     """The four modes (and the A/A control if asked), each with room enough (queue, timeout)
     that nothing is refused."""
     common = dict(max_batch=max_batch, max_queue=100_000, queue_timeout_ms=600_000,
                   p95_target_ms=target_ms)
-    extra = {CONTROL: BatchingPolicy(name="bench-latency-control", mode="latency", **common)} if control else {}
+    extra = {CONTROL: LanePolicy(name="bench-latency-control", mode="latency", **common)} if control else {}
     return {**extra,
-        "latency": BatchingPolicy(name="bench-latency", mode="latency", **common),
-        "throughput": BatchingPolicy(name="bench-throughput", mode="throughput", window_us=window_us, **common),
-        "adaptive": BatchingPolicy(name="bench-adaptive", mode="adaptive", window_us=window_us,
+        "latency": LanePolicy(name="bench-latency", mode="latency", **common),
+        "throughput": LanePolicy(name="bench-throughput", mode="throughput", window_us=window_us, **common),
+        "adaptive": LanePolicy(name="bench-adaptive", mode="adaptive", window_us=window_us,
                                    adaptive_threshold=min(4, max_batch), **common),
         # slo picks its own window up to the target; the cap only bounds it
-        "slo": BatchingPolicy(name="bench-slo", mode="slo", window_us=int(target_ms * 1000), **common),
+        "slo": LanePolicy(name="bench-slo", mode="slo", window_us=int(target_ms * 1000), **common),
     }
 
 
 def measure_capacity(engine: Engine, pool: Sequence[list], max_batch: int, seconds: float) -> float:
     """Queries per second with the queue never empty (several full batches always waiting)."""
     engine.set_policy_source(static_policy(
-        BatchingPolicy(name="capacity", max_batch=max_batch, max_queue=100_000)))
+        LanePolicy(name="capacity", max_batch=max_batch, max_queue=100_000)))
     for query in pool[:max_batch]:  # warm caches and the cost model
         engine.submit([query]).result(120)
     outstanding = threading.Semaphore(4 * max_batch)
@@ -272,7 +272,7 @@ def measure_capacity(engine: Engine, pool: Sequence[list], max_batch: int, secon
 
 def probe_cost(engine: Engine, pool: Sequence[list], max_batch: int) -> CostFit:
     """The engine's fitted t(b) after launches of 1 and of max_batch queries."""
-    engine.set_policy_source(static_policy(BatchingPolicy(name="probe", max_batch=max_batch)))
+    engine.set_policy_source(static_policy(LanePolicy(name="probe", max_batch=max_batch)))
     for b in (1, max_batch):  # first launches compile and allocate: keep them out of the fit
         engine.answer([list(q) for q in pool[:b]], timeout=120)
     engine.cost = CostModel()
@@ -287,7 +287,7 @@ def mode_order(modes: Sequence[str], round_: int) -> List[str]:
     return list(modes[k:]) + list(modes[:k])
 
 
-def _stretches(engine: Engine, pool: Sequence[list], policies: Dict[str, BatchingPolicy],
+def _stretches(engine: Engine, pool: Sequence[list], policies: Dict[str, LanePolicy],
                modes: Sequence[str], fractions: Sequence[float], capacity: float, duration: float,
                warmup: float, rounds: int, rng: np.random.Generator, log=print) -> Dict[tuple, List[Run]]:
     """(fraction, mode) -> the runs measuring it.
@@ -334,7 +334,7 @@ def sweep(backend_name: str, pages: int, modes: Sequence[str], fractions: Sequen
     the matrix is loaded once (4 GiB take seconds to upload to a GPU) and each mode starts from
     the cost fit and arrival rate a running service would have."""
     backend = make_backend(backend_name, sim_cost_ms)
-    epoch = Epoch(epoch_id=1, matrix=random_matrix(pages, seed=seed))
+    epoch = ServedEpoch(epoch_id=1, matrix=random_matrix(pages, seed=seed))
     pool = make_pool(epoch.matrix.domain_bits, 256, seed)
     engine = Engine(backend, epoch).start()
     try:

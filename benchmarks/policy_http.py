@@ -44,7 +44,7 @@ sys.path.insert(0, str(BASE_DIR))
 from benchmarks import loadgen, loadgen_http  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
-from gpu_engine.scheduler import BatchingPolicy as EnginePolicy  # noqa: E402
+from gpu_engine.scheduler import LanePolicy  # noqa: E402
 from morphoweb.partyprocs import NotHealthy, free_port, isolated_env, wait_healthy  # noqa: E402
 
 LANE = "interactive"
@@ -56,14 +56,14 @@ NOTE = "Made by benchmarks/policy_http.py: loadgen.bench_policies, for the HTTP 
 # --- The policy records ----------------------------------------------------------------------
 
 
-def record_fields(policy: EnginePolicy) -> Dict[str, object]:
+def record_fields(policy: LanePolicy) -> Dict[str, object]:
     """The record fields that carry an engine policy: every engine field, by name."""
     from policies.models import ENGINE_FIELDS
 
     return {name: getattr(policy, name) for name in ENGINE_FIELDS}
 
 
-def sync_bench_policies(policies: Mapping[str, EnginePolicy], lane: str = LANE) -> Dict[str, object]:
+def sync_bench_policies(policies: Mapping[str, LanePolicy], lane: str = LANE) -> Dict[str, object]:
     """Create or update one record per mode (named as the engine policy), through the model.
 
     Each record is fully validated (`full_clean`, so `clean()` applies the engine's own checks)
@@ -240,7 +240,7 @@ def sweep(args, log=print) -> Result:
         pool = loadgen.make_pool(domain_bits, 256, args.seed)
         gc.freeze()  # the pool: no collection walks it during a measured stretch
 
-        def use(policies: Mapping[str, EnginePolicy], mode: str) -> None:
+        def use(policies: Mapping[str, LanePolicy], mode: str) -> None:
             sync_bench_policies(policies)
             activate(policies[mode].name)
             loadgen_http.wait_for_policy(url, policies[mode].name, args.switch_timeout,

@@ -34,7 +34,7 @@ from gpu_engine.costmodel import CostFit, RateMeter  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
 from gpu_engine.scheduler import (  # noqa: E402
     HEAD_REQUESTS,
-    BatchingPolicy,
+    LanePolicy,
     LaneQueue,
     Launch,
     decide,
@@ -45,7 +45,7 @@ from gpu_engine.scheduler import (  # noqa: E402
 MIN_STEP_S = 1e-7
 
 
-def simulate(policy: BatchingPolicy, cost: CostFit, arrivals: np.ndarray,
+def simulate(policy: LanePolicy, cost: CostFit, arrivals: np.ndarray,
              warmup_share: float = 0.1) -> Tuple[np.ndarray, int, float]:
     """Latencies (s) of the arrivals after the first `warmup_share`, the number of launches, and
     the instant the last answer is out."""
@@ -82,7 +82,7 @@ def simulate(policy: BatchingPolicy, cost: CostFit, arrivals: np.ndarray,
     return latency[int(n * warmup_share):], launches, now
 
 
-def model_point(mode: str, fraction: float, rate: float, policy: BatchingPolicy, cost: CostFit,
+def model_point(mode: str, fraction: float, rate: float, policy: LanePolicy, cost: CostFit,
                 arrivals: np.ndarray) -> Point:
     latency, launches, finished = simulate(policy, cost, arrivals)
     ms = (latency * 1000).tolist()

@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.backends.cuda_launch import describe_plan  # noqa: E402
+from gpu_engine.backends.cuda_plan import describe_plan  # noqa: E402
 from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
 

@@ -16,7 +16,7 @@ from prometheus_client.core import (
 
 from engine.holder import is_remote, peek_engine
 from gpu_engine.engine import EngineBusy
-from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.scheduler import LanePolicy
 
 
 def _le(bound: float) -> str:
@@ -104,15 +104,15 @@ class EngineCollector:
 
 # Functions that return the policies this process applies ({lane: policy}), filled in by the
 # policies app's ready(); read where the engine is in this process (or there is none yet).
-_policy_readers: List[Callable[[], Dict[str, BatchingPolicy]]] = []
+_policy_readers: List[Callable[[], Dict[str, LanePolicy]]] = []
 
 
-def read_policies_with(reader: Callable[[], Dict[str, BatchingPolicy]]) -> None:
+def read_policies_with(reader: Callable[[], Dict[str, LanePolicy]]) -> None:
     """Let the collector report `reader()`'s policies (called from AppConfig.ready)."""
     _policy_readers.append(reader)
 
 
-def policies_in_force() -> Dict[str, BatchingPolicy]:
+def policies_in_force() -> Dict[str, LanePolicy]:
     """The policies this process applies: the engine server's (as of its last PONG) where the
     engine is remote, else those the registered readers report; never reads the database."""
     engine = peek_engine()
@@ -121,7 +121,7 @@ def policies_in_force() -> Dict[str, BatchingPolicy]:
             return engine.policies()
         except EngineBusy:
             return {}
-    policies: Dict[str, BatchingPolicy] = {}
+    policies: Dict[str, LanePolicy] = {}
     for reader in _policy_readers:
         policies.update(reader())
     return policies

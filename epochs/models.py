@@ -11,12 +11,12 @@ from engine import holder
 from engine.config import engine_settings
 from epochs.matrix_files import MatrixPathError, check_matrix_file, file_identity
 from gpu_engine.engine import EngineBusy, SwitchMode
-from gpu_engine import matrix as engine_matrix
 from gpu_engine.matrix import (
     PAGE_BYTES,
     ROW_BYTES,
     ROWS_PER_PAGE,
     MatrixChanged,
+    ServedEpoch,
     domain_bits_for,
     load_matrix,
     read_epoch_metadata,
@@ -167,9 +167,10 @@ class Epoch(models.Model):
         self.size_bytes, self.sha256 = file_identity(path, size)
         return None
 
-    def load(self) -> engine_matrix.Epoch:
-        """The gpu_engine Epoch of this record: the file read into memory and checked against the
-        size and SHA-256 recorded with it (MatrixChanged, a ValueError, when it differs)."""
+    def load(self) -> ServedEpoch:
+        """This record as the engine serves it (a ServedEpoch): the file read into memory and
+        checked against the size and SHA-256 recorded with it (MatrixChanged, a ValueError, when
+        it differs)."""
         # Checked again: the directory setting or a folder on the way may have changed since.
         path, _ = check_matrix_file(self.matrix_path)
         matrix = load_matrix(path, self.domain_bits, size_bytes=self.size_bytes,
@@ -183,7 +184,7 @@ class Epoch(models.Model):
                 raise MatrixChanged(f"matrix file {path} changed since epoch {self.epoch_id} was "
                                     f"first loaded: sha256 {matrix.sha256}, expected {pinned}")
             self.size_bytes, self.sha256 = matrix.size_bytes, matrix.sha256
-        return engine_matrix.Epoch(
+        return ServedEpoch(
             epoch_id=self.epoch_id,
             matrix=matrix,
             block_number=self.block_number,

@@ -18,13 +18,13 @@ from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
 from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
-from gpu_engine.matrix import Epoch
+from gpu_engine.matrix import ServedEpoch
 from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
     LANES,
-    BatchingPolicy,
+    LanePolicy,
     Launch,
     LaneQueue,
     decide,
@@ -35,7 +35,7 @@ from gpu_engine.scheduler import (
 
 log = logging.getLogger(__name__)
 
-PolicySource = Callable[[str], BatchingPolicy]  # lane -> the policy in force now
+PolicySource = Callable[[str], LanePolicy]  # lane -> the policy in force now
 # Longest the loop sleeps while queries wait, so that a policy swapped by another thread (a
 # shorter window, a new mode) applies to queries already queued within this time.
 POLICY_RECHECK_S = 0.1
@@ -120,7 +120,7 @@ class _Flight:
 
     decision: Launch
     batch: List[_Request]
-    epoch: Epoch
+    epoch: ServedEpoch
     state: ServedState
     started_mono: float  # monotonic time it was started
     started: float  # perf_counter time it was started
@@ -161,7 +161,7 @@ def settle(future: Future, result=None, error: Optional[BaseException] = None) -
         pass
 
 
-def static_policy(policy: BatchingPolicy) -> PolicySource:
+def static_policy(policy: LanePolicy) -> PolicySource:
     return lambda lane: policy
 
 
@@ -177,10 +177,11 @@ class Engine:
 
     key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)  # both backends answer both
 
-    def __init__(self, backend: Backend, epoch: Epoch, policy: Optional[PolicySource] = None) -> None:
+    def __init__(self, backend: Backend, epoch: ServedEpoch,
+                 policy: Optional[PolicySource] = None) -> None:
         self.backend = backend
-        self._policy = policy or static_policy(BatchingPolicy())
-        self._last_policies: Dict[str, BatchingPolicy] = {lane: BatchingPolicy() for lane in LANES}
+        self._policy = policy or static_policy(LanePolicy())
+        self._last_policies: Dict[str, LanePolicy] = {lane: LanePolicy() for lane in LANES}
         self._epoch = epoch
         self._rows = RowDigest()  # rows written over the epoch's file since it was loaded
         self._resident: ResidentMatrix = backend.load(epoch.matrix)
@@ -246,11 +247,11 @@ class Engine:
         return self._running and self._thread is not None and self._thread.is_alive()
 
     @property
-    def epoch(self) -> Epoch:
+    def epoch(self) -> ServedEpoch:
         return self._epoch
 
     def set_policy_source(self, policy: PolicySource) -> None:
-        """Read policies from `policy` from the next decision on (the live-policy bridge)."""
+        """Read policies from `policy` from the next decision on (the live policy source)."""
         self._policy = policy
         self.poke()
 
@@ -259,12 +260,12 @@ class Engine:
         with self._cond:
             self._cond.notify_all()
 
-    def policies(self) -> Dict[str, BatchingPolicy]:
+    def policies(self) -> Dict[str, LanePolicy]:
         """The policy of each lane now; a failing source keeps the last good one."""
         for lane in LANES:
             try:
                 policy = self._policy(lane)
-                if isinstance(policy, BatchingPolicy):
+                if isinstance(policy, LanePolicy):
                     self._last_policies[lane] = policy
                 else:
                     log.error("policy source gave %r for lane %s; keeping the last one", policy, lane)
@@ -314,16 +315,16 @@ class Engine:
             raise refused
         return request.future
 
-    def _policy_for(self, lane: str) -> BatchingPolicy:
+    def _policy_for(self, lane: str) -> LanePolicy:
         try:
             policy = self._policy(lane)
-            if isinstance(policy, BatchingPolicy):
+            if isinstance(policy, LanePolicy):
                 return policy
         except Exception:  # noqa: BLE001 - the scheduler logs it; admission uses the last good one
             pass
         return self._last_policies[lane]
 
-    def _drain_s(self, depth: int, policy: BatchingPolicy) -> float:
+    def _drain_s(self, depth: int, policy: LanePolicy) -> float:
         # How long the queue ahead takes to clear at full batches, as the Retry-After hint.
         fit = self.cost.fit()
         if not fit.samples:
@@ -346,7 +347,7 @@ class Engine:
 
         return self._run_between_launches(write)
 
-    def switch_epoch(self, epoch: Epoch, mode: SwitchMode = SwitchMode.BESIDE,
+    def switch_epoch(self, epoch: ServedEpoch, mode: SwitchMode = SwitchMode.BESIDE,
                      written: Optional[Mapping[int, bytes]] = None) -> "Future[None]":
         """Make `epoch` resident beside the current one, then swap between launches.
 
@@ -368,7 +369,7 @@ class Engine:
 
         return self._run_between_launches(swap)
 
-    def _reload(self, epoch: Epoch, written: Optional[Mapping[int, bytes]]) -> None:
+    def _reload(self, epoch: ServedEpoch, written: Optional[Mapping[int, bytes]]) -> None:
         current = self._epoch
         self._resident.release()
         try:
@@ -437,7 +438,8 @@ class Engine:
             settle(future, None)
 
     # -- the scheduler loop: lock, decide, dequeue, run, sleep ------------------------------
-    def _snapshot(self, now: float) -> List[LaneQueue]:
+    def _lane_queues(self, now: float) -> List[LaneQueue]:
+        """What each lane holds now, as the scheduler decides from it (under the lock)."""
         return [LaneQueue(lane, tuple(r.size for r in itertools.islice(q, HEAD_REQUESTS)),
                           q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now),
                           self._last_launch_end.get(lane))
@@ -449,7 +451,7 @@ class Engine:
         self._depth[lane] -= sum(r.size for r in taken)
         return taken
 
-    def _expire(self, policies: Mapping[str, BatchingPolicy], now: float) -> List[_Request]:
+    def _expire(self, policies: Mapping[str, LanePolicy], now: float) -> List[_Request]:
         expired: List[_Request] = []
         for lane, queue in self._queues.items():
             cutoff = expiry_cutoff(policies[lane], now)
@@ -482,7 +484,7 @@ class Engine:
                     expired = self._expire(policies, now)
                     if expired:
                         break
-                    queues = self._snapshot(now)
+                    queues = self._lane_queues(now)
                     decision = decide(queues, policies, self.cost.fit(), now)
                     if isinstance(decision, Launch) and (flight is None
                                                          or overlaps(decision, queues, policies)):

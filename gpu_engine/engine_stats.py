@@ -114,7 +114,7 @@ class EngineStats:
             refused = self._lane(lane).refused
             refused["device_error"] = refused.get("device_error", 0) + queries
 
-    def launched(self, launch: "Launch", seconds: float,
+    def launched(self, decision: "Launch", seconds: float,
                  requests: List[Tuple[int, float, float]], done: float, held: float = 0.0,
                  waited: bool = False) -> None:
         """One launch that took `seconds` after the device sat `held` seconds idle with its oldest
@@ -122,15 +122,15 @@ class EngineStats:
         wait, latency)."""
         queries = sum(size for size, _, _ in requests)
         with self._lock:
-            lane = self._lane(launch.lane)
+            lane = self._lane(decision.lane)
             self.launches += 1
             self.queries_answered += queries
             self.requests_answered += len(requests)
             self.last_batch_queries = queries
             self.compute_seconds += seconds
             self.batch_size.observe(queries)
-            self.dispatch_modes[launch.mode] = self.dispatch_modes.get(launch.mode, 0) + 1
-            self.launch_reasons[launch.reason] = self.launch_reasons.get(launch.reason, 0) + 1
+            self.dispatch_modes[decision.mode] = self.dispatch_modes.get(decision.mode, 0) + 1
+            self.launch_reasons[decision.reason] = self.launch_reasons.get(decision.reason, 0) + 1
             lane.launches += 1
             lane.held_seconds += held
             lane.launches_held += waited

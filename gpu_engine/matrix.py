@@ -249,8 +249,9 @@ def write_matrix_file(path, num_pages: int, seed: int = 0, progress=None) -> Pat
 
 
 @dataclass(frozen=True)
-class Epoch:
-    """One immutable matrix and its metadata (docs/PROTOCOL.md section 6)."""
+class ServedEpoch:
+    """One epoch as an engine serves it: an immutable matrix and its metadata (docs/PROTOCOL.md
+    section 6). The epochs app's `Epoch` is the database record an operator keeps of one."""
 
     epoch_id: int
     matrix: PageMatrix = field(compare=False)
@@ -291,11 +292,11 @@ class MatrixShape(_Shape):
     domain_bits: int
 
 
-def epoch_from_description(data: dict) -> Epoch:
-    """The Epoch that `Epoch.describe()` described, with a MatrixShape for its matrix."""
+def epoch_from_description(data: dict) -> ServedEpoch:
+    """The ServedEpoch that its describe() described, with a MatrixShape for its matrix."""
     root = data["state_root"]
     pir = data["page_pir"]
-    return Epoch(
+    return ServedEpoch(
         epoch_id=int(data["epoch_id"]),
         matrix=MatrixShape(int(pir["num_pages"]), int(pir["domain_bits"])),  # type: ignore[arg-type]
         block_number=int(data["block_number"]),
@@ -332,7 +333,7 @@ def write_epoch_metadata(
     return out
 
 
-def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> Epoch:
+def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> ServedEpoch:
     """The matrix file plus its sidecar `<path>.epoch.json` (epoch 1 with zero metadata if absent).
 
     The file must have the size and SHA-256 its sidecar records (MatrixChanged otherwise), so a
@@ -347,7 +348,7 @@ def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> Epoch:
     matrix = load_matrix(matrix_path, domain_bits, size_bytes=meta.get("size_bytes"),
                          sha256=meta.get("sha256"))
     root = meta.get("state_root", "0x" + "00" * 32)
-    return Epoch(
+    return ServedEpoch(
         epoch_id=int(meta.get("epoch_id", 1)),
         matrix=matrix,
         block_number=int(meta.get("block_number", 0)),

@@ -24,12 +24,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gpu_engine import wire
-from gpu_engine.backends.base import PAGE_BYTES
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, key_format_of
 from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
-from gpu_engine.matrix import Epoch, epoch_from_description
-from gpu_engine.protocol import MAX_BATCH_QUERIES
-from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.matrix import ServedEpoch, epoch_from_description
+from gpu_engine.protocol import MAX_BATCH_QUERIES, PAGE_BYTES
+from gpu_engine.scheduler import LanePolicy
 from gpu_engine.state import ServedState
 
 log = logging.getLogger(__name__)
@@ -66,8 +65,8 @@ class RemoteEngine:
         self._wake_url = f"inproc://remote-engine-wake-{id(self)}"
         self._wake: Optional[zmq.Socket] = None
         self._status: Optional[dict] = None  # the last PONG's body
-        self._epoch: Optional[Epoch] = None
-        self._policies: Dict[str, BatchingPolicy] = {}
+        self._epoch: Optional[ServedEpoch] = None
+        self._policies: Dict[str, LanePolicy] = {}
         self._connected = False
         self._last_heard = 0.0  # monotonic time of the last message from the server
         self._down_reason: Optional[str] = f"engine server {url} has not answered yet"
@@ -99,7 +98,7 @@ class RemoteEngine:
         return status.get("failure")
 
     @property
-    def epoch(self) -> Epoch:
+    def epoch(self) -> ServedEpoch:
         self._check_up()
         assert self._epoch is not None
         return self._epoch
@@ -110,7 +109,7 @@ class RemoteEngine:
         self._check_up()
         return ServedState.from_description(self._status["state"])
 
-    def policies(self) -> Dict[str, BatchingPolicy]:
+    def policies(self) -> Dict[str, LanePolicy]:
         self._check_up()
         return dict(self._policies)
 

@@ -1,4 +1,4 @@
-"""Batching decisions as pure functions: queue snapshot + policy + cost model + now -> launch or wait."""
+"""Batching decisions as pure functions: lane queues + policy + cost model + now -> launch or wait."""
 from __future__ import annotations
 
 import math
@@ -18,7 +18,7 @@ MODES = ("latency", "throughput", "adaptive", "slo")
 SLO_MAX_UTILISATION = 0.8
 # slo launches without planning until the cost model has seen this many launches.
 SLO_MIN_SAMPLES = 4
-# A snapshot needs no more head requests than a full batch can hold (each has >= 1 query).
+# A LaneQueue needs no more head requests than a full batch can hold (each has >= 1 query).
 HEAD_REQUESTS = MAX_BATCH_QUERIES + 1
 # queries per second under which a lane counts as idle: a lower lane's full batch may then start
 # behind a running one (overlaps)
@@ -99,8 +99,9 @@ def policy_errors(values: Mapping[str, Any]) -> Dict[str, str]:
 
 
 @dataclass(frozen=True)
-class BatchingPolicy:
-    """How one lane batches; an immutable, validated snapshot read at every decision."""
+class LanePolicy:
+    """How one lane batches; an immutable, validated value read at every decision. The policies
+    app's `BatchingPolicy` is the database record an operator edits of one."""
 
     name: str = "default"  # operator's label, shown in metrics and the admin
     mode: str = "latency"  # latency | throughput | adaptive | slo
@@ -134,14 +135,14 @@ class BatchingPolicy:
 
 
 # Each lane's policy while the database's active records cannot be read, from the engine's start
-# on (policies.bridge). The records the migrations create active (policies/migrations/0002) hold
+# on (policies.source). The records the migrations create active (policies/migrations/0002) hold
 # the same values. An Engine given no policy source at all (tests, benchmarks) runs
-# BatchingPolicy() in every lane.
-DEFAULT_POLICIES: Mapping[str, BatchingPolicy] = MappingProxyType({
+# LanePolicy() in every lane.
+DEFAULT_POLICIES: Mapping[str, LanePolicy] = MappingProxyType({
     # answer at once with whatever is queued; under load batches form while the device is busy
-    "interactive": BatchingPolicy(name="interactive-builtin", mode="latency", p95_target_ms=250),
+    "interactive": LanePolicy(name="interactive-builtin", mode="latency", p95_target_ms=250),
     # full batches or 20 ms, a queue deep enough for whole job chunks, deadlines of minutes
-    "bulk": BatchingPolicy(name="bulk-builtin", mode="throughput", window_us=20_000,
+    "bulk": LanePolicy(name="bulk-builtin", mode="throughput", window_us=20_000,
                            max_queue=100_000, queue_timeout_ms=600_000, p95_target_ms=1000),
 })
 
@@ -191,7 +192,7 @@ class Wait:
 
 
 Decision = Union[Launch, Wait]
-Rule = Callable[[LaneQueue, BatchingPolicy, Optional[CostFit], float], Decision]
+Rule = Callable[[LaneQueue, LanePolicy, Optional[CostFit], float], Decision]
 
 
 def take_requests(sizes: Sequence[int], max_batch: int) -> Tuple[int, int]:
@@ -205,13 +206,14 @@ def take_requests(sizes: Sequence[int], max_batch: int) -> Tuple[int, int]:
     return taken, queries
 
 
-def launch(queue: LaneQueue, policy: BatchingPolicy, reason: str) -> Launch:
+def _launch_head(queue: LaneQueue, policy: LanePolicy, reason: str) -> Launch:
+    """Launch the lane's head requests that fit in one batch of the policy's max_batch."""
     requests, queries = take_requests(queue.request_sizes, policy.max_batch)
     return Launch(queue.lane, requests, queries, reason, policy.mode, policy.dispatch)
 
 
 def overlaps(decision: Launch, queues: Sequence[LaneQueue],
-             policies: Mapping[str, BatchingPolicy]) -> bool:
+             policies: Mapping[str, LanePolicy]) -> bool:
     """Whether a launch decided while another batch is on the device starts at once, behind it.
 
     Only a full batch does: waiting for the device could not make it larger, and starting it
@@ -231,31 +233,31 @@ def _rank(lane: str) -> int:
     return LANES.index(lane) if lane in LANES else len(LANES)
 
 
-def expiry_cutoff(policy: BatchingPolicy, now: float) -> float:
+def expiry_cutoff(policy: LanePolicy, now: float) -> float:
     """Requests that arrived before this instant can no longer start within the lane's timeout."""
     return now - policy.queue_timeout_ms / 1000
 
 
 # -- one small rule per mode --------------------------------------------------------------------
-def _latency(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
-    return launch(queue, policy, "now")
+def _latency(queue: LaneQueue, policy: LanePolicy, cost: Optional[CostFit], now: float) -> Decision:
+    return _launch_head(queue, policy, "now")
 
 
-def _fill_or_window(queue: LaneQueue, policy: BatchingPolicy, batch: int, window: float,
+def _fill_or_window(queue: LaneQueue, policy: LanePolicy, batch: int, window: float,
                     now: float) -> Decision:
     if queue.depth >= batch:
-        return launch(queue, policy, "full")
+        return _launch_head(queue, policy, "full")
     held = now - queue.oldest_arrival
     if held >= window:
-        return launch(queue, policy, "window")
+        return _launch_head(queue, policy, "window")
     return Wait(window - held)
 
 
-def _throughput(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+def _throughput(queue: LaneQueue, policy: LanePolicy, cost: Optional[CostFit], now: float) -> Decision:
     return _fill_or_window(queue, policy, policy.max_batch, policy.window_s, now)
 
 
-def _adaptive(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+def _adaptive(queue: LaneQueue, policy: LanePolicy, cost: Optional[CostFit], now: float) -> Decision:
     # A shallow queue means light load: answer at once. A deep one means more is on its way,
     # so fill the batch (up to the window) and spend fewer launches per query.
     if queue.depth < policy.adaptive_threshold:
@@ -293,7 +295,7 @@ def _keeps_up(batch: int, cost: CostFit, arrival_rate: float) -> bool:
     return batch / cost.predict(batch) * SLO_MAX_UTILISATION >= arrival_rate
 
 
-def plan_slo(policy: BatchingPolicy, cost: CostFit, arrival_rate: float) -> SloPlan:
+def plan_slo(policy: LanePolicy, cost: CostFit, arrival_rate: float) -> SloPlan:
     """The smallest batch that keeps up with the arrivals, and how long the oldest query may be
     held for it.
 
@@ -326,21 +328,21 @@ def hold_worth(cost: CostFit, arrival_rate: float) -> float:
     return (cost.intercept_s - cost.per_query_s - 1 / arrival_rate) / 2
 
 
-def _slo(queue: LaneQueue, policy: BatchingPolicy, cost: Optional[CostFit], now: float) -> Decision:
+def _slo(queue: LaneQueue, policy: LanePolicy, cost: Optional[CostFit], now: float) -> Decision:
     if cost is None or cost.samples < SLO_MIN_SAMPLES:
-        return launch(queue, policy, "warmup")  # no measurements yet: behave like latency
+        return _launch_head(queue, policy, "warmup")  # no measurements yet: behave like latency
     if queue.depth >= policy.max_batch:
-        return launch(queue, policy, "full")  # no plan holds a full batch back
+        return _launch_head(queue, policy, "full")  # no plan holds a full batch back
     # Cheap exits first: this runs between launches with the device idle (on the H100's host,
     # 20 µs more per decision than latency's showed as 1% more idle device time).
     # The 2 s average lags a rising load; a low rate only shortens the hold, so the lag errs
     # towards launching at once. (The rate the queue shows, depth over time since the oldest
     # arrival, was tried: from two arrivals a few µs apart it saw huge rates and held for them.)
     if hold_worth(cost, queue.arrival_rate) <= 0:
-        return launch(queue, policy, "now")
+        return _launch_head(queue, policy, "now")
     plan = plan_slo(policy, cost, queue.arrival_rate)
     if plan.batch <= 1:
-        return launch(queue, policy, "now")
+        return _launch_head(queue, policy, "now")
     return _fill_or_window(queue, policy, plan.batch, plan.window_s, now)
 
 
@@ -348,7 +350,7 @@ RULES: Dict[str, Rule] = {"latency": _latency, "throughput": _throughput,
                           "adaptive": _adaptive, "slo": _slo}
 
 
-def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
+def decide(queues: Sequence[LaneQueue], policies: Mapping[str, LanePolicy],
            cost: Optional[CostFit], now: float) -> Decision:
     """What the engine does next.
 
@@ -364,7 +366,7 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, BatchingPolicy],
     for queue in busy[1:]:
         policy = policies[queue.lane]
         if now - queue.starved_since >= policy.max_starvation_ms / 1000:
-            return launch(queue, policy, "starvation")
+            return _launch_head(queue, policy, "starvation")
     wakeups = []
     higher_wait: Optional[float] = None  # how long the higher lanes still hold the device free
     for queue in busy:

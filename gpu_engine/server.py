@@ -40,7 +40,7 @@ class EngineServer:
         self.url = url
         self.controls: Dict[str, ControlFn] = dict(controls or {})
         self.controls.setdefault("health", lambda args: self.health())
-        self.controls.setdefault("snapshot", lambda args: self._snapshot())
+        self.controls.setdefault("snapshot", lambda args: self._cached_snapshot())
         self._snapshot_cache: Tuple[float, Optional[dict]] = (0.0, None)  # (monotonic time, data)
         self._snapshot_lock = threading.Lock()
         self._context = context or zmq.Context.instance()
@@ -91,7 +91,7 @@ class EngineServer:
                     engine_clients=len(self.clients_seen))
         return data
 
-    def _snapshot(self) -> dict:
+    def _cached_snapshot(self) -> dict:
         """The engine's snapshot, computed at most once per SNAPSHOT_TTL_S: every web process
         samples it each second for its dashboard history and each scrape of /metrics asks again,
         and each computation costs the scheduler's interpreter time."""

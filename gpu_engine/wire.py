@@ -22,8 +22,8 @@ from typing import Any, Dict, Mapping, Tuple
 
 import zmq
 
-from gpu_engine.backends.base import PAGE_BYTES
-from gpu_engine.scheduler import LANES, BatchingPolicy
+from gpu_engine.protocol import PAGE_BYTES
+from gpu_engine.scheduler import LANES, LanePolicy
 from gpu_engine.state import ServedState
 
 QUERY = b"Q"
@@ -110,9 +110,9 @@ def loads(frame) -> Any:
     return json.loads(bytes(frame))
 
 
-def policies_to_json(policies: Mapping[str, BatchingPolicy]) -> Dict[str, dict]:
+def policies_to_json(policies: Mapping[str, LanePolicy]) -> Dict[str, dict]:
     return {lane: asdict(policy) for lane, policy in policies.items()}
 
 
-def policies_from_json(data: Mapping[str, Mapping[str, Any]]) -> Dict[str, BatchingPolicy]:
-    return {lane: BatchingPolicy(**fields) for lane, fields in data.items()}
+def policies_from_json(data: Mapping[str, Mapping[str, Any]]) -> Dict[str, LanePolicy]:
+    return {lane: LanePolicy(**fields) for lane, fields in data.items()}

@@ -9,11 +9,10 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from gpu_engine import scheduler
-from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, plain_number, policy_errors
+from gpu_engine.scheduler import LANES, MODES, POLICY_BOUNDS, LanePolicy, plain_number, policy_errors
 
 # The engine's policy fields, which a record holds under the same names.
-ENGINE_FIELDS = tuple(f.name for f in fields(scheduler.BatchingPolicy))
+ENGINE_FIELDS = tuple(f.name for f in fields(LanePolicy))
 
 
 def record_values(record: Any) -> Dict[str, Any]:
@@ -28,10 +27,10 @@ def record_errors(record: Any) -> Dict[str, str]:
             if values.get(name) is not None}
 
 
-def engine_policy(record: Any) -> scheduler.BatchingPolicy:
+def engine_policy(record: Any) -> LanePolicy:
     """The immutable engine policy of a record (the one place a record becomes one); raises
     PolicyError when it is out of range."""
-    return scheduler.BatchingPolicy(**record_values(record))
+    return LanePolicy(**record_values(record))
 
 
 def _help(field: str, text: str) -> str:
@@ -39,7 +38,7 @@ def _help(field: str, text: str) -> str:
     return f"{text} Allowed: {plain_number(lo)}..{plain_number(hi)} {unit}."
 
 
-_DEFAULT = scheduler.BatchingPolicy()
+_DEFAULT = LanePolicy()
 
 
 class BatchingPolicy(models.Model):

@@ -1,4 +1,4 @@
-"""The engine's policy source: the active policy records as the engine's BatchingPolicy values,
+"""The engine's policy source: the active policy records as the engine's LanePolicy values,
 kept current in every process by the cross-process watcher (engine.watcher)."""
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from django.db.models import Count, Max
 
 from engine import watcher
-from gpu_engine import scheduler
-from gpu_engine.scheduler import DEFAULT_POLICIES, LANES, PolicyError
+from gpu_engine.scheduler import DEFAULT_POLICIES, LANES, LanePolicy, PolicyError
 from policies.models import BatchingPolicy, engine_policy
 
 log = logging.getLogger(__name__)
@@ -24,9 +23,9 @@ def policies_version() -> Tuple[Any, int]:
     return row["latest"], row["count"]
 
 
-def load_active() -> Dict[str, scheduler.BatchingPolicy]:
+def load_active() -> Dict[str, LanePolicy]:
     """The active policy of each lane that has one, read from the database."""
-    active: Dict[str, scheduler.BatchingPolicy] = {}
+    active: Dict[str, LanePolicy] = {}
     for record in BatchingPolicy.objects.filter(active=True):
         try:
             active[record.lane] = engine_policy(record)
@@ -40,17 +39,17 @@ class LivePolicies:
 
     A call costs one dict lookup: no database read per query."""
 
-    def __init__(self, initial: Optional[Mapping[str, scheduler.BatchingPolicy]] = None) -> None:
+    def __init__(self, initial: Optional[Mapping[str, LanePolicy]] = None) -> None:
         # Until the database answers (or if it never does), each lane runs its built-in default.
-        self._in_force: Dict[str, scheduler.BatchingPolicy] = dict(DEFAULT_POLICIES)
+        self._in_force: Dict[str, LanePolicy] = dict(DEFAULT_POLICIES)
         self._in_force.update(initial or {})
         self._listeners: list = []
         self._lock = threading.Lock()
 
-    def __call__(self, lane: str) -> scheduler.BatchingPolicy:
+    def __call__(self, lane: str) -> LanePolicy:
         return self._in_force[lane]
 
-    def current(self) -> Dict[str, scheduler.BatchingPolicy]:
+    def current(self) -> Dict[str, LanePolicy]:
         return dict(self._in_force)
 
     def on_change(self, listener) -> None:
@@ -103,7 +102,7 @@ def attach(engine, **kwargs) -> LivePolicies:
     return source
 
 
-def current_policies() -> Dict[str, scheduler.BatchingPolicy]:
+def current_policies() -> Dict[str, LanePolicy]:
     """The policies this process applies now ({} before anything was loaded); never reads the DB."""
     source = _source
     return source.current() if source is not None else {}

@@ -12,7 +12,7 @@ from django.conf import settings
 from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
 from gpu_engine.protocol import KEYS_PER_QUERY, query_key_counts
-from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.scheduler import LanePolicy
 from queries.models import BulkChunk
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class EpochChanged(EngineBusy):
     """The epoch switched under every attempt at a chunk; retried later like an engine refusal."""
 
 
-def bulk_policy(engine) -> BatchingPolicy:
+def bulk_policy(engine) -> LanePolicy:
     """The bulk lane's batching policy in force in this engine."""
     return engine.policies()[LANE]
 

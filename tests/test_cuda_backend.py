@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends import BackendUnavailable, DispatchShape
-from gpu_engine.backends import cuda_launch as launch
+from gpu_engine.backends import cuda_plan
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import PAGE_BYTES, PageMatrix, random_matrix
 from tests.protocol_vectors import (
@@ -33,24 +33,24 @@ def _keys(num_keys, num_pages, d, seed, fmt=KEY_FORMAT_V1):
     (40, 12, (10, 4)), (70, 24, (24, 3)),
 ])
 def test_pick_group_keys(num_keys, max_group, expect):
-    group_keys, groups = launch.pick_group_keys(num_keys, max_group)
+    group_keys, groups = cuda_plan.pick_group_keys(num_keys, max_group)
     assert (group_keys, groups) == expect
-    assert group_keys in launch.SCAN_GROUP_SIZES
+    assert group_keys in cuda_plan.SCAN_GROUP_SIZES
     assert groups * group_keys >= num_keys > (groups - 1) * group_keys
 
 
 def test_pick_group_keys_rejects_uncompiled_sizes():
     with pytest.raises(ValueError, match="max_group_keys"):
-        launch.pick_group_keys(10, 20)
+        cuda_plan.pick_group_keys(10, 20)
     with pytest.raises(ValueError, match="num_keys"):
-        launch.pick_group_keys(0, 16)
+        cuda_plan.pick_group_keys(0, 16)
 
 
 @pytest.mark.parametrize("depth", list(range(0, 25)))
 def test_top_stages_reach_depth_in_short_stages(depth):
-    stages = launch.top_stages(depth)
+    stages = cuda_plan.top_stages(depth)
     assert sum(levels for _, levels in stages) == depth
-    assert all(1 <= levels <= launch.MAX_TOP_LEVELS for _, levels in stages)
+    assert all(1 <= levels <= cuda_plan.MAX_TOP_LEVELS for _, levels in stages)
     at = 0
     for depth_in, levels in stages:
         assert depth_in == at
@@ -62,14 +62,14 @@ def test_top_stages_reach_depth_in_short_stages(depth):
     (65536, 16, 3), (65536, 16, 96), (2**20 + 17, 21, 96), (MAINNET_PAGES, 25, 3), (MAINNET_PAGES, 25, 96),
 ])
 def test_plan_covers_every_chunk_once(pages, d, keys):
-    plan = launch.plan_scan(pages, d, keys)
+    plan = cuda_plan.plan_scan(pages, d, keys)
     c = plan.chunk_levels
-    assert c == min(launch.DEFAULT_CHUNK_LEVELS, d)
+    assert c == min(cuda_plan.DEFAULT_CHUNK_LEVELS, d)
     assert plan.num_chunks == -(-pages // 2**c)
     runs = plan.grid // plan.num_groups
     assert plan.grid == runs * plan.num_groups
     assert runs * plan.chunks_per_block >= plan.num_chunks > (runs - 1) * plan.chunks_per_block
-    assert plan.shared_bytes <= launch.MAX_SHARED_BYTES
+    assert plan.shared_bytes <= cuda_plan.MAX_SHARED_BYTES
     assert plan.scan_template == "dpf_scan" and plan.tree_depth == d and plan.tree_leaves == pages
     if plan.stages:
         last = plan.stages[-1]
@@ -86,7 +86,7 @@ def test_plan_covers_every_chunk_once(pages, d, keys):
     (4097, 13, 30), (4097, 20, 3), (65536, 16, 96), (2**20 + 17, 21, 96), (MAINNET_PAGES, 25, 96),
 ])
 def test_v2_plan_covers_every_leaf_once(pages, d, keys):
-    plan = launch.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2)
+    plan = cuda_plan.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2)
     n, leaves = max(d - 7, 0), -(-pages // 128)
     assert (plan.tree_depth, plan.tree_leaves, plan.chunk_levels, plan.shared_bytes) == (n, leaves, 0, 0)
     assert plan.num_chunks == leaves and plan.depth_top == n
@@ -102,7 +102,7 @@ def test_v2_plan_covers_every_leaf_once(pages, d, keys):
             assert nxt.live_in == prev.live_out
     else:
         assert not plan.stages and leaves == 1 and plan.root_stride == 1
-    assert launch.workspace_bytes(plan) >= plan.padded_keys * (4 * launch.krec_words(n) + PAGE_BYTES)
+    assert cuda_plan.workspace_bytes(plan) >= plan.padded_keys * (4 * cuda_plan.krec_words(n) + PAGE_BYTES)
 
 
 def _simulate_scan_bits(plan, matrix, keys):
@@ -137,42 +137,42 @@ def test_the_v2_scan_as_planned_equals_numpy(pages, d, keys, max_group):
 
     matrix = random_matrix(pages, seed=pages, domain_bits=d)
     batch = _keys(keys, pages, d, seed=d, fmt=KEY_FORMAT_V2)
-    plan = launch.plan_scan(pages, d, keys, max_group_keys=max_group, resident_blocks=4,
+    plan = cuda_plan.plan_scan(pages, d, keys, max_group_keys=max_group, resident_blocks=4,
                             key_format=KEY_FORMAT_V2)
     assert np.array_equal(_simulate_scan_bits(plan, matrix, batch), reference_answers(matrix, batch))
 
 
 def test_plan_keeps_key_groups_of_a_run_adjacent_at_mainnet():
-    plan = launch.plan_scan(MAINNET_PAGES, 25, 96)
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 96)
     assert (plan.group_keys, plan.num_groups) == (16, 6)
     # enough blocks for several waves of 264 resident blocks, few enough for cheap atomics
     assert 264 * 4 <= plan.grid <= 264 * 16
     # tree nodes of depth d - 8 for 96 keys (17 B each) dominate the batch's working memory
-    assert 96 * 65693 * 17 <= launch.workspace_bytes(plan) <= 96 * (65693 + 129) * 17 + 96 * 5000
+    assert 96 * 65693 * 17 <= cuda_plan.workspace_bytes(plan) <= 96 * (65693 + 129) * 17 + 96 * 5000
 
 
 def test_scan_shared_bytes_matches_the_kernel_layout():
     # L=128, G=16: 192 node slots of 16 B + 7 cw + 1 final per key, then 192 + 7 t bytes per key
-    assert launch.scan_shared_bytes(16, 7) == 16 * (192 * 16 + 7 * 16 + 16) + 192 * 16 + 7 * 16
+    assert cuda_plan.scan_shared_bytes(16, 7) == 16 * (192 * 16 + 7 * 16 + 16) + 192 * 16 + 7 * 16
     with pytest.raises(ValueError, match="shared memory"):
-        launch.plan_scan(2**20, 20, 96, max_group_keys=32, chunk_levels=9)
+        cuda_plan.plan_scan(2**20, 20, 96, max_group_keys=32, chunk_levels=9)
 
 
 def test_split_micro_batches():
-    assert launch.split_micro_batches(96, 0) == [(0, 96)]
-    assert launch.split_micro_batches(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert launch.split_micro_batches(3, 8) == [(0, 3)]
+    assert cuda_plan.split_micro_batches(96, 0) == [(0, 96)]
+    assert cuda_plan.split_micro_batches(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert cuda_plan.split_micro_batches(3, 8) == [(0, 3)]
     with pytest.raises(ValueError):
-        launch.split_micro_batches(3, -1)
+        cuda_plan.split_micro_batches(3, -1)
 
 
 @pytest.mark.parametrize("fmt, d, depth", [(KEY_FORMAT_V1, 7, 7), (KEY_FORMAT_V2, 14, 7),
                                              (KEY_FORMAT_V2, 7, 0)])
 def test_key_records_hold_every_field_where_the_kernel_reads_it(fmt, d, depth):
     keys = _keys(3, 100, d, seed=1, fmt=fmt)
-    rec = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
+    rec = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
     d = depth  # the tree's levels: the records hold those
-    assert rec.dtype == np.uint32 and rec.shape == (3, launch.krec_words(d))
+    assert rec.dtype == np.uint32 and rec.shape == (3, cuda_plan.krec_words(d))
     assert rec.shape[1] % 4 == 0 and rec.shape[1] >= 12 + 5 * d
     for k in range(3):
         assert np.array_equal(rec[k, 0:4], keys.root_seed[k])
@@ -184,11 +184,11 @@ def test_key_records_hold_every_field_where_the_kernel_reads_it(fmt, d, depth):
 
 
 def test_key_batch_checks_reject_before_launch():
-    launch.check_key_batch(_keys(2, 50, 9, seed=2, fmt=KEY_FORMAT_V2), 9)  # 2 levels
+    cuda_plan.check_key_batch(_keys(2, 50, 9, seed=2, fmt=KEY_FORMAT_V2), 9)  # 2 levels
     keys = _keys(2, 50, 6, seed=2)
-    launch.check_key_batch(keys, 6)
+    cuda_plan.check_key_batch(keys, 6)
     with pytest.raises(ValueError, match="domain_bits"):
-        launch.check_key_batch(keys, 7)
+        cuda_plan.check_key_batch(keys, 7)
     bad = [
         ("root_seed", keys.root_seed.astype(np.int64), "root_seed must be uint32"),
         ("cw_seed", keys.cw_seed[:, :5], r"cw_seed must have shape \(2, 6, 4\)"),
@@ -199,19 +199,19 @@ def test_key_batch_checks_reject_before_launch():
     for field, value, message in bad:
         broken = KeyBatch(**{**keys.__dict__, field: value})
         with pytest.raises(ValueError, match=message):
-            launch.check_key_batch(broken, 6)
+            cuda_plan.check_key_batch(broken, 6)
 
 
 def test_check_array_and_rows():
-    launch.check_array("pages", np.zeros((3, 1024), np.uint32), np.uint32, (3, 1024))
+    cuda_plan.check_array("pages", np.zeros((3, 1024), np.uint32), np.uint32, (3, 1024))
     with pytest.raises(ValueError, match="C-contiguous"):
-        launch.check_array("pages", np.zeros((1024, 3), np.uint32).T, np.uint32, (3, 1024))
-    idx, data = launch.check_rows({5: bytes(range(256)), 0: b"\x01" * 256}, 16)
+        cuda_plan.check_array("pages", np.zeros((1024, 3), np.uint32).T, np.uint32, (3, 1024))
+    idx, data = cuda_plan.check_rows({5: bytes(range(256)), 0: b"\x01" * 256}, 16)
     assert idx.tolist() == [5, 0] and data.shape == (2, 64) and data[0, 0] == 0x03020100
     with pytest.raises(ValueError, match="outside"):
-        launch.check_rows({16: bytes(256)}, 16)
+        cuda_plan.check_rows({16: bytes(256)}, 16)
     with pytest.raises(ValueError, match="255 bytes"):
-        launch.check_rows({1: bytes(255)}, 16)
+        cuda_plan.check_rows({1: bytes(255)}, 16)
 
 
 def test_fill_reference_is_splitmix64():
@@ -300,7 +300,7 @@ def test_dispatch_shapes_and_groups_match_numpy(shared_65536, dispatch, max_grou
         for keys, expect in batches[fmt]:  # a replayed graph must answer the new keys, not the captured ones
             assert np.array_equal(resident.answer(keys, dispatch), expect)
     finally:
-        resident.max_group_keys = launch.DEFAULT_MAX_GROUP_KEYS
+        resident.max_group_keys = cuda_plan.DEFAULT_MAX_GROUP_KEYS
 
 
 @pytest.mark.gpu
@@ -316,7 +316,7 @@ def test_poisoned_buffers_never_reach_the_answers(shared_65536, dispatch):
             for keys, expect in batches[fmt]:
                 for state in resident._states.values():
                     state.out_host.view(np.uint8)[...] = 0x5A
-                    for item in state.launches:
+                    for item in state.micro_batches:
                         item.out.fill(0xDEADBEEF)
                         for seed, t in item.nodes:
                             seed.fill(0xFFFFFFFF)
@@ -436,10 +436,10 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
     from concurrent.futures import ThreadPoolExecutor
 
     from gpu_engine.engine import Engine
-    from gpu_engine.matrix import Epoch
+    from gpu_engine.matrix import ServedEpoch
 
     matrix = random_matrix(5000, seed=12)
-    engine = Engine(cuda, Epoch(epoch_id=3, matrix=matrix)).start()
+    engine = Engine(cuda, ServedEpoch(epoch_id=3, matrix=matrix)).start()
     try:
         rng = np.random.default_rng(12)
         targets = [[int(t) for t in rng.integers(0, 5000, size=3)] for _ in range(12)]

@@ -8,8 +8,8 @@ from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
-from gpu_engine.matrix import Epoch, random_matrix
-from gpu_engine.scheduler import BatchingPolicy, PolicyError
+from gpu_engine.matrix import ServedEpoch, random_matrix
+from gpu_engine.scheduler import LanePolicy, PolicyError
 from tests.protocol_vectors import protocol_answers
 
 
@@ -36,7 +36,7 @@ def _expected(matrix, queries, rows=None):
 
 @pytest.fixture
 def engine():
-    epoch = Epoch(epoch_id=3, matrix=random_matrix(300, seed=1))
+    epoch = ServedEpoch(epoch_id=3, matrix=random_matrix(300, seed=1))
     eng = Engine(NumpyBackend(workers=1), epoch).start()
     yield eng
     eng.stop()
@@ -130,7 +130,7 @@ def test_bad_row_write_is_refused_before_queueing(engine):
 
 def test_epoch_switch_is_atomic_per_request(engine):
     rng = np.random.default_rng(3)
-    new = Epoch(epoch_id=4, matrix=random_matrix(300, seed=2))
+    new = ServedEpoch(epoch_id=4, matrix=random_matrix(300, seed=2))
     d = new.matrix.domain_bits
     engine.switch_epoch(new).result(30)
     q0, q1 = _query(9, d, rng)
@@ -141,7 +141,7 @@ def test_epoch_switch_is_atomic_per_request(engine):
 
 
 def test_submit_validates_and_refuses_when_stopped():
-    epoch = Epoch(epoch_id=1, matrix=random_matrix(4, seed=0))
+    epoch = ServedEpoch(epoch_id=1, matrix=random_matrix(4, seed=0))
     eng = Engine(NumpyBackend(workers=1), epoch)
     key = gen_keys(1, 2)[0]
     with pytest.raises(EngineUnavailable, match="not running"):
@@ -189,12 +189,13 @@ class Switch:
 
 def _gated_engine(policy):
     backend = GatedBackend()
-    eng = Engine(backend, Epoch(epoch_id=1, matrix=random_matrix(64, seed=4)), Switch(policy)).start()
+    epoch = ServedEpoch(epoch_id=1, matrix=random_matrix(64, seed=4))
+    eng = Engine(backend, epoch, Switch(policy)).start()
     return eng, backend
 
 
 def test_full_queue_refuses_at_submit_with_retry_after():
-    eng, backend = _gated_engine(BatchingPolicy(max_batch=2, max_queue=4))
+    eng, backend = _gated_engine(LanePolicy(max_batch=2, max_queue=4))
     rng = np.random.default_rng(5)
     d = eng.epoch.matrix.domain_bits
     try:
@@ -221,7 +222,7 @@ def test_full_queue_refuses_at_submit_with_retry_after():
 
 
 def test_query_that_cannot_start_within_the_timeout_fails_overloaded():
-    eng, backend = _gated_engine(BatchingPolicy(queue_timeout_ms=50, window_us=0))
+    eng, backend = _gated_engine(LanePolicy(queue_timeout_ms=50, window_us=0))
     rng = np.random.default_rng(6)
     d = eng.epoch.matrix.domain_bits
     try:
@@ -242,11 +243,11 @@ def test_query_that_cannot_start_within_the_timeout_fails_overloaded():
 
 
 def test_launch_uses_the_policy_dispatch_shape_and_a_changed_policy_applies_mid_stream():
-    source = Switch(BatchingPolicy(mode="throughput", window_us=900_000, queue_timeout_ms=5000,
+    source = Switch(LanePolicy(mode="throughput", window_us=900_000, queue_timeout_ms=5000,
                                    micro_batch=6, streams=2))
     backend = GatedBackend()
     backend.gate.set()
-    eng = Engine(backend, Epoch(epoch_id=1, matrix=random_matrix(64, seed=4)), source).start()
+    eng = Engine(backend, ServedEpoch(epoch_id=1, matrix=random_matrix(64, seed=4)), source).start()
     rng = np.random.default_rng(7)
     d = eng.epoch.matrix.domain_bits
     try:
@@ -254,7 +255,7 @@ def test_launch_uses_the_policy_dispatch_shape_and_a_changed_policy_applies_mid_
         held = eng.submit([keys])  # throughput holds it for its 0.9 s window
         threading.Event().wait(0.1)
         assert not held.done()
-        source.policy = BatchingPolicy(mode="latency", micro_batch=3, streams=4, cuda_graph=True)
+        source.policy = LanePolicy(mode="latency", micro_batch=3, streams=4, cuda_graph=True)
         assert len(held.result(0.5).pages) == 1  # well before the old window would have closed
         assert _answered(held.result()) == _expected(random_matrix(64, seed=4), [keys])
         assert backend.dispatches == [(3, DispatchShape(3, 4, True))]
@@ -272,7 +273,7 @@ def test_held_seconds_count_the_device_idle_while_a_policy_holds_for_a_fuller_ba
     engine.answer([_query(1, d, rng)[0]], timeout=30)
     lane = engine.snapshot()["lanes"]["interactive"]
     assert lane["held_seconds"] < 0.05 and lane["launches_held"] == 0  # latency: launched at once
-    engine.set_policy_source(lambda lane: BatchingPolicy(mode="throughput", window_us=300_000))
+    engine.set_policy_source(lambda lane: LanePolicy(mode="throughput", window_us=300_000))
     engine.answer([_query(2, d, rng)[0]], timeout=30)  # alone: waits out the whole window
     lane = engine.snapshot()["lanes"]["interactive"]
     assert 0.29 <= lane["held_seconds"] < 1.0 and (lane["launches"], lane["launches_held"]) == (2, 1)
@@ -313,11 +314,11 @@ def test_snapshot_reports_what_metrics_and_admin_show(engine):
 
 def test_policy_bounds():
     with pytest.raises(PolicyError, match="max_batch must be in 1..32 queries, got 0"):
-        BatchingPolicy(max_batch=0)
+        LanePolicy(max_batch=0)
 
 
 def test_a_cancelled_request_does_not_stop_the_engine():
-    eng, backend = _gated_engine(BatchingPolicy(max_batch=1))
+    eng, backend = _gated_engine(LanePolicy(max_batch=1))
     rng = np.random.default_rng(8)
     d = eng.epoch.matrix.domain_bits
     try:
@@ -346,7 +347,7 @@ def test_a_dead_scheduler_fails_waiting_requests_and_says_why(monkeypatch):
         raise TypeError("decide() takes 3 positional arguments but 4 were given")
 
     monkeypatch.setattr(engine_module, "decide", broken_decide)
-    epoch = Epoch(epoch_id=1, matrix=random_matrix(16, seed=0))
+    epoch = ServedEpoch(epoch_id=1, matrix=random_matrix(16, seed=0))
     eng = Engine(NumpyBackend(workers=1), epoch)
     rng = np.random.default_rng(9)
     eng.start()
@@ -369,7 +370,7 @@ def test_a_dead_scheduler_fails_waiting_requests_and_says_why(monkeypatch):
 
 
 def test_a_row_write_queued_when_the_engine_stops_fails_instead_of_hanging():
-    eng, backend = _gated_engine(BatchingPolicy(max_batch=1))
+    eng, backend = _gated_engine(LanePolicy(max_batch=1))
     rng = np.random.default_rng(10)
     d = eng.epoch.matrix.domain_bits
     running = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate

@@ -16,9 +16,9 @@ from gpu_engine.backends.base import PendingAnswer
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import random_keys
 from gpu_engine.engine import Engine
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.protocol import KEYS_PER_QUERY
-from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.scheduler import LanePolicy
 from tests.protocol_vectors import protocol_answers
 
 MAX_BATCH = 4  # queries per launch in these tests
@@ -81,8 +81,8 @@ class HeldBackend(NumpyBackend):
 def held():
     backend = HeldBackend()
     matrix = random_matrix(300, seed=5)
-    policy = BatchingPolicy(max_batch=MAX_BATCH)
-    engine = Engine(backend, Epoch(epoch_id=1, matrix=matrix), lambda lane: policy).start()
+    policy = LanePolicy(max_batch=MAX_BATCH)
+    engine = Engine(backend, ServedEpoch(epoch_id=1, matrix=matrix), lambda lane: policy).start()
     yield engine, backend, random_matrix(300, seed=5)
     for batch in backend.started:
         batch.release.set()

@@ -15,9 +15,9 @@ from gpu_engine import wire
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import KeyBatch, KeyFormatError, gen_keys, key_length, random_keys
 from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.remote import RemoteEngine, RemoteError
-from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.scheduler import LanePolicy
 from gpu_engine.server import EngineServer
 
 PAGES = 40  # d = 6
@@ -27,10 +27,10 @@ class Policies:
     """A policy source the test swaps, as the policies app's policy source does."""
 
     def __init__(self, **interactive) -> None:
-        self.current = {"interactive": BatchingPolicy(name="test-interactive", **interactive),
-                        "bulk": BatchingPolicy(name="test-bulk", mode="throughput")}
+        self.current = {"interactive": LanePolicy(name="test-interactive", **interactive),
+                        "bulk": LanePolicy(name="test-bulk", mode="throughput")}
 
-    def __call__(self, lane: str) -> BatchingPolicy:
+    def __call__(self, lane: str) -> LanePolicy:
         return self.current[lane]
 
 
@@ -42,7 +42,7 @@ def served(tmp_path):
     def start(ready: bool = True, **interactive):
         matrix = random_matrix(PAGES, seed=5)
         policies = Policies(**interactive)
-        engine = Engine(NumpyBackend(), Epoch(1, matrix), policies).start()
+        engine = Engine(NumpyBackend(), ServedEpoch(1, matrix), policies).start()
         url = f"ipc://{tmp_path}/engine-{len(made)}.sock"
         server = EngineServer(engine, url, {"echo": lambda args: {"echo": args}}).start()
         if ready:
@@ -87,8 +87,8 @@ def test_epoch_and_policies_reach_the_client(served):
 
 def test_a_policy_change_and_an_epoch_switch_reach_the_client_within_a_second(served):
     engine, _, client, policies = served()
-    policies.current["interactive"] = BatchingPolicy(name="changed", mode="adaptive")
-    engine.switch_epoch(Epoch(2, random_matrix(PAGES * 2, seed=6))).result(30)
+    policies.current["interactive"] = LanePolicy(name="changed", mode="adaptive")
+    engine.switch_epoch(ServedEpoch(2, random_matrix(PAGES * 2, seed=6))).result(30)
     engine.write_rows({3: bytes(256)}).result(30)
     changed = time.monotonic()
     while (client.policies()["interactive"].name, client.state) != ("changed", engine.state):
@@ -132,7 +132,7 @@ def test_refusals_keep_their_kind_across_the_socket(served):
     with pytest.raises(ValueError, match="domain_bits 7, the epoch has 6"):
         client.submit([random_keys_as_dpf(7, 3)])
     # a full queue: the engine's EngineOverloaded, with its retry hint, reaches the caller
-    policies.current["interactive"] = BatchingPolicy(name="tiny", mode="throughput", max_batch=1,
+    policies.current["interactive"] = LanePolicy(name="tiny", mode="throughput", max_batch=1,
                                                      max_queue=1, window_us=900_000)
     time.sleep(0.3)
     futures = [client.submit(query) for _ in range(4)]

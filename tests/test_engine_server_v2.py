@@ -9,7 +9,7 @@ import pytest
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, gen_keys, random_keys
 from gpu_engine.engine import Engine, key_formats_of
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.protocol import KEYS_PER_QUERY
 from gpu_engine.remote import RemoteEngine
 from gpu_engine.server import EngineServer
@@ -20,7 +20,7 @@ PAGES = 300  # d = 9: a v2 tree of depth 2
 
 @pytest.fixture
 def remote(tmp_path):
-    engine = Engine(NumpyBackend(workers=1), Epoch(1, random_matrix(PAGES, seed=5))).start()
+    engine = Engine(NumpyBackend(workers=1), ServedEpoch(1, random_matrix(PAGES, seed=5))).start()
     url = f"ipc://{tmp_path}/engine.sock"
     server = EngineServer(engine, url, {}).start()
     server.mark_ready()

@@ -10,7 +10,7 @@ from gpu_engine.backends import BackendUnavailable
 from gpu_engine.backends.cpu import NumpyBackend, reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.engine import Engine, SwitchMode
-from gpu_engine.matrix import Epoch, PageMatrix, random_matrix
+from gpu_engine.matrix import PageMatrix, ServedEpoch, random_matrix
 
 
 class SmallDevice(NumpyBackend):
@@ -49,8 +49,8 @@ def _query(engine, target, rng):
 @pytest.mark.parametrize("mode", list(SwitchMode))
 def test_switch_serves_the_new_epoch_and_names_it(mode):
     rng = np.random.default_rng(1)
-    old = Epoch(1, random_matrix(32, seed=1))
-    new = Epoch(2, random_matrix(32, seed=2))
+    old = ServedEpoch(1, random_matrix(32, seed=1))
+    new = ServedEpoch(2, random_matrix(32, seed=2))
     engine = Engine(NumpyBackend(workers=1), old).start()
     try:
         keys, before = _query(engine, 5, rng)
@@ -65,8 +65,8 @@ def test_switch_serves_the_new_epoch_and_names_it(mode):
 
 
 def test_too_small_for_both_refuses_beside_and_stop_the_world_succeeds():
-    old = Epoch(1, random_matrix(16, seed=1))
-    new = Epoch(2, random_matrix(16, seed=2))
+    old = ServedEpoch(1, random_matrix(16, seed=1))
+    new = ServedEpoch(2, random_matrix(16, seed=2))
     backend = SmallDevice(capacity=old.matrix.nbytes + 1024)
     engine = Engine(backend, old).start()
     try:
@@ -81,8 +81,8 @@ def test_too_small_for_both_refuses_beside_and_stop_the_world_succeeds():
 
 
 def test_stop_the_world_that_cannot_load_goes_back_to_the_current_epoch():
-    old = Epoch(1, random_matrix(16, seed=1))
-    too_big = Epoch(2, random_matrix(64, seed=2))
+    old = ServedEpoch(1, random_matrix(16, seed=1))
+    too_big = ServedEpoch(2, random_matrix(64, seed=2))
     engine = Engine(SmallDevice(capacity=old.matrix.nbytes), old).start()
     try:
         with pytest.raises(BackendUnavailable, match="does not fit"):
@@ -105,7 +105,7 @@ def small_device_party(db, serve_matrix, tmp_path, monkeypatch):
     from django.contrib.auth.models import User
     from rest_framework.test import APIClient
 
-    from epochs.models import Epoch as EpochRecord
+    from epochs.models import Epoch
     from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
     from engine.holder import get_engine
 
@@ -117,7 +117,7 @@ def small_device_party(db, serve_matrix, tmp_path, monkeypatch):
     monkeypatch.setattr("gpu_engine.backends.create_backend", lambda name="auto": device)
     serve_matrix(paths[1])
     get_engine()
-    record = EpochRecord(epoch_id=2, matrix_path=str(paths[2]))
+    record = Epoch(epoch_id=2, matrix_path=str(paths[2]))
     record.full_clean()
     record.save()
     client = APIClient()
@@ -159,14 +159,14 @@ def test_admin_action_reports_the_refusal_in_words(small_device_party, client):
 
 def test_failed_stop_the_world_keeps_serving_the_current_epoch_with_its_updates(small_device_party, tmp_path):
     from epochs import sync
-    from epochs.models import Epoch as EpochRecord
+    from epochs.models import Epoch
     from gpu_engine.matrix import load_matrix, write_matrix_file
     from engine.holder import get_engine
 
     client, record, _ = small_device_party
     data = bytes([7]) * 256
     sync.push_rows([(5, data)])
-    huge = EpochRecord(epoch_id=3, matrix_path=str(write_matrix_file(tmp_path / "e3.bin", 64, seed=3)))
+    huge = Epoch(epoch_id=3, matrix_path=str(write_matrix_file(tmp_path / "e3.bin", 64, seed=3)))
     huge.full_clean()
     huge.save()
     refused = client.post(f"/api/epochs/{huge.pk}/activate/", {"switch_mode": "stop_the_world"}, format="json")
@@ -192,7 +192,7 @@ def committed_party(django_db_serialized_rollback, transactional_db, serve_matri
     connections (other threads here, other processes in a party) see and contend for it; the
     rows the migrations made (the default policies) are restored after the flush, for later tests."""
     from epochs import sync
-    from epochs.models import Epoch as EpochRecord
+    from epochs.models import Epoch
     from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
     from engine.holder import get_engine
     from engine.watcher import default_watcher
@@ -209,7 +209,7 @@ def committed_party(django_db_serialized_rollback, transactional_db, serve_matri
     default_watcher().stop()
     sync.push_rows([(5, ROW5)])
     for epoch_id in (2, 3):
-        records[epoch_id] = EpochRecord(epoch_id=epoch_id, matrix_path=str(paths[epoch_id]))
+        records[epoch_id] = Epoch(epoch_id=epoch_id, matrix_path=str(paths[epoch_id]))
         records[epoch_id].full_clean()
         records[epoch_id].save()
     yield engine, records, paths
@@ -218,10 +218,10 @@ def committed_party(django_db_serialized_rollback, transactional_db, serve_matri
 
 def _database_state():
     """Everything a switch changes, bar the message that reports a failed one."""
-    from epochs.models import Epoch as EpochRecord
+    from epochs.models import Epoch
     from epochs.models import RowUpdate
 
-    return (sorted(EpochRecord.objects.values_list("epoch_id", "state", "activated", "switch_mode",
+    return (sorted(Epoch.objects.values_list("epoch_id", "state", "activated", "switch_mode",
                                                     "pending_updates")),
             sorted(RowUpdate.objects.values_list("pk", "epoch_id", "row", "state")))
 
@@ -281,7 +281,7 @@ def _switch_in_thread(record):
 
 
 def test_the_database_stays_writable_while_the_new_epoch_loads(committed_party, monkeypatch):
-    from epochs.models import Epoch as EpochRecord
+    from epochs.models import Epoch
     from epochs.models import PendingUpdates, RowUpdate
 
     engine, records, paths = committed_party
@@ -296,7 +296,7 @@ def test_the_database_stays_writable_while_the_new_epoch_loads(committed_party, 
         # the switch changes). Under a write transaction held for the upload, SQLite refuses or
         # delays both and PostgreSQL delays the second.
         RowUpdate.objects.create(epoch_id=1, first_epoch_id=1, row=9, data=ROW9.hex())
-        EpochRecord.objects.filter(epoch_id=1).update(pending_updates=PendingUpdates.DISCARD)
+        Epoch.objects.filter(epoch_id=1).update(pending_updates=PendingUpdates.DISCARD)
         assert not upload.released.is_set(), "the writes waited for the upload to end"
         assert switcher.is_alive() and engine.epoch.epoch_id == 1
     finally:
@@ -304,9 +304,9 @@ def test_the_database_stays_writable_while_the_new_epoch_loads(committed_party, 
         backstop.cancel()
         switcher.join(30)
     assert "error" not in outcome, outcome
-    states = dict(EpochRecord.objects.values_list("epoch_id", "state"))
+    states = dict(Epoch.objects.values_list("epoch_id", "state"))
     assert states == {1: "retired", 2: "active", 3: "loaded"}
-    assert EpochRecord.objects.get(epoch_id=1).pending_updates == PendingUpdates.DISCARD
+    assert Epoch.objects.get(epoch_id=1).pending_updates == PendingUpdates.DISCARD
     # The update stored during the load was absorbed by epoch 2 and is in its answers.
     assert sorted(RowUpdate.objects.values_list("row", "epoch_id", "state")) == [
         (5, 2, "pending"), (9, 2, "pending")]
@@ -331,7 +331,7 @@ def test_a_failed_load_changes_nothing(committed_party, monkeypatch, mode):
 
 def test_a_switch_committed_elsewhere_during_the_load_wins(committed_party, monkeypatch):
     from epochs import sync
-    from epochs.models import Epoch as EpochRecord
+    from epochs.models import Epoch
     from epochs.models import RowUpdate
 
     engine, records, paths = committed_party
@@ -345,7 +345,7 @@ def test_a_switch_committed_elsewhere_during_the_load_wins(committed_party, monk
         upload.released.set()
         switcher.join(30)
     assert "another switch (to epoch 3) committed while epoch 2 loaded" in str(outcome.get("error"))
-    states = dict(EpochRecord.objects.values_list("epoch_id", "state"))
+    states = dict(Epoch.objects.values_list("epoch_id", "state"))
     assert states == {1: "retired", 2: "loaded", 3: "active"}
     assert list(RowUpdate.objects.values_list("row", "epoch_id", "state")) == [(5, 3, "pending")]
     # This process's engine follows the database rather than the epoch it had loaded.

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_engine.backends import cuda_launch as launch
-from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES, SCAN_THREADS, TOP_THREADS
+from gpu_engine.backends import cuda_plan
+from gpu_engine.backends.cuda_plan import SCAN_GROUP_SIZES, SCAN_THREADS, TOP_THREADS
 from gpu_engine.backends.cuda_module import (
     KERNEL_DIR,
     KERNEL_FILES,
@@ -43,21 +43,21 @@ def _code(name):
 
 
 def test_the_host_constants_are_the_compilers_d_options():
-    defines = launch.kernel_defines()
+    defines = cuda_plan.kernel_defines()
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
-    assert defines == {name: getattr(launch, name) for name in defines}
+    assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
-        f"-D{name}={getattr(launch, name)}" for name in defines]
-    assert launch.SCAN_THREADS * 16 == 4096  # a thread per 16-byte column of a page
-    assert launch.LEAF_PAGES == 128  # a v2 leaf: 128 selection bits, 4 words of 32 pages
+        f"-D{name}={getattr(cuda_plan, name)}" for name in defines]
+    assert cuda_plan.SCAN_THREADS * 16 == 4096  # a thread per 16-byte column of a page
+    assert cuda_plan.LEAF_PAGES == 128  # a v2 leaf: 128 selection bits, 4 words of 32 pages
 
 
 def test_every_macro_the_scan_kernel_uses_is_defined_in_it_or_by_the_host_not_both():
     code = _code("dpf_scan.cu")
     defined_here = set(re.findall(r"^\s*#\s*define\s+(\w+)", code, re.M))
-    host = set(launch.kernel_defines())
+    host = set(cuda_plan.kernel_defines())
     assert not defined_here & host, "restated in dpf_scan.cu"
     used = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", code))  # macros are upper case; G, L, U are not
     assert used - defined_here == host
@@ -68,8 +68,8 @@ def test_every_macro_the_scan_kernel_uses_is_defined_in_it_or_by_the_host_not_bo
 def test_the_scan_kernel_carves_shared_memory_as_the_host_sizes_it(group_keys, chunk_levels):
     code = _code("dpf_scan.cu")
     body = code[code.index("extern __shared__ uint4 smem[];"):]
-    carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(launch.SCAN_SHARED_REGIONS)]
-    regions = launch.SCAN_SHARED_REGIONS
+    carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(cuda_plan.SCAN_SHARED_REGIONS)]
+    regions = cuda_plan.SCAN_SHARED_REGIONS
     assert [name for _, name, _ in carving] == [name for name, _, _ in regions]
     assert [{"uint4": 16, "u8": 1}[kind] for kind, _, _ in carving] == [size for _, size, _ in regions]
     assert carving[0][2] == "smem"
@@ -81,7 +81,7 @@ def test_the_scan_kernel_carves_shared_memory_as_the_host_sizes_it(group_keys, c
         size = eval(m.group(2).replace("/", "//"), {}, dict(scope))  # noqa: S307 - our own text
         assert size == group_keys * count(scope["L"], chunk_levels), (prev, expr)
     total = sum(size * count(scope["L"], chunk_levels) for _, size, count in regions) * group_keys
-    assert launch.scan_shared_bytes(group_keys, chunk_levels) == total
+    assert cuda_plan.scan_shared_bytes(group_keys, chunk_levels) == total
 
 
 def _params(kernel):
@@ -110,8 +110,8 @@ def _check_top_args(plan, keyrec, nodes, depth, leaves):
     """dpf_expand_top's arguments of every top stage of `plan`: a tree of `depth` levels whose
     first `leaves` leaves are live."""
     for i, stage in enumerate(plan.stages):
-        _check_args("dpf_expand_top", launch.top_args(plan, i, keyrec, nodes), {
-            "keyrec": keyrec, "krec": launch.krec_words(depth), "domain_bits": depth,
+        _check_args("dpf_expand_top", cuda_plan.top_args(plan, i, keyrec, nodes), {
+            "keyrec": keyrec, "krec": cuda_plan.krec_words(depth), "domain_bits": depth,
             "num_leaves": leaves, "in_seed": nodes[i - 1][0] if i else nodes[0][0],
             "in_t": nodes[i - 1][1] if i else nodes[0][1],
             "in_stride": plan.stages[i - 1].live_out if i else 0, "depth_in": stage.depth_in,
@@ -120,42 +120,42 @@ def _check_top_args(plan, keyrec, nodes, depth, leaves):
 
 
 def test_argument_builders_follow_the_kernel_signatures():
-    plan = launch.plan_scan(4097, 20, 30)
+    plan = cuda_plan.plan_scan(4097, 20, 30)
     assert len(plan.stages) == 2
     pages, keyrec, out = object(), object(), object()
     nodes = [(object(), object()) for _ in plan.stages]
-    krec = launch.krec_words(20)
-    _check_args("dpf_scan", launch.scan_args(plan, pages, keyrec, nodes, out), {
+    krec = cuda_plan.krec_words(20)
+    _check_args("dpf_scan", cuda_plan.scan_args(plan, pages, keyrec, nodes, out), {
         "pages": pages, "num_pages": 4097, "domain_bits": 20, "chunk_levels": plan.chunk_levels,
         "keyrec": keyrec, "krec": krec, "num_keys": plan.padded_keys, "root_seed": nodes[1][0],
         "root_t": nodes[1][1], "root_stride": plan.root_stride, "num_groups": plan.num_groups,
         "chunks_per_block": plan.chunks_per_block, "out": out})
     _check_top_args(plan, keyrec, nodes, depth=20, leaves=4097)
-    whole = launch.plan_scan(200, 8, 3)  # the chunk is the whole tree: roots from the records
+    whole = cuda_plan.plan_scan(200, 8, 3)  # the chunk is the whole tree: roots from the records
     assert not whole.stages
-    args = launch.scan_args(whole, pages, keyrec, [], out)
+    args = cuda_plan.scan_args(whole, pages, keyrec, [], out)
     assert args[7] is keyrec and args[8] is keyrec and args[9] == 1
 
 
 def test_argument_builders_follow_the_v2_kernel_signatures():
     # v2 keys (PROTOCOL.md section 3.1): the top stages reach the leaves, 128 pages each
-    plan = launch.plan_scan(2**20 + 17, 21, 30, key_format=2)
+    plan = cuda_plan.plan_scan(2**20 + 17, 21, 30, key_format=2)
     assert plan.tree_depth == 14 and plan.tree_leaves == 8193 and plan.chunk_levels == 0
     assert [(s.depth_in, s.levels) for s in plan.stages] == [(0, 5), (5, 9)]
     assert plan.stages[-1].live_out == plan.num_chunks == 8193
     pages, keyrec, out = object(), object(), object()
     nodes = [(object(), object()) for _ in plan.stages]
-    krec = launch.krec_words(14)
-    _check_args("dpf_scan_bits", launch.scan_args(plan, pages, keyrec, nodes, out), {
+    krec = cuda_plan.krec_words(14)
+    _check_args("dpf_scan_bits", cuda_plan.scan_args(plan, pages, keyrec, nodes, out), {
         "pages": pages, "num_pages": 2**20 + 17, "tree_depth": 14, "keyrec": keyrec, "krec": krec,
         "num_keys": plan.padded_keys, "leaf_seed": nodes[1][0], "leaf_t": nodes[1][1],
         "leaf_stride": 8193, "num_groups": plan.num_groups,
         "leaves_per_block": plan.chunks_per_block, "out": out})
     _check_top_args(plan, keyrec, nodes, depth=14, leaves=8193)
     for pages_count, d in [(1, 1), (3, 2), (128, 7)]:  # a depth-0 tree: the root is the leaf
-        short = launch.plan_scan(pages_count, d, 3, key_format=2)
+        short = cuda_plan.plan_scan(pages_count, d, 3, key_format=2)
         assert not short.stages and short.tree_depth == 0 and short.num_chunks == 1
-        args = launch.scan_args(short, pages, keyrec, [], out)
+        args = cuda_plan.scan_args(short, pages, keyrec, [], out)
         assert args[6] is keyrec and args[7] is keyrec and args[8] == 1
 
 

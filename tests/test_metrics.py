@@ -112,10 +112,10 @@ def test_collector_exports_refusals_by_reason_and_fit_parameters():
 
 def test_full_queue_is_a_503_with_retry_after_and_counted_by_reason(api, monkeypatch):
     from gpu_engine.engine import static_policy
-    from gpu_engine.scheduler import BatchingPolicy
+    from gpu_engine.scheduler import LanePolicy
 
     engine = get_engine()  # this test's own: serve_matrix stops it afterwards
-    engine.set_policy_source(static_policy(BatchingPolicy(name="tiny", max_batch=1, max_queue=1)))
+    engine.set_policy_source(static_policy(LanePolicy(name="tiny", max_batch=1, max_queue=1)))
     gate, started = threading.Event(), threading.Event()
     answer = engine._resident.answer
 

@@ -14,7 +14,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from engine.watcher import Watcher
-from gpu_engine.scheduler import BatchingPolicy as EnginePolicy
+from gpu_engine.scheduler import LanePolicy
 from policies.models import BatchingPolicy, engine_policy
 from policies.source import LivePolicies, policies_version
 from tests.conftest import REPO
@@ -31,7 +31,7 @@ def active(lane):
 def test_fresh_database_has_one_safe_active_policy_per_lane():
     assert active("interactive").name == "interactive-latency"
     assert active("bulk").name == "bulk-throughput"
-    assert engine_policy(active("interactive")) == EnginePolicy(
+    assert engine_policy(active("interactive")) == LanePolicy(
         name="interactive-latency", mode="latency", max_batch=32, window_us=2000, max_queue=1024,
         queue_timeout_ms=5000, p95_target_ms=250)
     assert {p.name for p in BatchingPolicy.objects.filter(active=False)} == {
@@ -85,7 +85,7 @@ def staff(client, django_user_model):
 
 
 def _form(**changes):
-    values = {f: getattr(EnginePolicy(), f) for f in (
+    values = {f: getattr(LanePolicy(), f) for f in (
         "mode", "max_batch", "window_us", "adaptive_threshold", "micro_batch", "streams",
         "p95_target_ms", "safety_margin", "max_queue", "queue_timeout_ms", "max_starvation_ms")}
     values.update(name="new-one", lane="interactive", notes="")

@@ -11,7 +11,7 @@ from django.db import IntegrityError, OperationalError, transaction
 import policies.source
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.engine import Engine
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.scheduler import DEFAULT_POLICIES
 from policies.models import BatchingPolicy, engine_policy
 from policies.source import LivePolicies
@@ -117,7 +117,7 @@ def test_with_the_database_unreachable_at_start_the_bulk_lane_runs_the_bulk_defa
     source = LivePolicies()
     with pytest.raises(OperationalError):
         source.apply()  # the watcher's first check as the engine starts; it keeps what it has
-    engine = Engine(NumpyBackend(workers=1), Epoch(1, random_matrix(16, seed=1)), source)
+    engine = Engine(NumpyBackend(workers=1), ServedEpoch(1, random_matrix(16, seed=1)), source)
     bulk, interactive = engine.policies()["bulk"], engine.policies()["interactive"]
     assert bulk == DEFAULT_POLICIES["bulk"]
     assert (bulk.mode, bulk.max_batch, bulk.window_us, bulk.max_queue, bulk.queue_timeout_ms) == \

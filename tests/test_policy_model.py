@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import loadgen, policy_model
 from gpu_engine.costmodel import CostFit
-from gpu_engine.scheduler import BatchingPolicy
+from gpu_engine.scheduler import LanePolicy
 
 
 def test_one_query_per_launch_is_an_md1_queue_with_the_textbook_mean_wait():
@@ -17,7 +17,7 @@ def test_one_query_per_launch_is_an_md1_queue_with_the_textbook_mean_wait():
     service, rate = 0.005, 120.0
     rho = rate * service
     arrivals = np.cumsum(np.random.default_rng(4).exponential(1 / rate, size=60_000))
-    latency, launches, _ = policy_model.simulate(BatchingPolicy(mode="latency", max_batch=1), cost, arrivals)
+    latency, launches, _ = policy_model.simulate(LanePolicy(mode="latency", max_batch=1), cost, arrivals)
     assert launches == len(arrivals)
     expected = service + rho * service / (2 * (1 - rho))
     assert latency.mean() == pytest.approx(expected, rel=0.03)
@@ -26,7 +26,7 @@ def test_one_query_per_launch_is_an_md1_queue_with_the_textbook_mean_wait():
 def test_throughput_mode_holds_a_lone_query_for_its_window():
     cost = CostFit(0.002, 0.0005, samples=100)
     arrivals = np.arange(1, 200) * 1.0  # one query a second: never company
-    policy = BatchingPolicy(mode="throughput", window_us=5000)
+    policy = LanePolicy(mode="throughput", window_us=5000)
     latency, launches, _ = policy_model.simulate(policy, cost, arrivals, warmup_share=0)
     assert launches == len(arrivals)
     assert latency == pytest.approx(np.full(len(arrivals), 0.005 + cost.predict(1)), abs=1e-6)

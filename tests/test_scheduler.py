@@ -10,7 +10,7 @@ from gpu_engine.scheduler import (
     QUIET_RATE,
     overlaps,
     SLO_MAX_UTILISATION,
-    BatchingPolicy,
+    LanePolicy,
     batch_keeping_up,
     LaneQueue,
     Launch,
@@ -27,7 +27,7 @@ FIT = CostFit(intercept_s=0.004, per_query_s=0.001, samples=50)  # t(b) = 4 ms +
 
 
 def lanes(interactive=None, bulk=None):
-    return {"interactive": interactive or BatchingPolicy(), "bulk": bulk or BatchingPolicy()}
+    return {"interactive": interactive or LanePolicy(), "bulk": bulk or LanePolicy()}
 
 
 def q(sizes, oldest, lane="interactive", rate=0.0):
@@ -48,13 +48,13 @@ def q(sizes, oldest, lane="interactive", rate=0.0):
 ])
 def test_out_of_range_fields_are_refused_with_range_and_value(field, value, message):
     with pytest.raises(PolicyError) as caught:
-        BatchingPolicy(**{field: value})
+        LanePolicy(**{field: value})
     assert caught.value.errors == {field: message}
     assert str(caught.value) == message
 
 
 def test_cross_field_checks_name_the_field_and_both_values():
-    errors = policy_errors({**BatchingPolicy().__dict__, "mode": "adaptive", "max_batch": 8, "adaptive_threshold": 9,
+    errors = policy_errors({**LanePolicy().__dict__, "mode": "adaptive", "max_batch": 8, "adaptive_threshold": 9,
                             "max_queue": 4})
     assert errors == {
         "adaptive_threshold": "adaptive_threshold must be at most max_batch (8 queries), got 9",
@@ -63,14 +63,14 @@ def test_cross_field_checks_name_the_field_and_both_values():
     }
     with pytest.raises(PolicyError, match=r"queue_timeout_ms must exceed the admission window "
                                           r"\(5000 µs\), got 5 ms"):
-        BatchingPolicy(window_us=5000, queue_timeout_ms=5)
+        LanePolicy(window_us=5000, queue_timeout_ms=5)
     with pytest.raises(PolicyError, match=r"p95_target_ms must be at most queue_timeout_ms \(100 ms\)"):
-        BatchingPolicy(mode="slo", p95_target_ms=200, queue_timeout_ms=100)
-    BatchingPolicy(mode="latency", p95_target_ms=200, queue_timeout_ms=100)  # target unused there
+        LanePolicy(mode="slo", p95_target_ms=200, queue_timeout_ms=100)
+    LanePolicy(mode="latency", p95_target_ms=200, queue_timeout_ms=100)  # target unused there
 
 
 def test_policy_gives_the_dispatch_shape():
-    policy = BatchingPolicy(micro_batch=12, streams=4, cuda_graph=True)
+    policy = LanePolicy(micro_batch=12, streams=4, cuda_graph=True)
     assert policy.dispatch == DispatchShape(12, 4, True)
     launch = decide([q((1,), 0.0)], lanes(policy), None, 0.0)
     assert launch.dispatch == DispatchShape(12, 4, True)
@@ -78,7 +78,7 @@ def test_policy_gives_the_dispatch_shape():
 
 # -- one lane, each mode ------------------------------------------------------------------------
 def test_latency_launches_whole_requests_up_to_the_cap_at_once():
-    policies = lanes(BatchingPolicy(max_batch=8))
+    policies = lanes(LanePolicy(max_batch=8))
     d = decide([q((3, 3, 3), 1.0)], policies, None, 1.0)
     assert (d.lane, d.requests, d.queries, d.reason, d.mode) == ("interactive", 2, 6, "now", "latency")
     assert take_requests((40,), 32) == (1, 40)  # an oversized request still goes, alone
@@ -86,7 +86,7 @@ def test_latency_launches_whole_requests_up_to_the_cap_at_once():
 
 
 def test_throughput_window_counts_from_the_oldest_arrival():
-    policies = lanes(BatchingPolicy(mode="throughput", max_batch=8, window_us=2000))
+    policies = lanes(LanePolicy(mode="throughput", max_batch=8, window_us=2000))
     # the oldest arrived at 1.000: at 1.0015 only 0.5 ms of its window is left
     d = decide([q((1, 1), 1.000)], policies, None, 1.0015)
     assert isinstance(d, Wait) and d.seconds == pytest.approx(0.0005)
@@ -97,7 +97,7 @@ def test_throughput_window_counts_from_the_oldest_arrival():
 
 
 def test_adaptive_answers_a_shallow_queue_at_once_and_fills_a_deep_one():
-    policies = lanes(BatchingPolicy(mode="adaptive", adaptive_threshold=4, max_batch=16, window_us=3000))
+    policies = lanes(LanePolicy(mode="adaptive", adaptive_threshold=4, max_batch=16, window_us=3000))
     assert decide([q((1, 2), 5.0)], policies, None, 5.0).reason == "now"
     d = decide([q((2, 2), 5.0)], policies, None, 5.001)
     assert isinstance(d, Wait) and d.seconds == pytest.approx(0.002)
@@ -105,19 +105,19 @@ def test_adaptive_answers_a_shallow_queue_at_once_and_fills_a_deep_one():
 
 
 def test_slo_without_measurements_behaves_like_latency():
-    policies = lanes(BatchingPolicy(mode="slo"))
+    policies = lanes(LanePolicy(mode="slo"))
     assert decide([q((1,), 0.0, rate=500)], policies, None, 0.0).reason == "warmup"
     assert decide([q((1,), 0.0, rate=500)], policies, CostFit(0.01, 0, 2), 0.0).reason == "warmup"
 
 
 def test_slo_at_light_load_launches_at_once():
-    policies = lanes(BatchingPolicy(mode="slo", p95_target_ms=50, window_us=20000))
+    policies = lanes(LanePolicy(mode="slo", p95_target_ms=50, window_us=20000))
     d = decide([q((1,), 0.0, rate=10)], policies, FIT, 0.0)
     assert (d.reason, d.mode, d.queries) == ("now", "slo", 1)
 
 
 def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
-    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    policy = LanePolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
     plan = plan_slo(policy, FIT, arrival_rate=450)
     # b / t(b) * 0.8 >= 450/s first holds at b = 6: 6 / 0.010 * 0.8 = 480
     assert plan.batch == 6
@@ -134,7 +134,7 @@ def test_slo_under_load_holds_for_the_smallest_batch_that_keeps_up():
 
 
 def test_slo_does_not_hold_while_fewer_than_one_query_arrives_per_saved_intercept():
-    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    policy = LanePolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
     # 300/s: single launches (t(1) = 5 ms) cannot keep up, yet the 3.3 ms between arrivals is
     # longer than the 3 ms a shared launch saves, so holding one query costs more than it brings
     plan = plan_slo(policy, FIT, arrival_rate=300)
@@ -144,7 +144,7 @@ def test_slo_does_not_hold_while_fewer_than_one_query_arrives_per_saved_intercep
 
 
 def test_slo_does_not_hold_when_the_fit_is_too_noisy_to_promise_the_slack():
-    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    policy = LanePolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
     steady = plan_slo(policy, FIT, arrival_rate=450)
     # launches of 6 measured +-6 ms around the line: 2 x (10 + 2 x 6) ms is over the 40 ms budget
     noisy = plan_slo(policy, CostFit(FIT.intercept_s, FIT.per_query_s, FIT.samples, rmse_s=0.006), 450)
@@ -155,7 +155,7 @@ def test_slo_does_not_hold_when_the_fit_is_too_noisy_to_promise_the_slack():
 
 
 def test_slo_holds_only_at_a_rate_that_brings_company_in_time():
-    policy = BatchingPolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
+    policy = LanePolicy(mode="slo", p95_target_ms=50, safety_margin=0.2, window_us=20000)
     # the average says 450/s and one query waits: hold it (a 0.39 ms window is planned)
     assert isinstance(decide([q((1,), 0.0, rate=450)], lanes(policy), FIT, 0.0001), Wait)
     # the average still says 50/s after an idle spell, and 5 queries came in 0.5 ms: a lagging
@@ -168,7 +168,7 @@ def test_slo_holds_only_at_a_rate_that_brings_company_in_time():
 
 
 def test_slo_with_a_target_it_cannot_meet_never_holds_queries():
-    policy = BatchingPolicy(mode="slo", p95_target_ms=5, window_us=20000)
+    policy = LanePolicy(mode="slo", p95_target_ms=5, window_us=20000)
     plan = plan_slo(policy, FIT, arrival_rate=400)
     assert plan.window_s == 0
     assert plan.feasible is False  # t(1) = 5 ms is over the 4 ms budget
@@ -187,13 +187,13 @@ def test_slo_batch_is_the_smallest_that_keeps_up():
 
 
 def test_slo_past_capacity_uses_full_batches():
-    policy = BatchingPolicy(mode="slo", max_batch=32, window_us=20000, p95_target_ms=500)
+    policy = LanePolicy(mode="slo", max_batch=32, window_us=20000, p95_target_ms=500)
     assert plan_slo(policy, FIT, arrival_rate=10_000).batch == 32
 
 
 # -- two lanes ----------------------------------------------------------------------------------
 def test_interactive_goes_first_and_bulk_runs_when_it_is_idle():
-    policies = lanes(BatchingPolicy(max_batch=8), BatchingPolicy(max_batch=32))
+    policies = lanes(LanePolicy(max_batch=8), LanePolicy(max_batch=32))
     both = [q((3, 3, 3), 1.0), q((32,), 0.5, "bulk")]
     assert decide(both, policies, None, 1.1).lane == "interactive"
     d = decide([q((), None), q((32,), 0.5, "bulk")], policies, None, 1.1)
@@ -201,7 +201,7 @@ def test_interactive_goes_first_and_bulk_runs_when_it_is_idle():
 
 
 def test_bulk_is_not_starved_past_its_bound():
-    policies = lanes(BatchingPolicy(), BatchingPolicy(max_starvation_ms=200))
+    policies = lanes(LanePolicy(), LanePolicy(max_starvation_ms=200))
     queues = [q((1,), 10.0), q((4,), 9.85, "bulk")]
     assert decide(queues, policies, None, 10.0).lane == "interactive"
     d = decide(queues, policies, None, 10.05)
@@ -213,7 +213,7 @@ def test_a_lane_that_just_had_the_device_is_not_starved_however_old_its_backlog(
     # bulk is forced only once it has gone its whole bound without the device.
     from gpu_engine.scheduler import LaneQueue
 
-    policies = lanes(BatchingPolicy(), BatchingPolicy(max_starvation_ms=200))
+    policies = lanes(LanePolicy(), LanePolicy(max_starvation_ms=200))
     bulk = LaneQueue("bulk", (32,), 8.0, last_launch_end=9.95)
     queues = [q((1,), 9.99), bulk]
     assert decide(queues, policies, None, 10.0).lane == "interactive"
@@ -221,12 +221,12 @@ def test_a_lane_that_just_had_the_device_is_not_starved_however_old_its_backlog(
     d = decide(queues, policies, None, 10.15)
     assert (d.lane, d.reason) == ("bulk", "starvation")
     # its wake-up is counted from the end of that launch, not from the backlog's age
-    busy = lanes(BatchingPolicy(mode="throughput", window_us=900_000), BatchingPolicy(max_starvation_ms=200))
+    busy = lanes(LanePolicy(mode="throughput", window_us=900_000), LanePolicy(max_starvation_ms=200))
     assert decide([q((1,), 10.0), bulk], busy, None, 10.0).seconds == pytest.approx(0.15)
 
 
 def test_bulk_fills_an_interactive_window_only_when_its_launch_fits():
-    policies = lanes(BatchingPolicy(mode="throughput", window_us=20000), BatchingPolicy())
+    policies = lanes(LanePolicy(mode="throughput", window_us=20000), LanePolicy())
     queues = [q((1,), 0.0), q((4,), 0.0, "bulk")]
     # interactive holds its window for 20 ms more; 4 bulk queries take 8 ms: they go now
     d = decide(queues, policies, FIT, 0.0)
@@ -240,8 +240,8 @@ def test_bulk_fills_an_interactive_window_only_when_its_launch_fits():
 
 
 def test_wait_wakes_for_the_next_deadline_and_starvation_bound():
-    policies = lanes(BatchingPolicy(mode="throughput", window_us=900_000, queue_timeout_ms=1000),
-                     BatchingPolicy(max_starvation_ms=300, queue_timeout_ms=2000))
+    policies = lanes(LanePolicy(mode="throughput", window_us=900_000, queue_timeout_ms=1000),
+                     LanePolicy(max_starvation_ms=300, queue_timeout_ms=2000))
     d = decide([q((1,), 0.0), q((64,), 0.0, "bulk")], policies, None, 0.1)
     assert d.seconds == pytest.approx(0.2)  # bulk's starvation bound comes first
     assert expiry_cutoff(policies["interactive"], 5.0) == pytest.approx(4.0)
@@ -271,20 +271,20 @@ def simulate(arrivals, policy_at, fit, until):
 
 def test_a_burst_is_cut_into_full_batches_then_the_rest():
     burst = [(0.0, 1)] * 70
-    launches = simulate(burst, lambda now: BatchingPolicy(max_batch=32), FIT, 1.0)
+    launches = simulate(burst, lambda now: LanePolicy(max_batch=32), FIT, 1.0)
     assert [b for _, b, _ in launches] == [32, 32, 6]
 
 
 def test_idle_spell_then_a_single_query_is_not_held_by_latency_or_slo():
-    for policy in (BatchingPolicy(), BatchingPolicy(mode="slo", window_us=50_000)):
+    for policy in (LanePolicy(), LanePolicy(mode="slo", window_us=50_000)):
         launches = simulate([(0.5, 1)], lambda now: policy, FIT, 1.0)
         assert launches == [(0.5, 1, "now")]
 
 
 def test_policy_changed_mid_stream_applies_to_queries_already_waiting():
-    long_window = BatchingPolicy(mode="throughput", window_us=500_000)
+    long_window = LanePolicy(mode="throughput", window_us=500_000)
     # throughput holds the query; at 0.1 s the operator switches to latency and it goes at once
-    launches = simulate([(0.0, 1)], lambda now: long_window if now < 0.15 else BatchingPolicy(), FIT, 1.0)
+    launches = simulate([(0.0, 1)], lambda now: long_window if now < 0.15 else LanePolicy(), FIT, 1.0)
     assert launches == [(pytest.approx(0.15 + POLICY_RECHECK_S / 2, abs=POLICY_RECHECK_S / 2), 1, "now")]
     launches = simulate([(0.0, 1)], lambda now: long_window, FIT, 1.0)
     assert launches == [(pytest.approx(0.5), 1, "window")]
@@ -342,7 +342,7 @@ def test_rate_meter_tracks_poisson_arrivals_and_forgets_after_idle():
 
 @pytest.mark.parametrize("queries, starts", [(32, True), (31, False), (1, False)])
 def test_only_a_full_batch_starts_behind_a_running_one(queries, starts):
-    policies = {"interactive": BatchingPolicy(max_batch=32), "bulk": BatchingPolicy()}
+    policies = {"interactive": LanePolicy(max_batch=32), "bulk": LanePolicy()}
     decision = Launch("interactive", 1, queries)
     assert overlaps(decision, [q([queries], 1.0)], policies) is starts
 
@@ -354,6 +354,6 @@ def test_only_a_full_batch_starts_behind_a_running_one(queries, starts):
     (q([1], 1.0), False),  # queued above
 ])
 def test_a_lower_lane_starts_behind_only_while_the_lanes_above_are_idle(interactive, starts):
-    policies = {"interactive": BatchingPolicy(), "bulk": BatchingPolicy(max_batch=32)}
+    policies = {"interactive": LanePolicy(), "bulk": LanePolicy(max_batch=32)}
     decision = Launch("bulk", 1, 32)
     assert overlaps(decision, [interactive, q([32, 32], 1.0, lane="bulk")], policies) is starts

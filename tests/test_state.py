@@ -6,7 +6,7 @@ import numpy as np
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import gen_keys
 from gpu_engine.engine import Engine, SwitchMode
-from gpu_engine.matrix import Epoch, random_matrix
+from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.state import RowDigest, ServedState
 
 ROW_A, ROW_B = bytes(range(256)), bytes(255 - i for i in range(256))
@@ -29,7 +29,7 @@ def test_the_digest_is_the_set_of_written_rows_not_their_history():
 
 def test_every_answer_names_the_state_it_was_computed_from():
     matrix = random_matrix(20, seed=1)
-    engine = Engine(NumpyBackend(), Epoch(1, matrix)).start()
+    engine = Engine(NumpyBackend(), ServedEpoch(1, matrix)).start()
     try:
         k0, _ = gen_keys(2, matrix.domain_bits)
         assert engine.answer([[k0]], timeout=30).state == ServedState(1)
@@ -38,9 +38,11 @@ def test_every_answer_names_the_state_it_was_computed_from():
         assert answer.state == RowDigest({33: ROW_A}).state(1) == engine.state
         assert engine.health()["state"] == engine.state.describe()
         # a switch to an epoch that absorbed pending rows counts them in its state
-        engine.switch_epoch(Epoch(2, random_matrix(20, seed=2)), written={33: ROW_A}).result(30)
+        engine.switch_epoch(ServedEpoch(2, random_matrix(20, seed=2)),
+                            written={33: ROW_A}).result(30)
         assert engine.answer([[k0]], timeout=30).state == RowDigest({33: ROW_A}).state(2)
-        engine.switch_epoch(Epoch(3, random_matrix(20, seed=3)), SwitchMode.STOP_THE_WORLD).result(30)
+        engine.switch_epoch(ServedEpoch(3, random_matrix(20, seed=3)),
+                            SwitchMode.STOP_THE_WORLD).result(30)
         assert engine.answer([[k0]], timeout=30).state == ServedState(3)
     finally:
         engine.stop()
@@ -48,8 +50,8 @@ def test_every_answer_names_the_state_it_was_computed_from():
 
 def test_two_engines_that_took_the_same_updates_differently_agree():
     matrix = random_matrix(20, seed=1)
-    a = Engine(NumpyBackend(), Epoch(1, matrix)).start()
-    b = Engine(NumpyBackend(), Epoch(1, random_matrix(20, seed=1))).start()
+    a = Engine(NumpyBackend(), ServedEpoch(1, matrix)).start()
+    b = Engine(NumpyBackend(), ServedEpoch(1, random_matrix(20, seed=1))).start()
     try:
         a.write_rows({1: ROW_A}).result(30)
         a.write_rows({2: ROW_B}).result(30)

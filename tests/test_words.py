@@ -10,7 +10,7 @@ from importlib.machinery import SourceFileLoader
 import pytest
 
 from gpu_engine.backends import create_backend
-from gpu_engine.scheduler import BatchingPolicy, PolicyError, plain_number
+from gpu_engine.scheduler import LanePolicy, PolicyError, plain_number
 from tests.conftest import REPO
 
 
@@ -61,5 +61,5 @@ def test_numbers_in_policy_errors_are_plain():
     assert [plain_number(v) for v in (1_000_000, 1e6, 60000.0, 0.1, 2.5e-5, 7)] == [
         "1000000", "1000000", "60000", "0.1", "0.000025", "7"]
     with pytest.raises(PolicyError) as caught:
-        BatchingPolicy(window_us=2_000_000)
+        LanePolicy(window_us=2_000_000)
     assert caught.value.errors["window_us"] == "window_us must be in 0..1000000 µs, got 2000000"

@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from gpu_engine.dpf import KeyBatch
-from gpu_engine.matrix import PAGE_BYTES, PageMatrix
+from gpu_engine.matrix import PageMatrix
 
 # progress(done_bytes, total_bytes) while a matrix is made resident
 ProgressFn = Callable[[int, int], None]
@@ -75,7 +75,12 @@ class ResidentMatrix(ABC):
         """Free the device memory; the object must not be used afterwards."""
 
     def check_keys(self, keys: KeyBatch) -> None:
-        """Reject a batch this matrix cannot answer, before anything is launched."""
+        """Reject a batch this matrix cannot answer, before anything is launched.
+
+        The engine checks keys against its epoch at submit (Engine.submit_keys) and the web tier
+        before that; this check is the device's own, for callers that hand keys straight to a
+        resident matrix (tests, benchmarks) and for keys queued before a switch to an epoch of
+        another domain. CUDA makes it in cuda_plan.check_key_batch, with the kernels' array checks."""
         if len(keys) == 0:
             raise ValueError("empty key batch")
         if keys.domain_bits != self.domain_bits:
@@ -108,8 +113,3 @@ class Backend(ABC):
         info = {"backend": self.name, "fallback_reason": self.fallback_reason}
         info.update(self.memory_info())
         return info
-
-
-def empty_answers(num_keys: int) -> np.ndarray:
-    """A poisoned answer buffer, so a key the backend forgot to write cannot pass as zeros."""
-    return np.full((num_keys, PAGE_BYTES), 0xA5, dtype=np.uint8)

@@ -13,7 +13,7 @@ try:
 except ImportError as exc:  # create_backend turns this into BackendUnavailable
     raise ImportError(f"the CUDA backend needs CuPy ({exc})") from exc
 
-from gpu_engine.backends import cuda_launch as launch
+from gpu_engine.backends import cuda_plan
 from gpu_engine.backends.base import (
     Backend,
     BackendUnavailable,
@@ -36,17 +36,17 @@ _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 
 
-class _Launch:
+class _MicroBatch:
     """One micro-batch: its plan, buffers, stream and, once captured, its CUDA graph.
 
     The kernels run plan.padded_keys keys (whole key groups); the padding repeats the
     micro-batch's last key and its answers are never copied back.
     """
 
-    def __init__(self, plan: launch.ScanPlan, start: int, stop: int, stream) -> None:
+    def __init__(self, plan: cuda_plan.ScanPlan, start: int, stop: int, stream) -> None:
         self.plan, self.start, self.stop, self.stream = plan, start, stop, stream
         kp = plan.padded_keys
-        self.krec = launch.krec_words(plan.tree_depth)
+        self.krec = cuda_plan.krec_words(plan.tree_depth)
         self._keys_mem = cupy.cuda.alloc_pinned_memory(kp * self.krec * 4)
         self.keys_host = np.frombuffer(self._keys_mem, np.uint32, kp * self.krec).reshape(kp, self.krec)
         self.keyrec = cupy.empty((kp, self.krec), dtype=np.uint32)
@@ -66,17 +66,17 @@ class _Launch:
         self.keys_host[k:] = records[self.stop - 1]
 
     def enqueue(self, pages, out_host: np.ndarray) -> None:
-        """Queue key upload, tree top, scan and answer download on this launch's stream."""
+        """Queue key upload, tree top, scan and answer download on this micro-batch's stream."""
         plan, kp = self.plan, self.plan.padded_keys
         s = self.stream.ptr
         runtime.memcpyAsync(self.keyrec.data.ptr, self.keys_host.ctypes.data, self.keys_host.nbytes, _H2D, s)
         runtime.memsetAsync(self.out.data.ptr, 0, self.out.nbytes, s)
         with self.stream:
             for i, st in enumerate(plan.stages):
-                self.top((st.live_in, kp), (launch.TOP_THREADS,),
-                         launch.top_args(plan, i, self.keyrec, self.nodes))
-            self.scan((plan.grid,), (launch.SCAN_THREADS,),
-                      launch.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
+                self.top((st.live_in, kp), (cuda_plan.TOP_THREADS,),
+                         cuda_plan.top_args(plan, i, self.keyrec, self.nodes))
+            self.scan((plan.grid,), (cuda_plan.SCAN_THREADS,),
+                      cuda_plan.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
                       shared_mem=plan.shared_bytes)
         runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr,
                             (self.stop - self.start) * PAGE_BYTES, _D2H, s)
@@ -95,17 +95,17 @@ class _Launch:
 
 
 class _DispatchState:
-    """The pinned answer buffer and launches of one (batch size, dispatch shape), kept for reuse."""
+    """The pinned answer buffer and micro-batches of one (batch size, dispatch shape), kept for reuse."""
 
-    def __init__(self, plans: List[launch.ScanPlan], ranges, streams) -> None:
+    def __init__(self, plans: List[cuda_plan.ScanPlan], ranges, streams) -> None:
         total = ranges[-1][1]
         self._out_mem = cupy.cuda.alloc_pinned_memory(total * PAGE_BYTES)
         self.out_host = np.frombuffer(self._out_mem, np.uint32, total * WORDS_PER_PAGE).reshape(total, WORDS_PER_PAGE)
-        self.launches = [
-            _Launch(plan, start, stop, streams[i % len(streams)])
+        self.micro_batches = [
+            _MicroBatch(plan, start, stop, streams[i % len(streams)])
             for i, (plan, (start, stop)) in enumerate(zip(plans, ranges))
         ]
-        self.streams = list({id(item.stream): item.stream for item in self.launches}.values())
+        self.streams = list({id(item.stream): item.stream for item in self.micro_batches}.values())
         # recorded on each stream behind this batch's last copy: collecting the batch waits for
         # these, not for the streams, where a batch started behind it may already be queued
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.streams]
@@ -141,8 +141,8 @@ class CudaResident(ResidentMatrix):
         self._started: set = set()  # keys of the states whose batch is started and not collected
         self._lock = threading.Lock()
         # scan tuning; the benchmarks vary these, the engine keeps the defaults
-        self.max_group_keys = launch.DEFAULT_MAX_GROUP_KEYS
-        self.chunk_levels = launch.DEFAULT_CHUNK_LEVELS
+        self.max_group_keys = cuda_plan.DEFAULT_MAX_GROUP_KEYS
+        self.chunk_levels = cuda_plan.DEFAULT_CHUNK_LEVELS
 
     @property
     def nbytes(self) -> int:
@@ -153,8 +153,8 @@ class CudaResident(ResidentMatrix):
             raise RuntimeError("this resident matrix was released")
         return self._pages
 
-    def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> launch.ScanPlan:
-        return launch.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
+    def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> cuda_plan.ScanPlan:
+        return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks, key_format)
 
     def _state(self, num_keys: int, dispatch: DispatchShape,
@@ -167,7 +167,7 @@ class CudaResident(ResidentMatrix):
             raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
         state = self._states.get(key)
         if state is None:
-            ranges = launch.split_micro_batches(num_keys, dispatch.micro_batch)
+            ranges = cuda_plan.split_micro_batches(num_keys, dispatch.micro_batch)
             plans = [self.plan(stop - start, key_format) for start, stop in ranges]
             streams = self._streams[: dispatch.streams]
             try:
@@ -190,14 +190,13 @@ class CudaResident(ResidentMatrix):
 
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> "_Started":
         """Queue the batch on its streams and return without waiting for the device."""
-        self.check_keys(keys)
-        launch.check_key_batch(keys, self.domain_bits)
-        records = launch.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
+        cuda_plan.check_key_batch(keys, self.domain_bits)  # check_keys' checks, then the arrays'
+        records = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock:
             pages = self._live()
             key, state = self._state(len(keys), dispatch, keys.key_format)
             state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
-            for item in state.launches:
+            for item in state.micro_batches:
                 item.stage_keys(records)
                 item.run(pages, state.out_host, dispatch.graph)
             for stream, event in zip(state.streams, state.done):
@@ -217,7 +216,7 @@ class CudaResident(ResidentMatrix):
                 self._started.discard(key)
 
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
-        idx, data = launch.check_rows(rows, self.num_pages * ROWS_PER_PAGE)
+        idx, data = cuda_plan.check_rows(rows, self.num_pages * ROWS_PER_PAGE)
         if not len(idx):
             return
         with self._lock:
@@ -274,20 +273,20 @@ class CudaBackend(Backend):
         need = num_pages * PAGE_BYTES
         # room for two of the largest batches (32 queries) of either key format beside the
         # matrix: the engine starts the next batch while one runs
-        working = HEADROOM_BYTES + 2 * max(launch.workspace_bytes(
-            launch.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
+        working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
+            cuda_plan.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
                              key_format=key_format)) for key_format in (KEY_FORMAT_V1, KEY_FORMAT_V2))
         free, total = runtime.memGetInfo()
         if need + working > free:
             raise BackendUnavailable(
-                f"the matrix needs {launch.sizes_text(need)} plus {launch.sizes_text(working)} of "
-                f"working space, but {self.device_name} has {launch.sizes_text(free)} free "
-                f"of {launch.sizes_text(total)}"
+                f"the matrix needs {cuda_plan.sizes_text(need)} plus {cuda_plan.sizes_text(working)} of "
+                f"working space, but {self.device_name} has {cuda_plan.sizes_text(free)} free "
+                f"of {cuda_plan.sizes_text(total)}"
             )
         try:
             return cupy.empty((num_pages, WORDS_PER_PAGE), dtype=np.uint32)
         except cupy.cuda.memory.OutOfMemoryError as exc:
-            raise BackendUnavailable(f"the matrix needs {launch.sizes_text(need)}: {exc}") from exc
+            raise BackendUnavailable(f"the matrix needs {cuda_plan.sizes_text(need)}: {exc}") from exc
 
     def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> CudaResident:
         """Upload in 64 MiB pieces through two pinned buffers, so reading the (memory-mapped)

@@ -8,11 +8,11 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from gpu_engine.backends.cuda_launch import SCAN_GROUP_SIZES, kernel_defines
+from gpu_engine.backends.cuda_plan import SCAN_GROUP_SIZES, kernel_defines
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets;
-# the constants the kernels share with the host come from cuda_launch, as -D options.
+# the constants the kernels share with the host come from cuda_plan, as -D options.
 NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
     f"-D{name}={value}" for name, value in kernel_defines().items())
 # The kernels of each file, by the names get_kernel() takes (a template instantiation by its name

@@ -18,7 +18,7 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned char u8;
 
-// Set by the host as -D options (gpu_engine/backends/cuda_launch.py, kernel_defines, where each
+// Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines, where each
 // is explained): SCAN_THREADS (one thread per 16-byte column of a page), TOP_THREADS,
 // MAX_TOP_LEVELS, and the word offsets of a key record: KREC_ROOT, KREC_FINAL, KREC_ROOT_T,
 // KREC_CW. A key record is krec u32 words (a multiple of 4, also set by the host).
@@ -235,7 +235,7 @@ dpf_expand_top(const u32* __restrict__ keyrec, int krec, int domain_bits, long l
 #define SCAN_UNROLL(G) ((G) <= 4 ? 8 : 4)
 
 // Dynamic shared memory of dpf_scan<G> for chunks of L = 2^c leaves: the regions of
-// cuda_launch.SCAN_SHARED_REGIONS, carved below in that order (the host sizes the launch from it).
+// cuda_plan.SCAN_SHARED_REGIONS, carved below in that order (the host sizes the launch from it).
 
 // acc[j] ^= v & mask of key j, for the G keys of one page column: one LOP3 a word.
 template <int G>
@@ -435,7 +435,7 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
     flush_columns<G>(acc, out, key0, col);
 }
 
-// Explicit instantiations: the group sizes the host may pick (cuda_launch.SCAN_GROUP_SIZES), of
+// Explicit instantiations: the group sizes the host may pick (cuda_plan.SCAN_GROUP_SIZES), of
 // both scans. nvcc in CI compiles exactly these; NVRTC looks them up by name.
 #define INSTANTIATE_SCAN(G)                                                                   \
     template __global__ void dpf_scan<G>(const uint4*, long long, int, int, const u32*, int, \

@@ -1,4 +1,5 @@
-"""Launch planning and argument checks for the CUDA kernels: pure code, testable without a GPU.
+"""Plans, arguments and argument checks of the CUDA kernels' launches: pure code, testable
+without a GPU.
 
 The constants dpf_scan.cu shares with the host are written here only: `kernel_defines()` hands
 them to the compiler as -D options (cuda_module.NVRTC_OPTIONS), and the kernel text uses the names.
