@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import numpy as np
 
