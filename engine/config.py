@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from gpu_engine.placement import parse_devices
 from gpu_engine.protocol import BACKEND_NAMES
 
 
@@ -28,6 +29,7 @@ class EngineSettings:
     matrix_path: Path  # MORPHO_MATRIX_PATH: the matrix file the engine serves
     matrix_dir: Optional[Path]  # MORPHO_MATRIX_DIR: where epoch files may come from (None: below)
     backend: str  # MORPHO_ENGINE_BACKEND: auto, cpu or cuda
+    devices: Tuple[int, ...]  # MORPHO_ENGINE_DEVICES: device ids; () = one device, the current one
     domain_bits: Optional[int]  # MORPHO_DOMAIN_BITS: None = the smallest that fits the pages
     url: str  # MORPHO_ENGINE_URL: the engine server's address; "" = an engine in this process
     deadline_s: float  # MORPHO_ENGINE_DEADLINE: silence after which the engine server is given up
@@ -74,6 +76,7 @@ def engine_settings() -> EngineSettings:
         matrix_path=Path(settings.MORPHO_MATRIX_PATH),
         matrix_dir=Path(settings.MORPHO_MATRIX_DIR) if settings.MORPHO_MATRIX_DIR else None,
         backend=settings.MORPHO_ENGINE_BACKEND,
+        devices=_devices(settings.MORPHO_ENGINE_DEVICES),
         domain_bits=settings.MORPHO_DOMAIN_BITS,
         url=settings.MORPHO_ENGINE_URL,
         deadline_s=settings.MORPHO_ENGINE_DEADLINE,
@@ -82,6 +85,13 @@ def engine_settings() -> EngineSettings:
         eager=settings.MORPHO_ENGINE_EAGER,
         gil_switch_interval_us=settings.MORPHO_GIL_SWITCH_INTERVAL_US,
     )
+
+
+def _devices(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(parse_devices(text))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"MORPHO_ENGINE_DEVICES: {exc}") from None
 
 
 @receiver(setting_changed)

@@ -24,6 +24,7 @@ FAMILIES = (
     "pir_batching_policy", "pir_arrival_rate_per_second", "pir_queue_depth", "gpu_batch_size_queries",
     "pir_query_duration_seconds", "pir_query_count", "pir_latency_p95_last_minute_seconds",
     "pir_device_memory_bytes", "pir_epoch", "pir_row_updates_pending", "gpu_queries_answered",
+    "gpu_device_launches", "gpu_device_busy_seconds", "gpu_device_resident_bytes",
 )
 HISTORY_SECONDS = 15 * 60  # per-second points kept server-side and drawn when the page loads
 SAMPLE_EVERY_S = 1.0
@@ -76,6 +77,13 @@ def metric_figures(registry=REGISTRY) -> dict:
     latency = [s for s in by_family.get("pir_query_duration_seconds", []) if s.name.endswith("_bucket")]
     sizes = [s for s in by_family.get("gpu_batch_size_queries", []) if s.name.endswith("_bucket")]
     queries = [s.value for s in by_family.get("pir_query_count", []) if s.name.endswith("_total")]
+    devices: dict = {}  # device -> its figures, for an engine that owns several
+    for family, figure in (("gpu_device_launches", "launches"), ("gpu_device_busy_seconds", "busy_s"),
+                           ("gpu_device_resident_bytes", "resident")):
+        for s in by_family.get(family, []):
+            if s.name in (family, family + "_total"):
+                entry = devices.setdefault(s.labels["device"], {"placement": s.labels["placement"]})
+                entry[figure] = _number(s.value)
     return {
         "policies": policies or None,
         "arrival_rate": per_lane("pir_arrival_rate_per_second"),
@@ -86,6 +94,7 @@ def metric_figures(registry=REGISTRY) -> dict:
         "latency_buckets": _buckets(latency) if latency else None,
         "batch_size_buckets": _buckets(sizes) if sizes else None,
         "memory": memory,
+        "devices": [{"device": name, **figures} for name, figures in sorted(devices.items())] or None,
         "epoch": epoch,
         "pending_updates": pending,
     }

@@ -21,6 +21,7 @@ from engine.signals import engine_built, engine_started
 from gpu_engine import backends
 from gpu_engine.engine import Engine
 from gpu_engine.matrix import load_epoch
+from gpu_engine.placement import create_device_group
 from gpu_engine.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,10 @@ def _build_engine():
             f"`python manage.py make_matrix --pages 8192 --seed 1 --out {path}`"
         )
     requested = config.backend
-    backend = backends.create_backend(requested)  # looked up here: tests put a device in its place
+    if config.devices:
+        backend = create_device_group(requested, config.devices)
+    else:
+        backend = backends.create_backend(requested)  # looked up here: tests put a device in its place
     if backend.fallback_reason:
         log.warning(
             "engine backend %s (requested %s; fell back because: %s)",

@@ -99,7 +99,29 @@ class EngineCollector:
                                  "(seconds) and the launches it is fitted from.", labels=["parameter"])
         for name in ("intercept_s", "per_query_s", "samples", "rmse_s"):
             cost.add_metric([name], snap["cost"][name])
-        return [modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait, compute, held, cost]
+        return [modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait, compute,
+                held, cost, *_device_families(snap.get("placement", {}))]
+
+
+def _device_families(placed: dict) -> Iterable:
+    """Per device of an engine that owns several (gpu_engine.placement): launches, busy time and
+    the bytes of the epoch it holds, labelled by device; nothing for an engine of one device."""
+    devices = placed.get("devices") or []
+    if not devices:
+        return []
+    launches = CounterMetricFamily("gpu_device_launches", "Launches run on each device (a sharded "
+                                   "batch runs on every device).", labels=["device", "placement"])
+    busy = CounterMetricFamily("gpu_device_busy_seconds", "Seconds each device spent on batches, "
+                               "start (or the previous batch's end) to collection.",
+                               labels=["device", "placement"])
+    held = GaugeMetricFamily("gpu_device_resident_bytes", "Bytes of the served epoch each device "
+                             "holds.", labels=["device", "placement"])
+    for device in devices:
+        labels = [device["device"], placed["placement"]]
+        launches.add_metric(labels, device["launches"])
+        busy.add_metric(labels, device["busy_seconds"])
+        held.add_metric(labels, device["resident_bytes"])
+    return [launches, busy, held]
 
 
 # Functions that return the policies this process applies ({lane: policy}), filled in by the

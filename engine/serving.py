@@ -42,6 +42,14 @@ def _bound(engine, fn: ControlFn) -> Callable[[Dict[str, Any]], Any]:
     return run
 
 
+def _placed(engine) -> str:
+    """Where the pages are, in the ready line: "one device" or "shard over cuda:0, cuda:1"."""
+    placed = engine.health()["placement"]
+    if placed["placement"] == "single":
+        return "one device"
+    return f"{placed['placement']} over {', '.join(d['device'] for d in placed['devices'])}"
+
+
 def serve(url: str, warm: bool = True, stop: threading.Event | None = None) -> int:
     """Run the engine server on `url` until SIGTERM/SIGINT (or `stop`); returns an exit status."""
     started = time.monotonic()
@@ -60,7 +68,7 @@ def serve(url: str, warm: bool = True, stop: threading.Event | None = None) -> i
         server.mark_ready()
         print(f"engine server ready on {url} in {time.monotonic() - started:.1f} s "
               f"(epoch {engine.epoch.epoch_id}, {engine.epoch.matrix.num_pages} pages, "
-              f"backend {engine.backend.name})", flush=True)
+              f"backend {engine.backend.name}, {_placed(engine)})", flush=True)
         while not stop.wait(0.5):
             if not engine.running:
                 log.error("engine stopped (%s); exiting so the supervisor restarts the server",

@@ -12,7 +12,7 @@ from gpu_engine.engine import SwitchMode
 @admin.register(Epoch)
 class EpochAdmin(admin.ModelAdmin):
     list_display = ("epoch_id", "block_number", "state", "num_pages", "switch_mode",
-                    "pending_updates", "activated", "short_message")
+                    "placement", "pending_updates", "activated", "short_message")
     list_filter = ("state",)
     readonly_fields = ("state", "num_pages", "size_bytes", "sha256", "message", "created",
                        "activated", "created_by")
@@ -25,7 +25,8 @@ class EpochAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         # A record that served answers is history: only how to switch back to it may change.
         if obj is not None and obj.state != EpochState.LOADED:
-            return [f.name for f in Epoch._meta.fields if f.name not in ("switch_mode", "pending_updates")]
+            return [f.name for f in Epoch._meta.fields
+                    if f.name not in ("switch_mode", "pending_updates", "placement")]
         return self.readonly_fields
 
     def save_model(self, request, obj, form, change):

@@ -11,6 +11,7 @@ from engine import holder
 from engine.config import engine_settings
 from epochs.matrix_files import MatrixPathError, check_matrix_file, file_identity
 from gpu_engine.engine import EngineBusy, SwitchMode
+from gpu_engine.placement import Placement
 from gpu_engine.matrix import (
     PAGE_BYTES,
     ROW_BYTES,
@@ -75,6 +76,11 @@ class Epoch(models.Model):
     switch_mode = models.CharField(
         max_length=16, choices=SwitchMode.choices(), default=SwitchMode.BESIDE.value,
         help_text="Stop-the-world is for a GPU that cannot hold both matrices at once.",
+    )
+    placement = models.CharField(
+        max_length=16, choices=Placement.choices(), default=Placement.AUTO.value,
+        help_text="How an engine of several devices (MORPHO_ENGINE_DEVICES) holds the pages; "
+                  "takes effect when the epoch is activated. One device: no effect.",
     )
     state = models.CharField(
         max_length=16, choices=EpochState.choices, default=EpochState.LOADED, editable=False
@@ -190,6 +196,7 @@ class Epoch(models.Model):
             block_number=self.block_number,
             state_root=parse_hex(self.state_root, 32),
             seeds=tuple(self.seeds or (0, 0, 0)),
+            placement=self.placement,
         )
 
 

@@ -34,6 +34,7 @@ from epochs.models import (
 )
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.engine import SwitchMode
+from gpu_engine.placement import Placement
 from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
 from gpu_engine.protocol import parse_hex
 from gpu_engine.remote import RemoteError
@@ -260,7 +261,8 @@ def adopt(engine, **kwargs) -> None:
     watcher.register(WATCH_NAME, state_version, lambda version: apply_from_watcher(), check_now=False)
 
 
-def activate(record: Epoch, mode: SwitchMode | None = None) -> Epoch:
+def activate(record: Epoch, mode: SwitchMode | None = None,
+             placement: Placement | None = None) -> Epoch:
     """Make `record` the active epoch: switch this process's engine (if any) first, then commit
     the state change in one short transaction.
 
@@ -268,13 +270,16 @@ def activate(record: Epoch, mode: SwitchMode | None = None) -> Epoch:
     current one, the load fails) is raised before anything changes; so is one that another switch
     committed ahead of while this one loaded, and the engine then follows the database. Other
     processes follow within a second. `mode`: how to switch, when not the record's own
-    switch_mode (which it then becomes).
+    switch_mode (which it then becomes); `placement` likewise, over the engine's devices.
     """
     if mode is not None:
         record.switch_mode = SwitchMode(mode)
+    if placement is not None:
+        record.placement = Placement(placement)
     if holder.is_remote():
         # The engine server switches its Engine and commits, as below, in its own process.
-        _remote_call("activate", pk=record.pk, switch_mode=record.switch_mode)
+        _remote_call("activate", pk=record.pk, switch_mode=record.switch_mode,
+                     placement=record.placement)
         record.refresh_from_db()
         return record
     engine = _local_engine()
@@ -414,8 +419,8 @@ def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:
 def activate_by_pk(engine, args: dict) -> dict:
     """The engine server's "activate" control operation: activate() where the Engine is."""
     record = Epoch.objects.get(pk=args["pk"])
-    mode = args.get("switch_mode")
-    activate(record, SwitchMode(mode) if mode else None)
+    mode, placement = args.get("switch_mode"), args.get("placement")
+    activate(record, SwitchMode(mode) if mode else None, Placement(placement) if placement else None)
     return {"epoch_id": engine.epoch.epoch_id}
 
 

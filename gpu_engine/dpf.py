@@ -459,6 +459,38 @@ def _expand_level(batch: KeyBatch, level: int, seeds: np.ndarray, t: np.ndarray)
     return children.reshape(k, 2 * n, 4), child_t.reshape(k, 2 * n)
 
 
+def subtree_keys(batch: KeyBatch, level: int, index: int) -> KeyBatch:
+    """Keys for the subtree under node `index` of `level`, as trees of their own: leaf j of each
+    is leaf index * 2**(tree_depth - level) + j of the key it came from.
+
+    A node's seed and control bit, with the correction words of the levels below it and the same
+    final_cw, evaluate exactly as the whole key does under that node (docs/PROTOCOL.md section
+    4), so a device holding only the pages under one node answers for them with a key of
+    domain_bits - level (gpu_engine.placement shards pages over devices so). The host expands
+    `level` nodes per key: microseconds beside a scan."""
+    if not 0 <= level <= batch.tree_depth or batch.domain_bits - level < 1:
+        raise ValueError(f"level {level} is outside 0..{min(batch.tree_depth, batch.domain_bits - 1)} "
+                         f"for {format_name(batch.key_format)} keys of domain_bits {batch.domain_bits}")
+    if not 0 <= index < (1 << level):
+        raise ValueError(f"node {index} is outside [0, 2**{level})")
+    if level == 0:
+        return batch
+    seeds, t = batch.root_seed[:, None, :].copy(), batch.root_t[:, None].copy()
+    for depth in range(level):
+        children, child_t = _expand_level(batch, depth, seeds, t)
+        side = (index >> (level - 1 - depth)) & 1
+        seeds, t = children[:, side:side + 1], child_t[:, side:side + 1]
+    return KeyBatch(
+        domain_bits=batch.domain_bits - level,
+        root_seed=np.ascontiguousarray(seeds[:, 0]),
+        root_t=np.ascontiguousarray(t[:, 0]),
+        cw_seed=np.ascontiguousarray(batch.cw_seed[:, level:]),
+        cw_t=np.ascontiguousarray(batch.cw_t[:, level:]),
+        final_cw=batch.final_cw,
+        key_format=batch.key_format,
+    )
+
+
 def _leaves(batch: KeyBatch, seeds: np.ndarray, t: np.ndarray) -> np.ndarray:
     on = np.uint32(0) - t.astype(np.uint32)
     return seeds ^ (batch.final_cw[:, None, :] & on[:, :, None])

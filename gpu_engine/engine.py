@@ -19,6 +19,7 @@ from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import ServedEpoch
+from gpu_engine.placement import describe_placement, load_placed
 from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
@@ -184,7 +185,7 @@ class Engine:
         self._last_policies: Dict[str, LanePolicy] = {lane: LanePolicy() for lane in LANES}
         self._epoch = epoch
         self._rows = RowDigest()  # rows written over the epoch's file since it was loaded
-        self._resident: ResidentMatrix = backend.load(epoch.matrix)
+        self._resident: ResidentMatrix = load_placed(backend, epoch)
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
         self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
         self._rates: Dict[str, RateMeter] = {lane: RateMeter() for lane in LANES}
@@ -359,7 +360,7 @@ class Engine:
         """
         if SwitchMode(mode) is SwitchMode.STOP_THE_WORLD:
             return self._run_between_launches(lambda: self._reload(epoch, written))
-        resident = self.backend.load(epoch.matrix)
+        resident = load_placed(self.backend, epoch)
 
         def swap() -> None:
             old = self._resident
@@ -373,9 +374,9 @@ class Engine:
         current = self._epoch
         self._resident.release()
         try:
-            self._resident = self.backend.load(epoch.matrix)
+            self._resident = load_placed(self.backend, epoch)
         except Exception:
-            self._resident = self.backend.load(current.matrix)
+            self._resident = load_placed(self.backend, current)
             self._rows = RowDigest()
             raise
         self._epoch, self._rows = epoch, RowDigest(written)
@@ -404,16 +405,19 @@ class Engine:
             for dispatch in dispatches:
                 for queries in sizes:
                     keys = random_keys(queries * KEYS_PER_QUERY, self._epoch.matrix.domain_bits, rng)
-                    self._resident.answer(keys, dispatch)
+                    v2 = random_keys(queries * KEYS_PER_QUERY, keys.domain_bits, rng, KEY_FORMAT_V2)
+                    copies = self._resident.each_copy()  # every replica's device
+                    for copy in copies:
+                        copy.answer(keys, dispatch)
                     timed = time.perf_counter()
                     self._resident.answer(keys, dispatch)
                     self.cost.observe(queries, time.perf_counter() - timed)
-                    v2 = random_keys(queries * KEYS_PER_QUERY, keys.domain_bits, rng, KEY_FORMAT_V2)
-                    self._resident.answer(v2, dispatch)
-                    if queries == max_batch:  # a full batch may start while another runs
-                        for full in (keys, v2):
-                            for pending in [self._resident.start(full, dispatch) for _ in range(2)]:
-                                pending.result()
+                    for copy in copies:
+                        copy.answer(v2, dispatch)
+                        if queries == max_batch:  # a full batch may start while another runs
+                            for full in (keys, v2):
+                                for pending in [copy.start(full, dispatch) for _ in range(2)]:
+                                    pending.result()
             log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),
                      len(dispatches), time.perf_counter() - started)
 
@@ -472,7 +476,9 @@ class Engine:
             self._halt(self.failure)
 
     def _loop(self) -> None:
-        flight: Optional[_Flight] = None  # the batch on the device, started and not yet answered
+        # the batches on the device(s), started and not yet answered, oldest first: at most the
+        # resident's max_in_flight (two on one device, two per device of a replicated epoch)
+        flights: Deque[_Flight] = deque()
         while True:
             batch: Optional[Tuple[Launch, List[_Request]]] = None
             expired: List[_Request] = []
@@ -486,18 +492,19 @@ class Engine:
                         break
                     queues = self._lane_queues(now)
                     decision = decide(queues, policies, self.cost.fit(), now)
-                    if isinstance(decision, Launch) and (flight is None
-                                                         or overlaps(decision, queues, policies)):
+                    room = len(flights) < self._resident.max_in_flight
+                    if isinstance(decision, Launch) and room and (
+                            not flights or overlaps(decision, queues, policies)):
                         batch = (decision, self._dequeue(decision.lane, decision.requests))
                         break
-                    if flight is not None:
-                        break  # answer the batch on the device, then decide with it free
+                    if flights:
+                        break  # answer the oldest batch, then decide with its device free
                     wait = decision.seconds
                     self._waited = self._waited or any(self._depth.values())
                     self._cond.wait(POLICY_RECHECK_S if wait is None else min(wait, POLICY_RECHECK_S))
                 if not self._running:
                     return
-                if flight is None:  # operations run with nothing on the device
+                if not flights:  # operations run with nothing on the device
                     control = list(self._control)
                     self._control.clear()
             for request in expired:
@@ -508,14 +515,14 @@ class Engine:
                     f"{timeout} ms", retry_after=1))
             for action, future in control:
                 self._run_control(action, future)
-            started = None
             if batch:
-                self._inflight = (flight.batch if flight else []) + batch[1]
+                self._inflight = [r for f in flights for r in f.batch] + batch[1]
                 started = self._start(*batch)
-            if flight is not None:
-                self._finish(flight)
-            flight = started
-            self._inflight = flight.batch if flight else []
+                if started is not None:
+                    flights.append(started)
+            if flights and (batch is None or len(flights) >= self._resident.max_in_flight):
+                self._finish(flights.popleft())
+            self._inflight = [r for f in flights for r in f.batch]
 
     def _start(self, decision: Launch, batch: List[_Request]) -> Optional["_Flight"]:
         """Start `batch` on the device; None when it failed at once (its futures then failed)."""
@@ -589,9 +596,12 @@ class Engine:
     def health(self) -> dict:
         with self._cond:
             depth = dict(self._depth)
+        placed = describe_placement(self._resident)
         return {
-            "running": self.running,
-            "failure": self.failure,
+            # a failed device of a group stops this party answering (503 with its reason)
+            "running": self.running and not placed.get("failure"),
+            "failure": self.failure or placed.get("failure"),
+            "placement": placed,
             "epoch_id": self._epoch.epoch_id,
             "state": self.state.describe(),
             "queue_depth": depth,
@@ -609,6 +619,7 @@ class Engine:
         fit = self.cost.fit()
         data = self.stats.snapshot(now)
         data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
+                    placement=describe_placement(self._resident),
                     cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
                           "samples": fit.samples, "rmse_s": fit.rmse_s})
         for lane in LANES:

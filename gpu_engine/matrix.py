@@ -97,6 +97,16 @@ class PageMatrix(_Shape):
             return self._body[start:stop]
         return np.concatenate([self._body[start:body_pages], self._tail])
 
+    def pages(self, start: int, stop: int, domain_bits: Optional[int] = None) -> "PageMatrix":
+        """Pages [start, stop) as a matrix of their own, sharing this one's memory (a row written
+        in either shows in both): the part of an epoch one device holds (gpu_engine.placement)."""
+        if not 0 <= start < stop <= self.num_pages:
+            raise IndexError(f"page range [{start}, {stop}) outside [0, {self.num_pages}) or empty")
+        body_pages = self._body.shape[0]
+        body = self._body[min(start, body_pages):min(stop, body_pages)]
+        tail = self._tail if stop > body_pages else None
+        return PageMatrix(body, tail, domain_bits=domain_bits, source=self.source)
+
     def iter_blocks(self, pages_per_block: int) -> Iterator[Tuple[int, np.ndarray]]:
         """(first_page, block) over the whole matrix in order."""
         for start in range(0, self.num_pages, pages_per_block):
@@ -258,6 +268,8 @@ class ServedEpoch:
     block_number: int = 0
     state_root: bytes = bytes(32)
     seeds: Tuple[int, int, int] = (0, 0, 0)
+    # how an engine of several devices places the pages (gpu_engine.placement.Placement's value)
+    placement: str = "auto"
 
     def __post_init__(self) -> None:
         if self.epoch_id < 0:

@@ -257,6 +257,9 @@ MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")
 MORPHO_MATRIX_DIR = Path(_env("MORPHO_MATRIX_DIR", "")) if _env("MORPHO_MATRIX_DIR", "") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
+# The devices one engine owns, as ids "0,1,..." (GPUs for CUDA; simulated devices for the CPU
+# backend); unset = one device, the current one. Each epoch's placement says how pages go on them.
+MORPHO_ENGINE_DEVICES = _env("MORPHO_ENGINE_DEVICES", "").strip()
 # DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
 MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None)
 # Queries per batch request (count, 1..32).

@@ -87,7 +87,7 @@ def test_null_and_wrong_values_are_named_in_our_words(api, keys):
     said += messages_of(post(api, "/api/row-updates/", {"row": "x"}))
     said += messages_of(post(api, "/api/epochs/", {
         "epoch_id": None, "matrix_path": None, "block_number": None, "state_root": None,
-        "seeds": None, "pending_updates": None, "switch_mode": None}))
+        "seeds": None, "pending_updates": None, "switch_mode": None, "placement": None}))
     said += messages_of(post(api, "/api/epochs/", {
         "epoch_id": -1, "matrix_path": "", "seeds": [None, 1, "x"], "pending_updates": "zz"}))
     stock = [message for message in said if STOCK.search(message)]

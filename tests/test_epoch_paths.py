@@ -95,7 +95,8 @@ def test_the_admin_refuses_an_escape_in_the_same_words(layout, client):
     given = str(layout["inside"] / "link-out.bin")
     response = client.post("/admin/epochs/epoch/add/", {
         "epoch_id": 9, "matrix_path": given, "block_number": 0, "state_root": "00" * 32,
-        "seeds": "[1, 2, 3]", "pending_updates": "absorb", "switch_mode": "beside"})
+        "seeds": "[1, 2, 3]", "pending_updates": "absorb", "switch_mode": "beside",
+        "placement": "auto"})
     assert response.status_code == 200
     text = response.content.decode().replace("&#x27;", "'")
     assert f"expected a file inside the matrix directory {layout['inside']}" in text

@@ -249,13 +249,15 @@ def test_admin_records_and_activates_an_epoch(served, client, matrices):
     assert client.get("/admin/epochs/epoch/add/").status_code == 200
     response = client.post("/admin/epochs/epoch/add/", {
         "epoch_id": 3, "matrix_path": str(matrices[3]), "block_number": 300, "state_root": "03" * 32,
-        "seeds": "[3, 7, 9]", "pending_updates": "discard", "switch_mode": "beside"})
+        "seeds": "[3, 7, 9]", "pending_updates": "discard", "switch_mode": "beside",
+        "placement": "auto"})
     assert response.status_code == 302, response.content.decode()[:2000]
     record = Epoch.objects.get(epoch_id=3)
     assert record.num_pages == PAGES and record.state_root == "0x" + "03" * 32
     bad = client.post("/admin/epochs/epoch/add/", {
         "epoch_id": 4, "matrix_path": "nowhere.bin", "block_number": 0, "state_root": "00" * 32,
-        "seeds": "[1, 2]", "pending_updates": "absorb", "switch_mode": "beside"})
+        "seeds": "[1, 2]", "pending_updates": "absorb", "switch_mode": "beside",
+        "placement": "auto"})
     text = bad.content.decode()
     missing = matrices[3].parent / "nowhere.bin"  # a relative path is taken from the matrix directory
     assert f"no matrix file at &#x27;{missing}&#x27;" in text and "expected three integers" in text

@@ -10,6 +10,7 @@ from rest_framework import serializers
 from epochs.models import Epoch, RowUpdate
 from gpu_engine.dpf import MAX_DOMAIN_BITS
 from gpu_engine.engine import SwitchMode
+from gpu_engine.placement import Placement
 from gpu_engine.matrix import ROW_BYTES
 
 
@@ -125,7 +126,7 @@ class EpochSerializer(ValidatedModelSerializer):
     class Meta:
         model = Epoch
         fields = ["id", "epoch_id", "matrix_path", "block_number", "state_root", "seeds",
-                  "domain_bits", "pending_updates", "switch_mode", "state", "num_pages",
+                  "domain_bits", "pending_updates", "switch_mode", "placement", "state", "num_pages",
                   "size_bytes", "sha256", "message", "created", "activated"]
         read_only_fields = ["state", "num_pages", "size_bytes", "sha256", "message", "created",
                             "activated"]
@@ -139,6 +140,10 @@ class ActivateSerializer(serializers.Serializer):
     switch_mode = serializers.ChoiceField(
         choices=SwitchMode.choices(), required=False,
         help_text="beside (default: the record's own) or stop_the_world.",
+    )
+    placement = serializers.ChoiceField(
+        choices=Placement.choices(), required=False,
+        help_text="auto, shard or replicate over the engine's devices (default: the record's own).",
     )
 
 

@@ -13,6 +13,7 @@ from epochs import sync
 from epochs.api.serializers import ActivateSerializer, EpochSerializer, RowUpdateSerializer
 from epochs.models import Epoch, EpochState, RowUpdate
 from gpu_engine.engine import SwitchMode
+from gpu_engine.placement import Placement
 
 
 class OperatorPermissions(DjangoModelPermissions):
@@ -59,8 +60,10 @@ class EpochViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrie
         if record.state == EpochState.ACTIVE:
             raise SwitchConflict(f"epoch {record.epoch_id} is already active")
         mode = body.validated_data.get("switch_mode")
+        placement = body.validated_data.get("placement")
         try:
-            sync.activate(record, None if mode is None else SwitchMode(mode))
+            sync.activate(record, None if mode is None else SwitchMode(mode),
+                          None if placement is None else Placement(placement))
         except sync.EpochSwitchError as exc:
             raise SwitchConflict(str(exc)) from None
         return Response(self.get_serializer(record).data)

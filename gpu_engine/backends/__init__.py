@@ -1,6 +1,8 @@
 """Backend selection: `auto` takes CUDA where CuPy and a GPU are present, else the CPU, and says why."""
 from __future__ import annotations
 
+from typing import Optional
+
 from gpu_engine.backends.base import (  # noqa: F401 - the package's public names
     Backend,
     BackendUnavailable,
@@ -10,16 +12,17 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
 from gpu_engine.protocol import BACKEND_NAMES
 
 
-def _cuda_backend() -> Backend:
+def _cuda_backend(device: Optional[int]) -> Backend:
     try:
         from gpu_engine.backends.cuda import CudaBackend
     except ImportError as exc:  # its message already says that the CUDA backend needs CuPy
         raise BackendUnavailable(str(exc)) from exc
-    return CudaBackend()
+    return CudaBackend(device)
 
 
-def create_backend(name: str = "auto") -> Backend:
-    """The backend called `name`; raises BackendUnavailable if `cuda` cannot run here."""
+def create_backend(name: str = "auto", device: Optional[int] = None) -> Backend:
+    """The backend called `name` (on GPU `device`, else the current one); raises
+    BackendUnavailable if `cuda` cannot run here."""
     from gpu_engine.backends.cpu import NumpyBackend
 
     if name not in BACKEND_NAMES:
@@ -27,9 +30,9 @@ def create_backend(name: str = "auto") -> Backend:
     if name == "cpu":
         return NumpyBackend()
     if name == "cuda":
-        return _cuda_backend()
+        return _cuda_backend(device)
     try:
-        return _cuda_backend()
+        return _cuda_backend(device)
     except BackendUnavailable as exc:
         backend = NumpyBackend()
         # Only the cause: `backend` already says cpu, and the caller logs the fallback once.

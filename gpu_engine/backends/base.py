@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class PendingAnswer:
 class ResidentMatrix(ABC):
     """One epoch's matrix held on a backend's device; answers batches of keys against it."""
 
+    # batches started and not yet collected at a time (a CUDA device keeps two sets of buffers)
+    max_in_flight = 2
+
     def __init__(self, matrix: PageMatrix) -> None:
         self.num_pages = matrix.num_pages
         self.domain_bits = matrix.domain_bits
@@ -62,13 +65,18 @@ class ResidentMatrix(ABC):
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> PendingAnswer:
         """Start answering `keys` and return at once where the device runs apart from the host
         (CUDA), so the engine hands out one batch's answers while the next one runs; here the
-        answers are computed before it returns. At most two batches are started and not yet
-        collected at a time."""
+        answers are computed before it returns. At most max_in_flight batches are started and
+        not yet collected at a time."""
         return PendingAnswer(self.answer(keys, dispatch))
 
     @abstractmethod
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
         """Overwrite rows (row index -> 256 bytes). Callers serialise this with answer()."""
+
+    def each_copy(self) -> List["ResidentMatrix"]:
+        """The residents a warm-up runs on so that every device has compiled and captured each
+        batch shape: this one, or each replica of a replicated matrix (gpu_engine.placement)."""
+        return [self]
 
     @abstractmethod
     def release(self) -> None:

@@ -192,7 +192,7 @@ class CudaResident(ResidentMatrix):
         """Queue the batch on its streams and return without waiting for the device."""
         cuda_plan.check_key_batch(keys, self.domain_bits)  # check_keys' checks, then the arrays'
         records = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
-        with self._lock:
+        with self._lock, self._backend.device:
             pages = self._live()
             key, state = self._state(len(keys), dispatch, keys.key_format)
             state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
@@ -206,8 +206,9 @@ class CudaResident(ResidentMatrix):
 
     def _collect(self, key: tuple, state: _DispatchState) -> np.ndarray:
         try:
-            for event in state.done:
-                event.synchronize()
+            with self._backend.device:
+                for event in state.done:
+                    event.synchronize()
             # one copy out of the pinned buffer, which the next batch of this shape reuses; keys
             # the kernels never wrote are still poison there (filled by start)
             return state.out_host.view(np.uint8).copy()
@@ -219,7 +220,7 @@ class CudaResident(ResidentMatrix):
         idx, data = cuda_plan.check_rows(rows, self.num_pages * ROWS_PER_PAGE)
         if not len(idx):
             return
-        with self._lock:
+        with self._lock, self._backend.device:
             by_row = self._live().reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)
             stream = self._streams[0]
             with stream:  # answers run on these streams; finishing here orders the write before them
@@ -230,10 +231,11 @@ class CudaResident(ResidentMatrix):
         """Page `index` as it is in GPU memory (row writes included)."""
         if not 0 <= index < self.num_pages:
             raise ValueError(f"page {index} is outside [0, {self.num_pages})")
-        return cupy.asnumpy(self._live()[index]).astype("<u4").tobytes()
+        with self._backend.device:
+            return cupy.asnumpy(self._live()[index]).astype("<u4").tobytes()
 
     def release(self) -> None:
-        with self._lock:
+        with self._lock, self._backend.device:
             for stream in self._streams:
                 stream.synchronize()
             self._states.clear()
@@ -265,7 +267,8 @@ class CudaBackend(Backend):
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
     def memory_info(self) -> dict:
-        free, total = runtime.memGetInfo()
+        with self.device:  # the figures of this backend's GPU, whichever is current
+            free, total = runtime.memGetInfo()
         return {"device": f"{self.device_name} (cuda:{self.device.id}, sm_{self.compute_capability[0]}{self.compute_capability[1]})",
                 "used_bytes": int(total - free), "total_bytes": int(total)}
 
@@ -291,6 +294,10 @@ class CudaBackend(Backend):
     def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> CudaResident:
         """Upload in 64 MiB pieces through two pinned buffers, so reading the (memory-mapped)
         file overlaps the copy of the previous piece."""
+        with self.device:  # its pages, streams and buffers on this backend's GPU
+            return self._load(matrix, progress)
+
+    def _load(self, matrix: PageMatrix, progress: Optional[ProgressFn]) -> CudaResident:
         pages = self._allocate(matrix.num_pages, matrix.domain_bits)
         stream = cupy.cuda.Stream(non_blocking=True)
         staging = [cupy.cuda.alloc_pinned_memory(UPLOAD_CHUNK_PAGES * PAGE_BYTES) for _ in range(2)]

@@ -11,6 +11,7 @@ from epochs.matrix_files import MatrixPathError, confine
 from epochs.models import Epoch, PendingUpdates, current_epoch_shape
 from gpu_engine.engine import SwitchMode
 from gpu_engine.matrix import metadata_path
+from gpu_engine.placement import Placement
 
 
 class Command(BaseCommand):
@@ -29,6 +30,10 @@ class Command(BaseCommand):
                             help="drop the row updates pending on the current epoch (default: absorb)")
         parser.add_argument("--stop-the-world", action="store_true",
                             help="free the current epoch before loading this one (GPU too small for both)")
+        parser.add_argument("--placement", choices=[p.value for p in Placement], default=Placement.AUTO.value,
+                            help="how an engine of several devices holds the pages: shard, "
+                                 "replicate, or auto (shard where one device cannot hold the "
+                                 "matrix twice)")
         parser.add_argument("--activate", action="store_true", help="make it the active epoch now")
 
     def handle(self, *args, path, **options):
@@ -54,6 +59,7 @@ class Command(BaseCommand):
             domain_bits=options["domain_bits"],
             pending_updates=PendingUpdates.DISCARD if options["discard_updates"] else PendingUpdates.ABSORB,
             switch_mode=SwitchMode.STOP_THE_WORLD if options["stop_the_world"] else SwitchMode.BESIDE,
+            placement=options["placement"],
         )
         try:
             record.full_clean()

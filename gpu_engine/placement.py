@@ -1,0 +1,451 @@
+"""One epoch over several devices of a host: sharded (each device a range of pages) or replicated."""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Self, Sequence, Tuple
+
+import numpy as np
+
+from gpu_engine.backends.base import (
+    Backend,
+    DispatchShape,
+    PendingAnswer,
+    ProgressFn,
+    ResidentMatrix,
+)
+from gpu_engine.dpf import KeyBatch, subtree_keys
+from gpu_engine.matrix import PageMatrix
+from gpu_engine.protocol import LEAF_PAGES, ROW_BYTES, ROWS_PER_PAGE
+
+log = logging.getLogger(__name__)
+
+# Shard boundaries fall on multiples of a v2 leaf's pages, so every shard's subtrees are whole
+# leaves of both key formats (a v2 leaf selects among 128 pages and cannot be split).
+GRAIN_PAGES = LEAF_PAGES
+# The default boundaries round the even split to 1/(8 x devices) of the domain: each device's pages
+# are then at most 2 log2(8 x devices) aligned subtrees (launches per batch), and the largest shard
+# holds at most about an eighth more than an even share (a matrix fills over half its domain).
+SPLITS_PER_DEVICE = 8
+BATCHES_PER_DEVICE = 2  # batches a device holds started and not collected (CUDA keeps two buffers)
+
+
+class Placement(enum.StrEnum):
+    """How an epoch's pages are placed over an engine's devices: the one spelling the database,
+    the API, the admin and `load_epoch` use (each member's value), with the words operators read."""
+
+    AUTO = "auto", "auto: shard where one device cannot hold the matrix twice, else replicate"
+    SHARD = "shard", "shard: each device holds a range of pages; every batch runs on every device"
+    REPLICATE = "replicate", "replicate: each device holds every page; a batch runs on one device"
+
+    def __new__(cls, value: str, label: str) -> Self:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.label = label
+        return member
+
+    @classmethod
+    def choices(cls) -> List[Tuple[str, str]]:
+        """(value, label) pairs, as Django fields and DRF choice fields take them."""
+        return [(placement.value, placement.label) for placement in cls]
+
+
+class DeviceFailed(RuntimeError):
+    """A device of a group failed; the group answers nothing more (never a partial answer)."""
+
+
+@dataclass(frozen=True)
+class Subtree:
+    """Pages [first, stop) under node `index` of tree level `level`: what one launch scans."""
+
+    level: int
+    index: int
+    first: int
+    stop: int
+
+
+def shard_bounds(num_pages: int, domain_bits: int, devices: int) -> List[int]:
+    """Balanced page boundaries [0, b1, ..., num_pages] for `devices` shards: the even split,
+    rounded to 1/(SPLITS_PER_DEVICE x devices) of the domain (at least GRAIN_PAGES pages)."""
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    splits = SPLITS_PER_DEVICE * devices
+    step = max(GRAIN_PAGES, (1 << domain_bits) // (1 << (splits - 1).bit_length()))
+    inner = [min(num_pages, round(num_pages * i / devices / step) * step) for i in range(1, devices)]
+    bounds = [0, *inner, num_pages]
+    check_bounds(bounds, num_pages)
+    return bounds
+
+
+def check_bounds(bounds: Sequence[int], num_pages: int) -> None:
+    """Boundaries must run from 0 to num_pages, rise, and fall on multiples of GRAIN_PAGES."""
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_pages:
+        raise ValueError(f"shard boundaries must run from 0 to {num_pages}, got {list(bounds)}")
+    for low, high in zip(bounds, bounds[1:]):
+        if high <= low:
+            raise ValueError(f"{num_pages} pages cannot give each of {len(bounds) - 1} devices "
+                             f"a shard of whole {GRAIN_PAGES}-page groups (boundaries "
+                             f"{list(bounds)}): replicate it instead")
+    if any(b % GRAIN_PAGES for b in bounds[1:-1]):
+        raise ValueError(f"shard boundaries must be multiples of {GRAIN_PAGES} pages, got "
+                         f"{list(bounds)}")
+
+
+def subtrees(first: int, stop: int, num_pages: int, domain_bits: int) -> List[Subtree]:
+    """The fewest aligned subtrees that cover pages [first, stop), each of at least GRAIN_PAGES
+    pages (or the whole domain): as large as its start's alignment allows, and where the range
+    ends the matrix the smallest aligned one that holds the rest (pages past num_pages are not
+    held and take no part in an answer)."""
+    domain = 1 << domain_bits
+    out, page = [], first
+    while page < stop:
+        align = page & -page if page else domain
+        size = min(GRAIN_PAGES, domain)
+        while size < stop - page:
+            size *= 2
+        if stop != num_pages or size > align:  # no one subtree holds the rest: the largest that fits
+            size = align
+            while page + size > stop:
+                size //= 2
+        level = domain_bits - size.bit_length() + 1
+        out.append(Subtree(level, page // size, page, min(page + size, num_pages)))
+        page += size
+    return out
+
+
+class _DeviceClock:
+    """Launches and busy seconds of one device: a batch counts from its start, or from the end
+    of the batch before it on that device where that came later, to its collection (the rule the
+    engine's cost model uses), so batches queued behind each other are not counted twice."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self.busy_s = 0.0
+        self._last_end = 0.0
+        self._lock = threading.Lock()
+
+    def started(self) -> float:
+        with self._lock:
+            self.launches += 1
+        return time.perf_counter()
+
+    def collected(self, started: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.busy_s += max(0.0, now - max(started, self._last_end))
+            self._last_end = max(self._last_end, now)
+
+
+class _Xor(PendingAnswer):
+    """A batch started on every shard; result() XORs the shards' partial answers."""
+
+    def __init__(self, group: "ShardedResident", parts: List[Tuple[int, float, PendingAnswer]]) -> None:
+        self._group, self._parts = group, parts
+        self._answers: Optional[np.ndarray] = None
+
+    def result(self) -> np.ndarray:
+        if self._answers is None:
+            answers = None
+            for device, started, pending in self._parts:
+                part = self._group.guarded(device, pending.result)
+                self._group.clocks[device].collected(started)
+                if answers is None:
+                    answers = np.array(part, dtype=np.uint8, copy=True)
+                else:
+                    np.bitwise_xor(answers.view(np.uint64), part.view(np.uint64),
+                                   out=answers.view(np.uint64))
+            self._answers = answers
+        return self._answers
+
+
+class _Placed(PendingAnswer):
+    """A batch started on one replica; result() frees the replica for the next batch."""
+
+    def __init__(self, group: "ReplicatedResident", device: int, started: float,
+                 pending: PendingAnswer) -> None:
+        self._group, self._device, self._started, self._pending = group, device, started, pending
+
+    def result(self) -> np.ndarray:
+        try:
+            answers = self._group.guarded(self._device, self._pending.result)
+            self._group.clocks[self._device].collected(self._started)
+            return answers
+        finally:
+            self._group.collected(self._device, self)
+
+
+class PlacedResident(ResidentMatrix):
+    """An epoch's matrix held by a group of devices; one failed device fails every later batch
+    with DeviceFailed (a 503 with its reason), never with a partial answer."""
+
+    placement: Placement
+    max_in_flight = BATCHES_PER_DEVICE
+
+    def __init__(self, matrix: PageMatrix, names: Sequence[str]) -> None:
+        super().__init__(matrix)
+        self.names = list(names)
+        self.failure: Optional[str] = None
+        self.clocks = [_DeviceClock() for _ in self.names]
+
+    def guarded(self, device: int, action):
+        """Run `action` for `device`; a failure marks the group failed and says which device."""
+        if self.failure:
+            raise DeviceFailed(self.failure)
+        try:
+            return action()
+        except Exception as exc:
+            self.failure = self.failure or f"device {self.names[device]} failed: {exc}"
+            log.error("%s; this epoch's devices answer nothing more", self.failure)
+            raise DeviceFailed(self.failure) from exc
+
+    def answer(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
+        return self.start(keys, dispatch).result()
+
+    @staticmethod
+    def _checked_rows(rows: Mapping[int, bytes], num_rows: int) -> Dict[int, bytes]:
+        for index, data in rows.items():
+            if not 0 <= index < num_rows:
+                raise ValueError(f"row {index} is outside [0, {num_rows})")
+            if len(data) != ROW_BYTES:
+                raise ValueError(f"row {index} data is {len(data)} bytes, expected {ROW_BYTES}")
+        return dict(rows)
+
+    def describe(self) -> dict:
+        """Where the pages are, as /health and the dashboard show it."""
+        return {"placement": self.placement.value, "devices": self.devices(), "failure": self.failure}
+
+    def devices(self) -> List[dict]:
+        """Each device: its name, pages [first_page, stop_page), resident bytes, launches and
+        busy seconds."""
+        return [{"device": name, **self._holds(i), "launches": self.clocks[i].launches,
+                 "busy_seconds": self.clocks[i].busy_s} for i, name in enumerate(self.names)]
+
+    def _holds(self, device: int) -> dict:
+        raise NotImplementedError
+
+
+class ShardedResident(PlacedResident):
+    """Each device holds a contiguous range of pages; a batch runs on every device with keys for
+    its subtrees, and the partial answers are XORed on the host."""
+
+    placement = Placement.SHARD
+
+    def __init__(self, matrix: PageMatrix, devices: Sequence[Backend], names: Sequence[str],
+                 bounds: Optional[Sequence[int]] = None) -> None:
+        super().__init__(matrix, names)
+        bounds = list(bounds) if bounds is not None else shard_bounds(
+            matrix.num_pages, matrix.domain_bits, len(devices))
+        if len(bounds) != len(devices) + 1:
+            raise ValueError(f"{len(devices)} devices need {len(devices) + 1} boundaries, got "
+                             f"{list(bounds)}")
+        check_bounds(bounds, matrix.num_pages)
+        self.bounds = bounds
+        # (device, subtree, its pages resident on that device), in page order
+        self.parts: List[Tuple[int, Subtree, ResidentMatrix]] = []
+        try:
+            for device, backend in enumerate(devices):
+                for tree in subtrees(bounds[device], bounds[device + 1], matrix.num_pages,
+                                     matrix.domain_bits):
+                    part = matrix.pages(tree.first, tree.stop, matrix.domain_bits - tree.level)
+                    self.parts.append((device, tree, backend.load(part)))
+        except Exception:
+            self.release()
+            raise
+
+    @property
+    def nbytes(self) -> int:
+        return sum(resident.nbytes for _, _, resident in self.parts)
+
+    def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> PendingAnswer:
+        self.check_keys(keys)
+        started: List[Tuple[int, float, PendingAnswer]] = []
+        for device, tree, resident in self.parts:
+            sub = subtree_keys(keys, tree.level, tree.index)
+            at = self.clocks[device].started()
+            started.append((device, at, self.guarded(device, lambda r=resident, s=sub: r.start(s, dispatch))))
+        return _Xor(self, started)
+
+    def write_rows(self, rows: Mapping[int, bytes]) -> None:
+        rows = self._checked_rows(rows, self.num_pages * ROWS_PER_PAGE)
+        for device, tree, resident in self.parts:
+            low, high = tree.first * ROWS_PER_PAGE, tree.stop * ROWS_PER_PAGE
+            mine = {row - low: data for row, data in rows.items() if low <= row < high}
+            if mine:
+                self.guarded(device, lambda r=resident, m=mine: r.write_rows(m))
+
+    def release(self) -> None:
+        for _, _, resident in self.parts:
+            resident.release()
+        self.parts = []
+
+    def _holds(self, device: int) -> dict:
+        held = [r for d, _, r in self.parts if d == device]
+        return {"first_page": self.bounds[device], "stop_page": self.bounds[device + 1],
+                "resident_bytes": sum(r.nbytes for r in held), "subtrees": len(held)}
+
+
+class ReplicatedResident(PlacedResident):
+    """Every device holds every page; each batch runs on the device that frees first (the one
+    with the fewest batches outstanding, then the one whose oldest started first)."""
+
+    placement = Placement.REPLICATE
+
+    def __init__(self, matrix: PageMatrix, devices: Sequence[Backend], names: Sequence[str]) -> None:
+        super().__init__(matrix, names)
+        self.replicas: List[ResidentMatrix] = []
+        try:
+            for backend in devices:
+                self.replicas.append(backend.load(matrix))
+        except Exception:
+            self.release()
+            raise
+        self.max_in_flight = BATCHES_PER_DEVICE * len(self.replicas)
+        self._lock = threading.Lock()
+        self._outstanding: List[List[Tuple[float, _Placed]]] = [[] for _ in self.replicas]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.replicas)
+
+    def _pick(self) -> int:
+        return min(range(len(self.replicas)), key=lambda i: (
+            len(self._outstanding[i]), self._outstanding[i][0][0] if self._outstanding[i] else 0.0, i))
+
+    def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> PendingAnswer:
+        self.check_keys(keys)
+        with self._lock:
+            device = self._pick()
+            at = self.clocks[device].started()
+            pending = self.guarded(device, lambda: self.replicas[device].start(keys, dispatch))
+            placed = _Placed(self, device, at, pending)
+            self._outstanding[device].append((at, placed))
+        return placed
+
+    def collected(self, device: int, placed: _Placed) -> None:
+        with self._lock:
+            self._outstanding[device] = [(t, p) for t, p in self._outstanding[device] if p is not placed]
+
+    def each_copy(self) -> List[ResidentMatrix]:
+        return list(self.replicas)  # a warm-up compiles and captures on every device
+
+    def write_rows(self, rows: Mapping[int, bytes]) -> None:
+        # a replica left behind would answer from other pages: its failure fails the group
+        rows = self._checked_rows(rows, self.num_pages * ROWS_PER_PAGE)
+        for device, replica in enumerate(self.replicas):
+            self.guarded(device, lambda r=replica: r.write_rows(rows))
+
+    def release(self) -> None:
+        for replica in self.replicas:
+            replica.release()
+        self.replicas = []
+
+    def _holds(self, device: int) -> dict:
+        held = self.replicas[device].nbytes if device < len(self.replicas) else 0
+        return {"first_page": 0, "stop_page": self.num_pages, "resident_bytes": held}
+
+
+def choose_placement(placement: str, matrix_bytes: int, num_pages: int, domain_bits: int,
+                     devices: Sequence[Backend]) -> Placement:
+    """The placement `placement` names; for auto, shard where the smallest device cannot hold the
+    matrix twice (an epoch switch loads the next one beside it) and the pages split into whole
+    groups, else replicate. Devices that do not say their memory (the CPU) replicate."""
+    chosen = Placement(placement)
+    if chosen is not Placement.AUTO:
+        return chosen
+    totals = [backend.memory_info().get("total_bytes") for backend in devices]
+    if len(devices) < 2 or any(total is None for total in totals):
+        return Placement.REPLICATE
+    try:
+        shard_bounds(num_pages, domain_bits, len(devices))
+    except ValueError:
+        return Placement.REPLICATE
+    return Placement.SHARD if 2 * matrix_bytes > min(totals) else Placement.REPLICATE
+
+
+class DeviceGroup(Backend):
+    """Several devices of one host as one backend: load() places an epoch over them."""
+
+    def __init__(self, devices: Sequence[Backend], names: Sequence[str]) -> None:
+        super().__init__()
+        if not devices or len(devices) != len(names):
+            raise ValueError(f"a device group needs devices, each named: {len(devices)} devices, "
+                             f"{len(names)} names")
+        self.devices, self.names = list(devices), list(names)
+        self.name = devices[0].name
+        self.warm_all_shapes = devices[0].warm_all_shapes
+        self.fallback_reason = devices[0].fallback_reason
+
+    def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None,
+             placement: str = Placement.AUTO, bounds: Optional[Sequence[int]] = None) -> PlacedResident:
+        chosen = choose_placement(placement, matrix.nbytes, matrix.num_pages, matrix.domain_bits,
+                                  self.devices)
+        log.info("placing %d pages over %s: %s", matrix.num_pages, ", ".join(self.names), chosen.value)
+        if chosen is Placement.SHARD:  # ValueError for a matrix too small to shard
+            resident: PlacedResident = ShardedResident(matrix, self.devices, self.names, bounds)
+        else:
+            resident = ReplicatedResident(matrix, self.devices, self.names)
+        if progress:
+            progress(matrix.nbytes, matrix.nbytes)
+        return resident
+
+    def memory_info(self) -> dict:
+        infos = [backend.memory_info() for backend in self.devices]
+
+        def total(field: str):
+            values = [info.get(field) for info in infos]
+            return None if any(v is None for v in values) else sum(values)
+
+        return {"device": ", ".join(f"{name}: {info['device']}" for name, info in zip(self.names, infos)),
+                "used_bytes": total("used_bytes"), "total_bytes": total("total_bytes"),
+                "devices": [{"device": name, **info} for name, info in zip(self.names, infos)]}
+
+
+def load_placed(backend: Backend, epoch) -> ResidentMatrix:
+    """Make a ServedEpoch's matrix resident: over a DeviceGroup's devices as its placement says,
+    else on the backend's one device (where every placement is the same)."""
+    placement = Placement(epoch.placement)  # a bad value is refused wherever it is served
+    if isinstance(backend, DeviceGroup):
+        return backend.load(epoch.matrix, placement=placement)
+    return backend.load(epoch.matrix)
+
+
+def describe_placement(resident: ResidentMatrix) -> dict:
+    """Where a resident matrix's pages are: a group's describe(), or one device."""
+    if isinstance(resident, PlacedResident):
+        return resident.describe()
+    return {"placement": "single", "devices": [], "failure": None}
+
+
+def parse_devices(text: str) -> List[int]:
+    """Device ids from "0,1,3" (MORPHO_ENGINE_DEVICES, serve_engine --devices); [] for ""."""
+    if not text.strip():
+        return []
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"expected device ids separated by commas, e.g. 0,1, got {text!r}") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"expected distinct device ids >= 0, got {text!r}")
+    return ids
+
+
+def create_device_group(backend_name: str, ids: Sequence[int]) -> DeviceGroup:
+    """One backend per device id as a DeviceGroup: GPUs cuda:ID for CUDA; for the CPU backend,
+    as many simulated devices (the host's scan threads shared among them), so the placement
+    logic runs, and is tested, where there is no GPU."""
+    from gpu_engine.backends import create_backend
+    from gpu_engine.backends.cpu import NumpyBackend, default_workers
+
+    if not ids:
+        raise ValueError("a device group needs at least one device id")
+    first = create_backend(backend_name, device=ids[0])
+    if first.name == "cpu":
+        workers = max(1, default_workers() // len(ids))
+        devices: List[Backend] = [NumpyBackend(workers) for _ in ids]
+        devices[0].fallback_reason = first.fallback_reason
+    else:
+        devices = [first] + [create_backend("cuda", device=i) for i in ids[1:]]
+    return DeviceGroup(devices, [f"{first.name}:{i}" for i in ids])

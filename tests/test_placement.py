@@ -1,0 +1,378 @@
+"""One party over several devices (issue 17): sharded and replicated epochs, byte-exact against the
+protocol's formula, on simulated CPU devices, so CI covers the placement logic without a GPU."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gpu_engine.backends.cpu import NumpyBackend
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, eval_pages, gen_keys, random_keys, subtree_keys
+from gpu_engine.engine import Engine, EngineUnavailable
+from gpu_engine.matrix import PageMatrix, ServedEpoch, random_matrix
+from gpu_engine.placement import (
+    DeviceFailed,
+    DeviceGroup,
+    Placement,
+    check_bounds,
+    choose_placement,
+    parse_devices,
+    shard_bounds,
+    subtrees,
+)
+from gpu_engine.protocol import ROW_BYTES, ROWS_PER_PAGE
+from tests.protocol_vectors import protocol_answers
+
+
+class UploadingBackend(NumpyBackend):
+    """A simulated device that holds its own copy of what it loads, as a GPU does, so a row
+    written to the wrong device or place shows in the answers."""
+
+    def __init__(self, total_bytes=None) -> None:
+        super().__init__(workers=1)
+        self.total_bytes = total_bytes
+        self.fail = False  # make every later launch raise, as a lost GPU does
+
+    def load(self, matrix, progress=None):
+        copy = PageMatrix(matrix.block(0, matrix.num_pages).copy(), domain_bits=matrix.domain_bits)
+        resident = super().load(copy, progress)
+        answer = resident.answer
+
+        def checked(keys, dispatch=None, **kw):
+            if self.fail:
+                raise RuntimeError("an illegal memory access was encountered")
+            return answer(keys, **({} if dispatch is None else {"dispatch": dispatch}))
+
+        resident.answer = checked
+        return resident
+
+    def memory_info(self) -> dict:
+        return {"device": "simulated", "used_bytes": 0, "total_bytes": self.total_bytes}
+
+
+def group(n: int, **kw) -> DeviceGroup:
+    return DeviceGroup([UploadingBackend(**kw) for _ in range(n)], [f"cpu:{i}" for i in range(n)])
+
+
+def client_keys(targets, domain_bits, rng, key_format):
+    """Both parties' keys for `targets`, as a client makes them."""
+    pairs = [gen_keys(int(t), domain_bits, rng, key_format=key_format) for t in targets]
+    return KeyBatch.from_keys([p[0] for p in pairs]), KeyBatch.from_keys([p[1] for p in pairs])
+
+
+@pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_subtree_keys_evaluate_the_pages_under_their_node(key_format, level):
+    rng = np.random.default_rng(level)
+    keys = random_keys(4, 10, rng, key_format)
+    whole = eval_pages(keys, 1 << 10)
+    size = 1 << (10 - level)
+    for index in range(1 << level):
+        part = eval_pages(subtree_keys(keys, level, index), size)
+        assert np.array_equal(part, whole[:, index * size:(index + 1) * size])
+
+
+@pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
+@pytest.mark.parametrize("num_pages, bounds", [
+    (1000, [0, 384, 1000]),  # 384 falls mid-subtree (inside [256, 512)); 1000 pages: no power of 2
+    (4099, [0, 1280, 2816, 4099]),  # three devices; the last page past 4096 its own subtree
+    (2000, [0, 128, 1920, 2000]),  # shards of 128, 1792 and 80 pages
+    (5003, None),  # the default, balanced boundaries
+])
+def test_a_sharded_epoch_answers_byte_for_byte_as_the_protocol_says(key_format, num_pages, bounds):
+    rng = np.random.default_rng(num_pages)
+    matrix = random_matrix(num_pages, seed=7)
+    devices = 2 if bounds is None else len(bounds) - 1
+    resident = group(devices).load(matrix, placement=Placement.SHARD, bounds=bounds)
+    assert resident.describe()["placement"] == "shard"
+    edges = resident.bounds
+    # pages on each side of every boundary, the last page, and random ones
+    targets = sorted({0, num_pages - 1, *(b - 1 for b in edges[1:-1]), *edges[1:-1],
+                      *rng.integers(0, num_pages, 4)})
+    party0, party1 = client_keys(targets, matrix.domain_bits, rng, key_format)
+    answers0, answers1 = resident.answer(party0), resident.answer(party1)
+    assert np.array_equal(answers0, protocol_answers(matrix, party0))
+    assert np.array_equal(answers1, protocol_answers(matrix, party1))
+    for i, target in enumerate(targets):  # what the client reads: the page it asked for
+        assert (answers0[i] ^ answers1[i]).tobytes() == matrix.page(target)
+    assert answers0.any() and answers1.any()
+
+
+def test_default_boundaries_are_balanced_and_need_few_launches():
+    # the mainnet shape (68.9 GB) over two GPUs: one half each, at most two subtrees a device
+    pages = 16_817_159  # docs/benchmarks/NOTES-cuda.md
+    assert shard_bounds(pages, 25, 2) == [0, 1 << 23, pages]
+    trees = subtrees(1 << 23, pages, pages, 25)
+    assert [(t.level, t.first, t.stop) for t in trees] == [(2, 1 << 23, 1 << 24), (9, 1 << 24, pages)]
+    for devices in (2, 3, 4, 8):
+        bounds = shard_bounds(1_000_003, 20, devices)
+        sizes = np.diff(bounds)
+        assert sizes.max() <= 1.15 * 1_000_003 / devices
+        assert all(len(subtrees(a, b, 1_000_003, 20)) <= 2 * (8 * devices).bit_length()
+                   for a, b in zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("bounds, message", [
+    ([0, 100, 1000], "must be multiples of 128 pages"),
+    ([0, 512, 512, 1000], "cannot give each of 3 devices a shard"),
+    ([0, 512, 999], "must run from 0 to 1000"),
+])
+def test_bad_boundaries_are_refused_in_words(bounds, message):
+    with pytest.raises(ValueError, match=message):
+        check_bounds(bounds, 1000)
+
+
+def test_a_matrix_too_small_to_shard_is_refused_and_auto_replicates_it():
+    with pytest.raises(ValueError, match="replicate it instead"):
+        group(2).load(random_matrix(100, seed=1), placement=Placement.SHARD)
+    resident = group(2).load(random_matrix(100, seed=1), placement=Placement.AUTO)
+    assert resident.placement is Placement.REPLICATE
+
+
+def test_auto_shards_only_where_one_device_cannot_hold_the_matrix_twice():
+    matrix_bytes = 1000 * 4096
+    tight = [UploadingBackend(total_bytes=matrix_bytes * 3 // 2) for _ in range(2)]
+    roomy = [UploadingBackend(total_bytes=matrix_bytes * 3) for _ in range(2)]
+    assert choose_placement("auto", matrix_bytes, 1000, 10, tight) is Placement.SHARD
+    assert choose_placement("auto", matrix_bytes, 1000, 10, roomy) is Placement.REPLICATE
+    assert choose_placement("auto", matrix_bytes, 1000, 10, [NumpyBackend(1)] * 2) is Placement.REPLICATE
+    assert choose_placement("shard", matrix_bytes, 1000, 10, roomy) is Placement.SHARD
+    with pytest.raises(ValueError):
+        choose_placement("striped", matrix_bytes, 1000, 10, roomy)
+
+
+def test_a_replicated_epoch_spreads_batches_over_its_devices():
+    rng = np.random.default_rng(3)
+    matrix = random_matrix(700, seed=2)
+    resident = group(2).load(matrix, placement=Placement.REPLICATE)
+    assert resident.max_in_flight == 4 and len(resident.each_copy()) == 2
+    batches = [random_keys(9, matrix.domain_bits, rng) for _ in range(4)]
+    started = [resident.start(keys) for keys in batches]  # none collected yet
+    assert [d["launches"] for d in resident.devices()] == [2, 2]
+    for keys, pending in zip(batches, started):
+        assert np.array_equal(pending.result(), protocol_answers(matrix, keys))
+    resident.start(batches[0]).result()  # both free again: the first takes it
+    assert [d["launches"] for d in resident.devices()] == [3, 2]
+
+
+@pytest.mark.parametrize("placement", [Placement.SHARD, Placement.REPLICATE])
+def test_row_writes_land_where_the_page_is(placement):
+    rng = np.random.default_rng(5)
+    matrix, expected = random_matrix(1000, seed=4), random_matrix(1000, seed=4)
+    resident = group(2).load(matrix, placement=placement, bounds=[0, 384, 1000] if placement == "shard" else None)
+    rows = {384 * ROWS_PER_PAGE - 1: b"\x11" * ROW_BYTES,  # the last row of device 0's pages
+            384 * ROWS_PER_PAGE: b"\x22" * ROW_BYTES,  # the first row of device 1's
+            1000 * ROWS_PER_PAGE - 1: b"\x33" * ROW_BYTES, 5: b"\x44" * ROW_BYTES}
+    resident.write_rows(rows)
+    for row, data in rows.items():
+        expected.write_row(row, data)
+    party0, party1 = client_keys([383, 384, 999, 0], matrix.domain_bits, rng, KEY_FORMAT_V1)
+    for _ in resident.each_copy():  # every replica has the rows (the second batch: the other one)
+        assert np.array_equal(resident.answer(party0), protocol_answers(expected, party0))
+    got = resident.answer(party0) ^ resident.answer(party1)
+    assert got[1].tobytes()[:ROW_BYTES] == b"\x22" * ROW_BYTES
+    with pytest.raises(ValueError, match="outside"):
+        resident.write_rows({1000 * ROWS_PER_PAGE: b"\x00" * ROW_BYTES})
+
+
+@pytest.mark.parametrize("placement", [Placement.SHARD, Placement.REPLICATE])
+def test_a_failed_device_takes_the_party_to_503_with_its_reason(placement):
+    devices = group(2)
+    epoch = ServedEpoch(epoch_id=4, matrix=random_matrix(600, seed=3), placement=placement)
+    engine = Engine(devices, epoch).start()
+    try:
+        rng = np.random.default_rng(8)
+        keys = random_keys(3, epoch.matrix.domain_bits, rng)
+        assert engine.submit_keys(keys, (3,)).result(10).epoch_id == 4
+        assert engine.health()["running"] is True
+        devices.devices[0].fail = True  # the device an idle replicated group launches on first
+        outcomes = []
+        for _ in range(3):
+            try:
+                engine.submit_keys(keys, (3,)).result(10)
+                outcomes.append("answered")
+            except EngineUnavailable as exc:
+                outcomes.append(str(exc))
+        assert "device cpu:0 failed" in outcomes[0], outcomes
+        # once failed, nothing more is answered: no answer from half the devices, ever
+        assert outcomes[-1] != "answered"
+        health = engine.health()
+        assert health["running"] is False and "device cpu:0 failed" in health["failure"]
+        assert health["placement"]["failure"] == health["failure"]
+    finally:
+        engine.stop()
+
+
+def test_epoch_switches_between_placements_stay_atomic_under_load():
+    """Queries run while the engine switches shard -> replicate -> shard over three epochs: every
+    answer is right for the epoch it names."""
+    epochs = {1: ServedEpoch(1, random_matrix(900, seed=11), placement="shard"),
+              2: ServedEpoch(2, random_matrix(900, seed=12), placement="replicate"),
+              3: ServedEpoch(3, random_matrix(900, seed=13), placement="shard")}
+    engine = Engine(group(2), epochs[1]).start()
+    stop, wrong, seen, errors = threading.Event(), [], set(), []
+
+    def ask(seed):
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            keys = random_keys(6, 10, rng)
+            try:
+                answer = engine.submit_keys(keys, (3, 3)).result(30)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+                return
+            seen.add(answer.epoch_id)
+            if not np.array_equal(answer.answers, protocol_answers(epochs[answer.epoch_id].matrix, keys)):
+                wrong.append(answer.epoch_id)
+
+    threads = [threading.Thread(target=ask, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for epoch_id in (2, 3):
+            engine.switch_epoch(epochs[epoch_id]).result(30)
+            assert engine.health()["placement"]["placement"] == epochs[epoch_id].placement
+        deadline = time.monotonic() + 20
+        while 3 not in seen and not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        stop.set()
+        engine.stop()
+    assert not errors and not wrong
+    assert 3 in seen
+
+
+def test_device_ids_are_parsed_or_refused_in_words():
+    assert parse_devices("0,1, 3") == [0, 1, 3]
+    assert parse_devices("") == []
+    with pytest.raises(ValueError, match="separated by commas"):
+        parse_devices("0;1")
+    with pytest.raises(ValueError, match="distinct device ids"):
+        parse_devices("1,1")
+
+
+def test_a_group_says_which_device_failed_before_anything_is_answered():
+    resident = group(2).load(random_matrix(300, seed=1), placement=Placement.SHARD)
+    resident.failure = "device cpu:0 failed: lost"
+    with pytest.raises(DeviceFailed, match="cpu:0"):
+        resident.answer(random_keys(3, 9, np.random.default_rng(1)))
+
+
+
+# --- a party whose engine owns two (simulated) devices, as an operator runs it -------------------
+
+
+@pytest.fixture
+def two_device_party(db, serve_matrix, tmp_path):
+    """Epoch 1 (300 pages) served over devices 0 and 1; epoch 2 (1000 pages) written beside it."""
+    from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
+
+    paths = {}
+    for epoch_id, pages in ((1, 300), (2, 1000)):
+        paths[epoch_id] = write_matrix_file(tmp_path / f"e{epoch_id}.bin", pages, seed=epoch_id)
+        write_epoch_metadata(paths[epoch_id], epoch_id=epoch_id)
+    serve_matrix(paths[1], MORPHO_ENGINE_DEVICES="0,1")
+    return paths
+
+
+def ask_page(client, target: int, domain_bits: int) -> tuple:
+    """(epoch_id, page) a client reads for `target` from one party asked twice, once per key."""
+
+    rng = np.random.default_rng(target)
+    pair = gen_keys(target, domain_bits, rng)
+    answers, epoch_ids = [], set()
+    for key in pair:
+        body = {"keys": [key.to_bytes().hex()] * 3}
+        response = client.post("/query/page/gpu", body, format="json")
+        assert response.status_code == 200, response.content
+        epoch_ids.add(response.json()["epoch_id"])
+        answers.append(bytes.fromhex(response.json()["pages"][0][2:]))
+    assert len(epoch_ids) == 1
+    return epoch_ids.pop(), bytes(x ^ y for x, y in zip(*answers))
+
+
+def test_health_shows_the_placement_and_load_epoch_chooses_it(two_device_party):
+    from django.core.management import call_command
+    from rest_framework.test import APIClient
+
+    from gpu_engine.matrix import load_matrix
+
+    client = APIClient()
+    health = client.get("/health").json()
+    assert health["status"] == "ok"
+    # the CPU does not say its memory: auto replicates
+    assert health["placement"]["placement"] == "replicate"
+    assert [d["device"] for d in health["placement"]["devices"]] == ["cpu:0", "cpu:1"]
+    first = load_matrix(two_device_party[1])
+    assert ask_page(client, 299, 9) == (1, first.page(299))
+
+    call_command("load_epoch", str(two_device_party[2]), "--placement", "shard", "--activate")
+    health = client.get("/health").json()
+    assert health["epoch_id"] == 2 and health["placement"]["placement"] == "shard"
+    assert [(d["first_page"], d["stop_page"]) for d in health["placement"]["devices"]] == [
+        (0, 512), (512, 1000)]
+    second = load_matrix(two_device_party[2])
+    for target in (511, 512, 999):  # both sides of the boundary, and the last page
+        assert ask_page(client, target, 10) == (2, second.page(target))
+
+
+def test_the_api_activates_an_epoch_with_a_placement(two_device_party):
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    from epochs.models import Epoch
+
+    client = APIClient()
+    client.force_authenticate(User.objects.create_superuser("root", password="pw-root"))
+    created = client.post("/api/epochs/", {"epoch_id": 2, "matrix_path": str(two_device_party[2])},
+                          format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["placement"] == "auto"
+    refused = client.post(f"/api/epochs/{created.json()['id']}/activate/", {"placement": "striped"},
+                          format="json")
+    assert refused.status_code == 400
+    assert "placement" in refused.content.decode()
+    switched = client.post(f"/api/epochs/{created.json()['id']}/activate/", {"placement": "shard"},
+                           format="json")
+    assert switched.status_code == 200, switched.content
+    assert switched.json()["placement"] == "shard" and switched.json()["state"] == "active"
+    assert Epoch.objects.get(epoch_id=2).placement == "shard"
+    assert client.get("/health").json()["placement"]["placement"] == "shard"
+
+
+def test_a_bad_device_list_stops_the_process_with_the_setting_named():
+    from tests.test_settings import check
+
+    result = check(MORPHO_ENGINE_DEVICES="0,zero")
+    assert result.returncode != 0
+    assert "MORPHO_ENGINE_DEVICES: expected device ids separated by commas, e.g. 0,1, got '0,zero'" in result.stderr
+
+
+def test_metrics_carry_each_device_by_label(two_device_party):
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    ask_page(client, 7, 9)
+    text = client.get("/metrics").content.decode()
+    launches = {line.split("{")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("gpu_device_launches_total{")}
+    assert set(launches) == {"cpu:0", "cpu:1"} and sum(launches.values()) >= 2
+    assert 'gpu_device_resident_bytes{device="cpu:1",placement="replicate"} 1.2288e+06' in text
+    assert 'gpu_device_busy_seconds_total{device="cpu:0",placement="replicate"}' in text
+
+
+def test_the_dashboard_lists_each_device(two_device_party, client):
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    ask_page(APIClient(), 7, 9)
+    client.force_login(User.objects.create_superuser("ops", password="pw-ops"))
+    devices = client.get("/dashboard/data").json()["devices"]
+    assert [(d["device"], d["placement"], d["resident"]) for d in devices] == [
+        ("cpu:0", "replicate", 300 * 4096), ("cpu:1", "replicate", 300 * 4096)]
+    assert sum(d["launches"] for d in devices) >= 2
