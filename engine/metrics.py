@@ -72,7 +72,8 @@ class EngineCollector:
         answered = CounterMetricFamily("gpu_queries_answered", "Queries answered by the engine.",
                                        labels=["lane"])
         refused = CounterMetricFamily("pir_refusals", "Queries refused (503), by reason: queue_full, "
-                                      "deadline, stopped, device_error.", labels=["lane", "reason"])
+                                      "deadline, stopped, device_error, held (the party's active epoch cannot be served).",
+                                      labels=["lane", "reason"])
         depth = GaugeMetricFamily("pir_queue_depth", "Queries queued now.", labels=["lane"])
         rate = GaugeMetricFamily("pir_arrival_rate_per_second", "Recent arrival rate (EMA).",
                                  labels=["lane"])

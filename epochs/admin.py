@@ -12,11 +12,15 @@ from gpu_engine.engine import SwitchMode
 @admin.register(Epoch)
 class EpochAdmin(admin.ModelAdmin):
     list_display = ("epoch_id", "block_number", "state", "num_pages", "switch_mode",
-                    "placement", "pending_updates", "activated", "short_message")
+                    "placed", "pending_updates", "activated", "short_message")
     list_filter = ("state",)
     readonly_fields = ("state", "num_pages", "size_bytes", "sha256", "message", "created",
                        "activated", "created_by")
     actions = ["activate_beside", "activate_stop_the_world"]
+
+    @admin.display(description="placement", ordering="placement")
+    def placed(self, obj):
+        return obj.placement  # the word alone: the choice's explanation is the form's
 
     @admin.display(description="last switch problem")
     def short_message(self, obj):

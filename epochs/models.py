@@ -79,8 +79,9 @@ class Epoch(models.Model):
     )
     placement = models.CharField(
         max_length=16, choices=Placement.choices(), default=Placement.AUTO.value,
-        help_text="How an engine of several devices (MORPHO_ENGINE_DEVICES) holds the pages; "
-                  "takes effect when the epoch is activated. One device: no effect.",
+        help_text="How an engine of several devices (MORPHO_ENGINE_DEVICES) holds the pages: at "
+                  "activation, and within a second for the active epoch (loaded again, as its "
+                  "switch mode says). One device: no effect.",
     )
     state = models.CharField(
         max_length=16, choices=EpochState.choices, default=EpochState.LOADED, editable=False

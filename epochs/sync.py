@@ -98,7 +98,7 @@ def _remote_call(op: str, **args) -> None:
 def state_version() -> tuple:
     """Changes whenever the active epoch or the set of pending updates changes (two small queries)."""
     active = Epoch.objects.filter(state=EpochState.ACTIVE).values_list(
-        "pk", "epoch_id", "switch_mode", "activated").order_by("-activated", "-pk").first()
+        "pk", "epoch_id", "switch_mode", "placement", "activated").order_by("-activated", "-pk").first()
     pending = RowUpdate.objects.filter(state=UpdateState.PENDING)
     figures = pending.aggregate(n=Count("pk"), high=Max("pk"))
     return (active, figures["n"], figures["high"])
@@ -130,7 +130,10 @@ def _starting_rows(record: Epoch, old_epoch_id: int | None) -> tuple[dict[int, b
 
 def _reason(exc: Exception) -> str:
     """A failed switch in the words stored on the record and shown to the operator."""
-    return str(exc) if isinstance(exc, EpochSwitchError) else f"{type(exc).__name__}: {exc}"
+    # this project's ValueErrors (a file that changed, a matrix too small to shard) are worded
+    # for operators; anything else keeps its type's name
+    worded = isinstance(exc, (EpochSwitchError, ValueError))
+    return str(exc) if worded else f"{type(exc).__name__}: {exc}"
 
 
 def _switch(engine, record: Epoch, mode: SwitchMode,
@@ -192,8 +195,9 @@ def sync(engine, explicit: bool = False) -> None:
         return
     with _lock:
         record = Epoch.objects.active()
-        if record is not None and record.epoch_id != engine.epoch.epoch_id:
-            key = (id(engine), record.pk, record.switch_mode, record.activated)
+        if record is not None and (record.epoch_id != engine.epoch.epoch_id
+                                   or _placed_otherwise(engine, record)):
+            key = (id(engine), record.pk, record.switch_mode, record.placement, record.activated)
             if not explicit and time.monotonic() - _failed.get(key, -1e9) < FAILED_SWITCH_BACKOFF:
                 return
             try:
@@ -203,11 +207,34 @@ def sync(engine, explicit: bool = False) -> None:
                 reason = _reason(exc)
                 log.error("switch to epoch %s failed: %s", record.epoch_id, reason)
                 Epoch.objects.filter(pk=record.pk).update(message=reason)
+                if record.epoch_id != engine.epoch.epoch_id:
+                    engine.hold(_held_reason(record.epoch_id, reason))
                 _apply_new_updates(engine)
                 if explicit:
                     raise EpochSwitchError(reason) from exc
                 return
         _apply_new_updates(engine)
+        if record is None or record.epoch_id == engine.epoch.epoch_id:
+            engine.hold(None)  # it serves the active epoch (again)
+
+
+def _held_reason(epoch_id: int, reason: str) -> str:
+    """Why an engine refuses queries while it cannot serve the party's active epoch: answers from
+    another epoch would disagree with the database and, once it has switched, the other party."""
+    return (f"epoch {epoch_id} is this party's active epoch, but this engine cannot serve it "
+            f"({reason}); it answers no query until it can: fix the cause (the epoch's placement "
+            f"or switch mode in the admin, the file, the devices) or activate another epoch. It "
+            f"tries again every {FAILED_SWITCH_BACKOFF:.0f} s, and at once after such a change")
+
+
+def _placed_otherwise(engine, record: Epoch) -> bool:
+    """Whether an engine of several devices serves `record`'s epoch placed otherwise than the
+    record now says (an operator changed it, or the engine started from the file with auto):
+    sync then loads it again as the record says, by its switch mode."""
+    served = engine.placement  # what is in force: "single", "shard" or "replicate"
+    if served == "single" or record.placement == engine.epoch.placement:
+        return False
+    return record.placement == Placement.AUTO or record.placement != served
 
 
 def record_served_epoch(engine) -> Epoch | None:

@@ -464,8 +464,8 @@ def subtree_keys(batch: KeyBatch, level: int, index: int) -> KeyBatch:
     is leaf index * 2**(tree_depth - level) + j of the key it came from.
 
     A node's seed and control bit, with the correction words of the levels below it and the same
-    final_cw, evaluate exactly as the whole key does under that node (docs/PROTOCOL.md section
-    4), so a device holding only the pages under one node answers for them with a key of
+    final_cw, evaluate exactly as the whole key does under that node (docs/PROTOCOL.md sections
+    3 and 3.1), so a device holding only the pages under one node answers for them with a key of
     domain_bits - level (gpu_engine.placement shards pages over devices so). The host expands
     `level` nodes per key: microseconds beside a scan."""
     if not 0 <= level <= batch.tree_depth or batch.domain_bits - level < 1:

@@ -19,7 +19,7 @@ from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import ServedEpoch
-from gpu_engine.placement import describe_placement, load_placed
+from gpu_engine.placement import DeviceFailed, describe_placement, load_placed
 from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
@@ -202,6 +202,9 @@ class Engine:
         self._waited = False  # the scheduler chose to wait with queries queued since the last launch
         self._answered_at = 0.0  # perf_counter time the last batch's answers were handed out
         self.failure: Optional[str] = None  # why the scheduler died, if it did
+        # why queries are refused while the engine runs on (hold()): it cannot serve the epoch
+        # its party's database says is active, so it answers none rather than another epoch's
+        self.held: Optional[str] = None
         self.cost = CostModel()
         self.stats = EngineStats(LANES)
 
@@ -221,7 +224,7 @@ class Engine:
         self._halt("engine stopped")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._resident.release()
+        _release(self._resident)
 
     def _halt(self, reason: str) -> None:
         """Stop taking work and fail everything queued or in flight with 503 and `reason`."""
@@ -250,6 +253,11 @@ class Engine:
     @property
     def epoch(self) -> ServedEpoch:
         return self._epoch
+
+    def hold(self, reason: Optional[str]) -> None:
+        """Refuse every query with 503 and `reason` from now on (None: take them again); the
+        scheduler, epoch switches and row writes go on."""
+        self.held = reason
 
     def set_policy_source(self, policy: PolicySource) -> None:
         """Read policies from `policy` from the next decision on (the live policy source)."""
@@ -295,6 +303,9 @@ class Engine:
         if keys.domain_bits != self._epoch.matrix.domain_bits:
             raise ValueError(f"keys have domain_bits {keys.domain_bits}, the epoch has "
                              f"{self._epoch.matrix.domain_bits}")
+        if self.held:
+            self.stats.refuse(lane, "held", len(query_keys))
+            raise EngineUnavailable(self.held, retry_after=5)
         policy = self._policy_for(lane)
         request = _Request(keys, query_keys, lane, time.monotonic())
         with self._cond:
@@ -365,14 +376,14 @@ class Engine:
         def swap() -> None:
             old = self._resident
             self._epoch, self._resident, self._rows = epoch, resident, RowDigest(written)
-            old.release()
+            _release(old)
             log.info("epoch switched to %s", epoch.epoch_id)
 
         return self._run_between_launches(swap)
 
     def _reload(self, epoch: ServedEpoch, written: Optional[Mapping[int, bytes]]) -> None:
         current = self._epoch
-        self._resident.release()
+        _release(self._resident)
         try:
             self._resident = load_placed(self.backend, epoch)
         except Exception:
@@ -381,6 +392,11 @@ class Engine:
             raise
         self._epoch, self._rows = epoch, RowDigest(written)
         log.info("epoch switched to %s (stop the world)", epoch.epoch_id)
+
+    @property
+    def placement(self) -> str:
+        """How the served epoch is placed now: "single" (one device), "shard" or "replicate"."""
+        return describe_placement(self._resident)["placement"]
 
     @property
     def state(self) -> ServedState:
@@ -540,6 +556,11 @@ class Engine:
         self.stats.failure(flight.decision.lane, flight.queries)
         for request in flight.batch:
             settle(request.future, error=EngineUnavailable(f"device error: {exc}", retry_after=5))
+        if isinstance(exc, DeviceFailed):
+            # A device of a group is gone: the engine stops (an engine server exits, so that its
+            # supervisor starts it again) rather than serve from the devices left.
+            self.failure = str(exc)
+            self._halt(self.failure)
 
     def _finish(self, flight: "_Flight") -> None:
         """Wait for the batch's answers and hand them out (a batch started behind it runs on)."""
@@ -580,17 +601,10 @@ class Engine:
         if len(formats) == 1:
             keys = batch[0].keys if len(batch) == 1 else _concat([r.keys for r in batch])
             return self._resident.start(keys, dispatch)
-        parts: List[Tuple[List[int], PendingAnswer]] = []
-        try:
-            for fmt in formats:
-                members = [i for i, r in enumerate(batch) if r.keys.key_format == fmt]
-                parts.append((members, self._resident.start(
-                    _concat([batch[i].keys for i in members]), dispatch)))
-        except Exception:
-            for _, started in parts:  # collected, so their buffers serve the next batch
-                started.result()
-            raise
-        return _FormatParts([len(r.keys) for r in batch], parts)
+        members = [[i for i, r in enumerate(batch) if r.keys.key_format == fmt] for fmt in formats]
+        started = self._resident.start_parts(
+            [_concat([batch[i].keys for i in group]) for group in members], dispatch)
+        return _FormatParts([len(r.keys) for r in batch], list(zip(members, started)))
 
     # -- what operators and metrics read --------------------------------------------------
     def health(self) -> dict:
@@ -599,8 +613,8 @@ class Engine:
         placed = describe_placement(self._resident)
         return {
             # a failed device of a group stops this party answering (503 with its reason)
-            "running": self.running and not placed.get("failure"),
-            "failure": self.failure or placed.get("failure"),
+            "running": self.running and not placed.get("failure") and not self.held,
+            "failure": self.failure or placed.get("failure") or self.held,
             "placement": placed,
             "epoch_id": self._epoch.epoch_id,
             "state": self.state.describe(),
@@ -631,6 +645,15 @@ class Engine:
                 info["slo_plan"] = {"batch": plan.batch, "window_s": plan.window_s,
                                     "budget_s": plan.budget_s, "feasible": plan.feasible}
         return data
+
+
+def _release(resident: ResidentMatrix) -> None:
+    """Free a resident matrix the engine no longer serves from; a failure to (a lost GPU) is
+    logged, never raised into the switch or stop that let go of it."""
+    try:
+        resident.release()
+    except Exception:  # noqa: BLE001 - what is served now does not depend on it
+        log.exception("releasing an epoch's device memory failed")
 
 
 def _concat(batches: Sequence[KeyBatch]) -> KeyBatch:

@@ -69,13 +69,22 @@ class Subtree:
 
 def shard_bounds(num_pages: int, domain_bits: int, devices: int) -> List[int]:
     """Balanced page boundaries [0, b1, ..., num_pages] for `devices` shards: the even split,
-    rounded to 1/(SPLITS_PER_DEVICE x devices) of the domain (at least GRAIN_PAGES pages)."""
+    rounded to 1/(SPLITS_PER_DEVICE x devices) of the smallest domain that holds the pages (so a
+    domain_bits configured larger changes nothing), or to GRAIN_PAGES where that coarser step
+    would leave a device nothing. `domain_bits` is the epoch's, at least the pages' own."""
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    splits = SPLITS_PER_DEVICE * devices
-    step = max(GRAIN_PAGES, (1 << domain_bits) // (1 << (splits - 1).bit_length()))
-    inner = [min(num_pages, round(num_pages * i / devices / step) * step) for i in range(1, devices)]
-    bounds = [0, *inner, num_pages]
+    if num_pages > (1 << domain_bits):
+        raise ValueError(f"{num_pages} pages do not fit a domain of 2**{domain_bits}")
+    own_domain = 1 << max(0, (num_pages - 1).bit_length())  # aligned subtrees do not depend on d
+    step = max(GRAIN_PAGES, own_domain // (1 << (SPLITS_PER_DEVICE * devices - 1).bit_length()))
+    bounds = [0, *(min(num_pages, round(num_pages * i / devices / step) * step)
+                   for i in range(1, devices)), num_pages]
+    if any(high <= low for low, high in zip(bounds, bounds[1:])):
+        # a few pages a device: whole groups shared out evenly (the last one may be partial)
+        groups = -(-num_pages // GRAIN_PAGES)
+        bounds = [0, *(min(num_pages, round(groups * i / devices) * GRAIN_PAGES)
+                       for i in range(1, devices)), num_pages]
     check_bounds(bounds, num_pages)
     return bounds
 
@@ -161,20 +170,28 @@ class _Xor(PendingAnswer):
         return self._answers
 
 
-class _Placed(PendingAnswer):
-    """A batch started on one replica; result() frees the replica for the next batch."""
+class _OnReplica:
+    """One batch placed on one replica: its launches (one per key format) and when it started."""
 
-    def __init__(self, group: "ReplicatedResident", device: int, started: float,
-                 pending: PendingAnswer) -> None:
-        self._group, self._device, self._started, self._pending = group, device, started, pending
+    def __init__(self, device: int, started: float, launches: int) -> None:
+        self.device, self.started, self.left = device, started, launches
+
+
+class _Placed(PendingAnswer):
+    """One launch of a batch on a replica; once the batch's last launch is collected, the replica
+    counts one batch fewer outstanding."""
+
+    def __init__(self, group: "ReplicatedResident", batch: _OnReplica, pending: PendingAnswer) -> None:
+        self._group, self._batch, self._pending = group, batch, pending
+        self._answers: Optional[np.ndarray] = None
 
     def result(self) -> np.ndarray:
-        try:
-            answers = self._group.guarded(self._device, self._pending.result)
-            self._group.clocks[self._device].collected(self._started)
-            return answers
-        finally:
-            self._group.collected(self._device, self)
+        if self._answers is None:
+            try:
+                self._answers = self._group.guarded(self._batch.device, self._pending.result)
+            finally:
+                self._group.collected(self._batch)
+        return self._answers
 
 
 class PlacedResident(ResidentMatrix):
@@ -203,6 +220,14 @@ class PlacedResident(ResidentMatrix):
 
     def answer(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> np.ndarray:
         return self.start(keys, dispatch).result()
+
+    def release(self) -> None:
+        """Free every device's part, each whatever the others do (a lost GPU may fail its own)."""
+        for device, resident in self._parts_to_release():
+            try:
+                resident.release()
+            except Exception:  # noqa: BLE001 - the rest must still be freed
+                log.exception("releasing this epoch's pages on %s failed", self.names[device])
 
     @staticmethod
     def _checked_rows(rows: Mapping[int, bytes], num_rows: int) -> Dict[int, bytes]:
@@ -276,10 +301,9 @@ class ShardedResident(PlacedResident):
             if mine:
                 self.guarded(device, lambda r=resident, m=mine: r.write_rows(m))
 
-    def release(self) -> None:
-        for _, _, resident in self.parts:
-            resident.release()
-        self.parts = []
+    def _parts_to_release(self) -> List[Tuple[int, ResidentMatrix]]:
+        parts, self.parts = self.parts, []
+        return [(device, resident) for device, _, resident in parts]
 
     def _holds(self, device: int) -> dict:
         held = [r for d, _, r in self.parts if d == device]
@@ -304,7 +328,7 @@ class ReplicatedResident(PlacedResident):
             raise
         self.max_in_flight = BATCHES_PER_DEVICE * len(self.replicas)
         self._lock = threading.Lock()
-        self._outstanding: List[List[Tuple[float, _Placed]]] = [[] for _ in self.replicas]
+        self._outstanding: List[List[_OnReplica]] = [[] for _ in self.replicas]  # oldest first
 
     @property
     def nbytes(self) -> int:
@@ -312,21 +336,43 @@ class ReplicatedResident(PlacedResident):
 
     def _pick(self) -> int:
         return min(range(len(self.replicas)), key=lambda i: (
-            len(self._outstanding[i]), self._outstanding[i][0][0] if self._outstanding[i] else 0.0, i))
+            len(self._outstanding[i]), self._outstanding[i][0].started if self._outstanding[i] else 0.0, i))
 
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> PendingAnswer:
-        self.check_keys(keys)
+        return self.start_parts([keys], dispatch)[0]
+
+    def start_parts(self, parts: Sequence[KeyBatch], dispatch: DispatchShape = DispatchShape()
+                    ) -> List[PendingAnswer]:
+        """A batch's launches (one per key format) all on one replica: a device then holds at
+        most BATCHES_PER_DEVICE batches, as CUDA's buffers per batch shape allow."""
+        for keys in parts:
+            self.check_keys(keys)
         with self._lock:
             device = self._pick()
-            at = self.clocks[device].started()
-            pending = self.guarded(device, lambda: self.replicas[device].start(keys, dispatch))
-            placed = _Placed(self, device, at, pending)
-            self._outstanding[device].append((at, placed))
-        return placed
+            batch = _OnReplica(device, self.clocks[device].started(), len(parts))
+            self._outstanding[device].append(batch)
+        started = []
+        try:
+            for keys in parts:
+                started.append(_Placed(self, batch, self.guarded(
+                    device, lambda k=keys: self.replicas[device].start(k, dispatch))))
+        except Exception:
+            for _ in range(len(parts) - len(started)):
+                self.collected(batch)  # the launches that never started
+            for placed in started:  # and those that did: collected, whatever they say
+                try:
+                    placed.result()
+                except Exception:  # noqa: BLE001 - the failure raised below says it
+                    pass
+            raise
+        return started
 
-    def collected(self, device: int, placed: _Placed) -> None:
+    def collected(self, batch: _OnReplica) -> None:
         with self._lock:
-            self._outstanding[device] = [(t, p) for t, p in self._outstanding[device] if p is not placed]
+            batch.left -= 1
+            if batch.left == 0:
+                self.clocks[batch.device].collected(batch.started)
+                self._outstanding[batch.device].remove(batch)
 
     def each_copy(self) -> List[ResidentMatrix]:
         return list(self.replicas)  # a warm-up compiles and captures on every device
@@ -337,10 +383,9 @@ class ReplicatedResident(PlacedResident):
         for device, replica in enumerate(self.replicas):
             self.guarded(device, lambda r=replica: r.write_rows(rows))
 
-    def release(self) -> None:
-        for replica in self.replicas:
-            replica.release()
-        self.replicas = []
+    def _parts_to_release(self) -> List[Tuple[int, ResidentMatrix]]:
+        replicas, self.replicas = self.replicas, []
+        return list(enumerate(replicas))
 
     def _holds(self, device: int) -> dict:
         held = self.replicas[device].nbytes if device < len(self.replicas) else 0
@@ -400,7 +445,8 @@ class DeviceGroup(Backend):
 
         return {"device": ", ".join(f"{name}: {info['device']}" for name, info in zip(self.names, infos)),
                 "used_bytes": total("used_bytes"), "total_bytes": total("total_bytes"),
-                "devices": [{"device": name, **info} for name, info in zip(self.names, infos)]}
+                "devices": [{**info, "device": name, "model": info["device"]}
+                            for name, info in zip(self.names, infos)]}
 
 
 def load_placed(backend: Backend, epoch) -> ResidentMatrix:

@@ -101,3 +101,20 @@ def test_the_index_says_what_each_results_file_shows():
     assert undescribed == [], "files INDEX.md does not describe"
     named = set(re.findall(r"^\| `([^`]+)` \|", index, re.M))  # the first column of the table
     assert sorted(named - set(files)) == [], "INDEX.md describes files that are not there"
+
+
+def test_placement_runs_on_simulated_cpu_devices(tmp_path):
+    from benchmarks import placement
+
+    out = tmp_path / "placement.csv"
+    argv = ["--backend", "cpu", "--devices", "0,1", "--pages", "1000", "--q", "1,2", "--repeat", "1",
+            "--seconds", "0.05", "--out", str(out)]
+    assert placement.main(argv) == 0
+    lines = out.read_text().splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("#")] == [
+        "# gpu", "# shape", "# backend", "# command", "# date"]
+    rows = [line.split(", ") for line in lines if not line.startswith("#")]
+    assert rows[0] == list(placement.CSV_COLUMNS)
+    assert [(r[0], r[2], r[-1]) for r in rows[1:]] == [
+        (name, q, "True") for name in ("one", "shard", "replicate") for q in ("1", "2")]
+    assert all(r[5] == "1.0" for r in rows[1:3])  # the one device against itself

@@ -173,3 +173,34 @@ def test_warm_up_starts_two_full_batches_at_once(held):
     # each size: v1 twice (the second timed) and v2 once; full batches of each format twice at once
     assert sizes == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4]
     assert backend.log[-8:] == [("started", 4), ("started", 4), ("collected", 4), ("collected", 4)] * 2
+
+
+def test_a_replicated_epoch_keeps_two_full_batches_on_each_device():
+    """Over two devices, four full batches run at once (two on each), the fifth waits for the first
+    to be answered, and every answer is right."""
+    from gpu_engine.placement import DeviceGroup
+
+    devices = [HeldBackend(), HeldBackend()]
+    matrix = random_matrix(300, seed=5)
+    policy = LanePolicy(max_batch=MAX_BATCH)
+    engine = Engine(DeviceGroup(devices, ["cpu:0", "cpu:1"]),
+                    ServedEpoch(epoch_id=1, matrix=matrix, placement="replicate"),
+                    lambda lane: policy).start()
+    try:
+        rng = np.random.default_rng(4)
+        submitted = [_submit(engine, MAX_BATCH, rng) for _ in range(5)]
+        for backend in devices:
+            backend.wait_started(2)
+        assert [len(b.started) for b in devices] == [2, 2]  # the fifth is not started yet
+        devices[0].started[0].release.set()  # the first answered: the fifth goes on that device
+        devices[0].wait_started(3)
+        for backend in devices:
+            for batch in backend.started:
+                batch.release.set()
+        for keys, future in submitted:
+            assert _answers(future) == [a.tobytes() for a in protocol_answers(matrix, keys)]
+    finally:
+        for backend in devices:
+            for batch in backend.started:
+                batch.release.set()
+        engine.stop()

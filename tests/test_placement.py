@@ -2,6 +2,7 @@
 protocol's formula, on simulated CPU devices, so CI covers the placement logic without a GPU."""
 from __future__ import annotations
 
+import io
 import threading
 import time
 
@@ -114,6 +115,15 @@ def test_default_boundaries_are_balanced_and_need_few_launches():
                    for a, b in zip(bounds, bounds[1:]))
 
 
+@pytest.mark.parametrize("pages, domain_bits, devices, bounds", [
+    (16_817_159, 28, 2, [0, 1 << 23, 16_817_159]),  # a larger domain_bits splits the pages as before
+    (1 << 20, 24, 2, [0, 1 << 19, 1 << 20]),
+    (279, 10, 3, [0, 128, 256, 279]),  # the coarse step would leave a device nothing: 128s then
+])
+def test_default_boundaries_follow_the_pages_not_the_domain(pages, domain_bits, devices, bounds):
+    assert shard_bounds(pages, domain_bits, devices) == bounds
+
+
 @pytest.mark.parametrize("bounds, message", [
     ([0, 100, 1000], "must be multiples of 128 pages"),
     ([0, 512, 512, 1000], "cannot give each of 3 devices a shard"),
@@ -201,6 +211,8 @@ def test_a_failed_device_takes_the_party_to_503_with_its_reason(placement):
         health = engine.health()
         assert health["running"] is False and "device cpu:0 failed" in health["failure"]
         assert health["placement"]["failure"] == health["failure"]
+        # the engine stopped: an engine server exits so that its supervisor starts it again
+        assert engine.running is False
     finally:
         engine.stop()
 
@@ -336,7 +348,7 @@ def test_the_api_activates_an_epoch_with_a_placement(two_device_party):
     refused = client.post(f"/api/epochs/{created.json()['id']}/activate/", {"placement": "striped"},
                           format="json")
     assert refused.status_code == 400
-    assert "placement" in refused.content.decode()
+    assert refused.json()["detail"] == 'placement: expected one of auto, shard, replicate, got "striped"'
     switched = client.post(f"/api/epochs/{created.json()['id']}/activate/", {"placement": "shard"},
                            format="json")
     assert switched.status_code == 200, switched.content
@@ -376,3 +388,169 @@ def test_the_dashboard_lists_each_device(two_device_party, client):
     assert [(d["device"], d["placement"], d["resident"]) for d in devices] == [
         ("cpu:0", "replicate", 300 * 4096), ("cpu:1", "replicate", 300 * 4096)]
     assert sum(d["launches"] for d in devices) >= 2
+
+
+def wait_for_health(client, check, seconds: float = 15.0) -> dict:
+    """/health's body once `check(body)` holds, the watcher looking at the database between
+    reads (here, in the test's thread: its own thread cannot see the test's transaction); the
+    last body seen otherwise."""
+    from engine.watcher import default_watcher
+
+    deadline = time.monotonic() + seconds
+    while True:
+        default_watcher().check_all()
+        body = client.get("/health").json()
+        if check(body) or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def test_an_active_epoch_the_devices_cannot_hold_is_refused_not_replaced(two_device_party, tmp_path):
+    """load_epoch, run without an engine, makes epoch 3 (100 pages, shard) active; the engine,
+    started again, cannot shard it over two devices, so it answers nothing (503 with why), not
+    epoch 1's pages. Changing the placement in the admin brings it back."""
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+    from rest_framework.test import APIClient
+
+    from engine.holder import get_engine, shutdown_engine
+    from epochs.models import Epoch, EpochState
+    from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
+
+    client = APIClient()
+    assert client.get("/health").json()["epoch_id"] == 1
+    tiny = write_matrix_file(two_device_party[1].parent / "e3.bin", 100, seed=3)
+    write_epoch_metadata(tiny, epoch_id=3)
+    shutdown_engine()  # as load_epoch runs: a process with no engine, which cannot check
+    said = io.StringIO()
+    call_command("load_epoch", str(tiny), "--placement", "shard", "--activate", stderr=said)
+    assert "nothing checked that this party's engines can serve it" in said.getvalue()
+    record = Epoch.objects.get(epoch_id=3)
+    assert record.state == EpochState.ACTIVE
+
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert "epoch 3 is this party's active epoch, but this engine cannot serve it (100 pages " \
+           "cannot give each of 2 devices a shard" in health.json()["failure"]
+    pair = gen_keys(5, get_engine().epoch.matrix.domain_bits)
+    refused = client.post("/query/page/gpu", {"keys": [pair[0].to_bytes().hex()] * 3}, format="json")
+    assert refused.status_code == 503 and "epoch 3 is this party's active epoch" in refused.json()["detail"]
+    assert refused["Retry-After"]
+
+    admin = APIClient()
+    admin.force_login(User.objects.create_superuser("ops", password="pw-ops"))
+    changed = admin.post(f"/admin/epochs/epoch/{record.pk}/change/", {
+        "switch_mode": "beside", "pending_updates": "absorb", "placement": "replicate"})
+    assert changed.status_code == 302, changed.content.decode()[:2000]
+    health = wait_for_health(client, lambda body: body["status"] == "ok")
+    assert health["epoch_id"] == 3 and health["placement"]["placement"] == "replicate"
+    assert ask_page(client, 99, 7) == (3, load_matrix_pages(tiny).page(99))
+
+
+def test_the_admin_re_places_the_active_epoch_within_seconds(two_device_party):
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    from epochs.models import Epoch
+
+    client = APIClient()
+    assert client.get("/health").json()["placement"]["placement"] == "replicate"
+    record = Epoch.objects.get(epoch_id=1)  # recorded active when the engine started
+    admin = APIClient()
+    admin.force_login(User.objects.create_superuser("ops", password="pw-ops"))
+    changed = admin.post(f"/admin/epochs/epoch/{record.pk}/change/", {
+        "switch_mode": "beside", "pending_updates": "absorb", "placement": "shard"})
+    assert changed.status_code == 302, changed.content.decode()[:2000]
+    health = wait_for_health(client, lambda body: body["placement"]["placement"] == "shard")
+    assert health["status"] == "ok" and health["epoch_id"] == 1
+    assert [(d["first_page"], d["stop_page"]) for d in health["placement"]["devices"]] == [(0, 128), (128, 300)]
+    assert ask_page(client, 128, 9) == (1, load_matrix_pages(two_device_party[1]).page(128))
+
+
+def load_matrix_pages(path):
+    from gpu_engine.matrix import load_matrix
+
+    return load_matrix(path)
+
+
+class ShapeLimitedBackend(NumpyBackend):
+    """A simulated device that, like a CUDA one, holds two sets of buffers per batch shape (keys,
+    key format): a third batch of one shape started before one is collected is refused."""
+
+    def __init__(self) -> None:
+        super().__init__(workers=1)
+
+    def load(self, matrix, progress=None):
+        from gpu_engine.backends.base import PendingAnswer
+
+        resident = super().load(matrix, progress)
+        answer, running, lock = resident.answer, {}, threading.Lock()
+
+        class Started(PendingAnswer):
+            def __init__(self, shape, answers):
+                super().__init__(answers)
+                self.shape, self.collected = shape, False
+
+            def result(self):
+                with lock:
+                    if not self.collected:
+                        self.collected = True
+                        running[self.shape] -= 1
+                return self._answers
+
+        def start(keys, dispatch=None):
+            shape = (len(keys), keys.key_format)
+            with lock:
+                if running.get(shape, 0) >= 2:
+                    raise RuntimeError(f"two batches of {len(keys)} keys are running already")
+                running[shape] = running.get(shape, 0) + 1
+            return Started(shape, answer(keys))
+
+        resident.start = start
+        return resident
+
+
+def test_batches_of_both_key_formats_keep_to_each_replicas_buffers():
+    """Full batches mixing v1 and v2 keys, four in flight over two replicas: each batch's two
+    launches go to one device, so no device is asked for a third batch of one shape."""
+    from gpu_engine.scheduler import LanePolicy
+
+    matrix = random_matrix(500, seed=9)
+    policy = LanePolicy(max_batch=8)
+    engine = Engine(DeviceGroup([ShapeLimitedBackend(), ShapeLimitedBackend()], ["cpu:0", "cpu:1"]),
+                    ServedEpoch(1, matrix, placement="replicate"), lambda lane: policy).start()
+    rng = np.random.default_rng(6)
+    try:
+        submitted = []
+        for i in range(24):  # 4 queries of each format a request: two requests fill a batch
+            fmt = KEY_FORMAT_V1 if i % 2 else KEY_FORMAT_V2
+            keys = random_keys(12, matrix.domain_bits, rng, fmt)
+            submitted.append((keys, engine.submit_keys(keys, (3,) * 4)))
+        for keys, future in submitted:
+            assert np.array_equal(future.result(30).answers, protocol_answers(matrix, keys))
+        assert engine.health()["running"] is True
+    finally:
+        engine.stop()
+
+
+def test_a_device_that_fails_to_free_the_old_epoch_does_not_undo_the_switch():
+    class StuckFree(UploadingBackend):
+        def load(self, matrix, progress=None):
+            resident = super().load(matrix, progress)
+
+            def release():
+                raise RuntimeError("an illegal memory access was encountered")
+
+            resident.release = release
+            return resident
+
+    devices = DeviceGroup([StuckFree(), UploadingBackend()], ["cpu:0", "cpu:1"])
+    first, second = random_matrix(400, seed=1), random_matrix(400, seed=2)
+    engine = Engine(devices, ServedEpoch(1, first, placement="shard")).start()
+    try:
+        engine.switch_epoch(ServedEpoch(2, second, placement="shard")).result(10)
+        keys = random_keys(3, second.domain_bits, np.random.default_rng(2))
+        answer = engine.submit_keys(keys, (3,)).result(10)
+        assert answer.epoch_id == 2 and np.array_equal(answer.answers, protocol_answers(second, keys))
+    finally:
+        engine.stop()  # the stuck device again: logged, not raised

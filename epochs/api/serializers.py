@@ -137,6 +137,9 @@ class EpochSerializer(ValidatedModelSerializer):
 class ActivateSerializer(serializers.Serializer):
     """Optional body of the activate action: how to switch."""
 
+    def get_fields(self):
+        return {name: in_our_words(field) for name, field in super().get_fields().items()}
+
     switch_mode = serializers.ChoiceField(
         choices=SwitchMode.choices(), required=False,
         help_text="beside (default: the record's own) or stop_the_world.",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -72,6 +72,21 @@ class ResidentMatrix(ABC):
     @abstractmethod
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
         """Overwrite rows (row index -> 256 bytes). Callers serialise this with answer()."""
+
+    def start_parts(self, parts: Sequence[KeyBatch], dispatch: DispatchShape = DispatchShape()
+                    ) -> List[PendingAnswer]:
+        """Start one batch's launches (one per key format, `parts`) together; a resident over
+        several devices keeps them on one device. If one fails to start, those started are
+        collected before the error is raised, so their buffers serve the next batch."""
+        started: List[PendingAnswer] = []
+        try:
+            for keys in parts:
+                started.append(self.start(keys, dispatch))
+        except Exception:
+            for pending in started:
+                pending.result()
+            raise
+        return started
 
     def each_copy(self) -> List["ResidentMatrix"]:
         """The residents a warm-up runs on so that every device has compiled and captured each

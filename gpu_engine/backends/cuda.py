@@ -192,7 +192,7 @@ class CudaResident(ResidentMatrix):
         """Queue the batch on its streams and return without waiting for the device."""
         cuda_plan.check_key_batch(keys, self.domain_bits)  # check_keys' checks, then the arrays'
         records = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
-        with self._lock, self._backend.device:
+        with self._lock, self._backend.on_device():
             pages = self._live()
             key, state = self._state(len(keys), dispatch, keys.key_format)
             state.out_host.view(np.uint8)[...] = _POISON  # a launch that never lands shows as poison
@@ -206,7 +206,7 @@ class CudaResident(ResidentMatrix):
 
     def _collect(self, key: tuple, state: _DispatchState) -> np.ndarray:
         try:
-            with self._backend.device:
+            with self._backend.on_device():
                 for event in state.done:
                     event.synchronize()
             # one copy out of the pinned buffer, which the next batch of this shape reuses; keys
@@ -220,7 +220,7 @@ class CudaResident(ResidentMatrix):
         idx, data = cuda_plan.check_rows(rows, self.num_pages * ROWS_PER_PAGE)
         if not len(idx):
             return
-        with self._lock, self._backend.device:
+        with self._lock, self._backend.on_device():
             by_row = self._live().reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)
             stream = self._streams[0]
             with stream:  # answers run on these streams; finishing here orders the write before them
@@ -231,11 +231,11 @@ class CudaResident(ResidentMatrix):
         """Page `index` as it is in GPU memory (row writes included)."""
         if not 0 <= index < self.num_pages:
             raise ValueError(f"page {index} is outside [0, {self.num_pages})")
-        with self._backend.device:
+        with self._backend.on_device():
             return cupy.asnumpy(self._live()[index]).astype("<u4").tobytes()
 
     def release(self) -> None:
-        with self._lock, self._backend.device:
+        with self._lock, self._backend.on_device():
             for stream in self._streams:
                 stream.synchronize()
             self._states.clear()
@@ -258,6 +258,9 @@ class CudaBackend(Backend):
             raise BackendUnavailable(f"CuPy is installed but no CUDA GPU is usable: {exc}") from exc
         if count < 1:
             raise BackendUnavailable("CuPy is installed but sees no CUDA GPU")
+        if device is not None and not 0 <= device < count:
+            raise BackendUnavailable(f"there is no GPU {device}: CUDA sees {count} "
+                                     f"(ids 0..{count - 1})")
         self.device = cupy.cuda.Device(device if device is not None else cupy.cuda.runtime.getDevice())
         self.device.use()
         props = runtime.getDeviceProperties(self.device.id)
@@ -266,8 +269,13 @@ class CudaBackend(Backend):
         self.compute_capability = (int(props["major"]), int(props["minor"]))
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
+    def on_device(self):
+        """A context in which CUDA calls go to this backend's GPU. A new Device object each time:
+        one keeps the device to go back to on its own stack, which threads must not share."""
+        return cupy.cuda.Device(self.device.id)
+
     def memory_info(self) -> dict:
-        with self.device:  # the figures of this backend's GPU, whichever is current
+        with self.on_device():  # the figures of this backend's GPU, whichever is current
             free, total = runtime.memGetInfo()
         return {"device": f"{self.device_name} (cuda:{self.device.id}, sm_{self.compute_capability[0]}{self.compute_capability[1]})",
                 "used_bytes": int(total - free), "total_bytes": int(total)}
@@ -294,7 +302,7 @@ class CudaBackend(Backend):
     def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None) -> CudaResident:
         """Upload in 64 MiB pieces through two pinned buffers, so reading the (memory-mapped)
         file overlaps the copy of the previous piece."""
-        with self.device:  # its pages, streams and buffers on this backend's GPU
+        with self.on_device():  # its pages, streams and buffers on this backend's GPU
             return self._load(matrix, progress)
 
     def _load(self, matrix: PageMatrix, progress: Optional[ProgressFn]) -> CudaResident:
@@ -320,6 +328,11 @@ class CudaBackend(Backend):
                  progress: Optional[ProgressFn] = None) -> CudaResident:
         """A pseudo-random matrix made in GPU memory (matrix_fill.cu), for benchmarks at sizes
         the host cannot feed; cuda_module.fill_reference recomputes any page on the host."""
+        with self.on_device():
+            return self._generate(num_pages, seed, domain_bits, progress)
+
+    def _generate(self, num_pages: int, seed: int, domain_bits: Optional[int],
+                  progress: Optional[ProgressFn]) -> CudaResident:
         d = domain_bits_for(num_pages, domain_bits)
         pages = self._allocate(num_pages, d)
         fill = get_kernel("matrix_fill.cu", "fill_pages")

@@ -6,6 +6,7 @@ import json
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from engine import holder
 from epochs import sync
 from epochs.matrix_files import MatrixPathError, confine
 from epochs.models import Epoch, PendingUpdates, current_epoch_shape
@@ -76,6 +77,12 @@ class Command(BaseCommand):
                 raise CommandError(f"epoch {record.epoch_id} was not activated: {exc}") from None
             self.stdout.write(f"epoch {record.epoch_id} is active; every engine of this party "
                               f"switches to it within a second")
+            if holder.peek_engine() is None:
+                self.stderr.write(
+                    "no engine runs in this process, so nothing checked that this party's engines "
+                    "can serve it: one that cannot answers 503 saying why (GET /health). Give "
+                    "load_epoch the party's MORPHO_ENGINE_URL to switch through its engine server "
+                    "first, so that a switch it cannot make is refused before it is recorded.")
 
 
 def _pick(*values):
