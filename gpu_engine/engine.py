@@ -512,6 +512,8 @@ class Engine:
                     if isinstance(decision, Launch) and room and (
                             not flights or overlaps(decision, queues, policies)):
                         batch = (decision, self._dequeue(decision.lane, decision.requests))
+                        # in flight from here on, under the lock: a _halt now fails them too
+                        self._inflight = [r for f in flights for r in f.batch] + batch[1]
                         break
                     if flights:
                         break  # answer the oldest batch, then decide with its device free
@@ -532,7 +534,6 @@ class Engine:
             for action, future in control:
                 self._run_control(action, future)
             if batch:
-                self._inflight = [r for f in flights for r in f.batch] + batch[1]
                 started = self._start(*batch)
                 if started is not None:
                     flights.append(started)
