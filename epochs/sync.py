@@ -34,8 +34,8 @@ from epochs.models import (
 )
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.engine import SwitchMode
-from gpu_engine.placement import Placement
-from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE
+from gpu_engine.placement import Placement, PlacementError
+from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, MatrixChanged
 from gpu_engine.protocol import parse_hex
 from gpu_engine.remote import RemoteError
 
@@ -79,7 +79,8 @@ class _Applied:
 
 
 _applied: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_failed: dict[tuple, float] = {}
+# engine -> (the switch tried: record pk, switch mode, placement, activation; when; why it failed)
+_failed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _local_engine():
@@ -101,7 +102,10 @@ def state_version() -> tuple:
         "pk", "epoch_id", "switch_mode", "placement", "activated").order_by("-activated", "-pk").first()
     pending = RowUpdate.objects.filter(state=UpdateState.PENDING)
     figures = pending.aggregate(n=Count("pk"), high=Max("pk"))
-    return (active, figures["n"], figures["high"])
+    # while a switch of this process's engine has failed, the version also moves every
+    # FAILED_SWITCH_BACKOFF, so that the watcher tries it again though nothing else changes
+    retry = int(time.monotonic() // FAILED_SWITCH_BACKOFF) if len(_failed) else None
+    return (active, figures["n"], figures["high"], retry)
 
 
 def _final_rows(selection: Q, rows: Sequence[int] | None = None) -> tuple[dict[int, bytes], list[int]]:
@@ -130,9 +134,9 @@ def _starting_rows(record: Epoch, old_epoch_id: int | None) -> tuple[dict[int, b
 
 def _reason(exc: Exception) -> str:
     """A failed switch in the words stored on the record and shown to the operator."""
-    # this project's ValueErrors (a file that changed, a matrix too small to shard) are worded
+    # the messages of a file that changed and of a placement the devices cannot make are worded
     # for operators; anything else keeps its type's name
-    worded = isinstance(exc, (EpochSwitchError, ValueError))
+    worded = isinstance(exc, (EpochSwitchError, MatrixChanged, PlacementError))
     return str(exc) if worded else f"{type(exc).__name__}: {exc}"
 
 
@@ -195,27 +199,34 @@ def sync(engine, explicit: bool = False) -> None:
         return
     with _lock:
         record = Epoch.objects.active()
-        if record is not None and (record.epoch_id != engine.epoch.epoch_id
-                                   or _placed_otherwise(engine, record)):
-            key = (id(engine), record.pk, record.switch_mode, record.placement, record.activated)
-            if not explicit and time.monotonic() - _failed.get(key, -1e9) < FAILED_SWITCH_BACKOFF:
+        other = record is not None and record.epoch_id != engine.epoch.epoch_id
+        if record is not None and (other or _placed_otherwise(engine, record)):
+            tried = (record.pk, record.switch_mode, record.placement, record.activated)
+            last = _failed.get(engine)
+            # The same switch that failed is tried again only after FAILED_SWITCH_BACKOFF, and
+            # only while the engine serves another epoch (a placement the devices could not make
+            # waits for the record to change): a retry loads a whole matrix.
+            if not explicit and last is not None and last[0] == tried and (
+                    not other or time.monotonic() - last[1] < FAILED_SWITCH_BACKOFF):
+                engine.hold(_held_reason(record.epoch_id, last[2]) if other else None)
+                _apply_new_updates(engine)  # updates acknowledged meanwhile still land
                 return
             try:
                 _switch(engine, record, SwitchMode(record.switch_mode))
             except Exception as exc:
-                _failed[key] = time.monotonic()
                 reason = _reason(exc)
+                # first of all: nothing is answered from another epoch, whatever fails next
+                engine.hold(_held_reason(record.epoch_id, reason) if other else None)
+                _failed[engine] = (tried, time.monotonic(), reason)
                 log.error("switch to epoch %s failed: %s", record.epoch_id, reason)
                 Epoch.objects.filter(pk=record.pk).update(message=reason)
-                if record.epoch_id != engine.epoch.epoch_id:
-                    engine.hold(_held_reason(record.epoch_id, reason))
                 _apply_new_updates(engine)
                 if explicit:
                     raise EpochSwitchError(reason) from exc
                 return
+        _failed.pop(engine, None)
         _apply_new_updates(engine)
-        if record is None or record.epoch_id == engine.epoch.epoch_id:
-            engine.hold(None)  # it serves the active epoch (again)
+        engine.hold(None)  # it serves the active epoch (or the database has none)
 
 
 def _held_reason(epoch_id: int, reason: str) -> str:

@@ -19,7 +19,7 @@ from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import ServedEpoch
-from gpu_engine.placement import DeviceFailed, describe_placement, load_placed
+from gpu_engine.placement import DeviceFailed, check_placeable, describe_placement, load_placed
 from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
@@ -382,6 +382,7 @@ class Engine:
         return self._run_between_launches(swap)
 
     def _reload(self, epoch: ServedEpoch, written: Optional[Mapping[int, bytes]]) -> None:
+        check_placeable(self.backend, epoch)  # a placement that cannot be made frees nothing
         current = self._epoch
         _release(self._resident)
         try:
@@ -633,7 +634,8 @@ class Engine:
         policies = dict(self._last_policies)
         fit = self.cost.fit()
         data = self.stats.snapshot(now)
-        data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
+        data.update(running=self.running and not self.held, epoch_id=self._epoch.epoch_id,
+                    backend=self.backend.name,
                     placement=describe_placement(self._resident),
                     cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
                           "samples": fit.samples, "rmse_s": fit.rmse_s})

@@ -53,6 +53,11 @@ class Placement(enum.StrEnum):
         return [(placement.value, placement.label) for placement in cls]
 
 
+class PlacementError(ValueError):
+    """An epoch cannot be placed over these devices as asked (a matrix too small to shard); the
+    message says why and what to choose instead."""
+
+
 class DeviceFailed(RuntimeError):
     """A device of a group failed; the group answers nothing more (never a partial answer)."""
 
@@ -92,14 +97,14 @@ def shard_bounds(num_pages: int, domain_bits: int, devices: int) -> List[int]:
 def check_bounds(bounds: Sequence[int], num_pages: int) -> None:
     """Boundaries must run from 0 to num_pages, rise, and fall on multiples of GRAIN_PAGES."""
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_pages:
-        raise ValueError(f"shard boundaries must run from 0 to {num_pages}, got {list(bounds)}")
+        raise PlacementError(f"shard boundaries must run from 0 to {num_pages}, got {list(bounds)}")
     for low, high in zip(bounds, bounds[1:]):
         if high <= low:
-            raise ValueError(f"{num_pages} pages cannot give each of {len(bounds) - 1} devices "
+            raise PlacementError(f"{num_pages} pages cannot give each of {len(bounds) - 1} devices "
                              f"a shard of whole {GRAIN_PAGES}-page groups (boundaries "
                              f"{list(bounds)}): replicate it instead")
     if any(b % GRAIN_PAGES for b in bounds[1:-1]):
-        raise ValueError(f"shard boundaries must be multiples of {GRAIN_PAGES} pages, got "
+        raise PlacementError(f"shard boundaries must be multiples of {GRAIN_PAGES} pages, got "
                          f"{list(bounds)}")
 
 
@@ -183,15 +188,15 @@ class _Placed(PendingAnswer):
 
     def __init__(self, group: "ReplicatedResident", batch: _OnReplica, pending: PendingAnswer) -> None:
         self._group, self._batch, self._pending = group, batch, pending
-        self._answers: Optional[np.ndarray] = None
+        self._collected = False
 
     def result(self) -> np.ndarray:
-        if self._answers is None:
-            try:
-                self._answers = self._group.guarded(self._batch.device, self._pending.result)
-            finally:
+        try:
+            return self._group.guarded(self._batch.device, self._pending.result)
+        finally:
+            if not self._collected:  # counted once, however often its answers are asked for
+                self._collected = True
                 self._group.collected(self._batch)
-        return self._answers
 
 
 class PlacedResident(ResidentMatrix):
@@ -264,7 +269,7 @@ class ShardedResident(PlacedResident):
         bounds = list(bounds) if bounds is not None else shard_bounds(
             matrix.num_pages, matrix.domain_bits, len(devices))
         if len(bounds) != len(devices) + 1:
-            raise ValueError(f"{len(devices)} devices need {len(devices) + 1} boundaries, got "
+            raise PlacementError(f"{len(devices)} devices need {len(devices) + 1} boundaries, got "
                              f"{list(bounds)}")
         check_bounds(bounds, matrix.num_pages)
         self.bounds = bounds
@@ -447,6 +452,16 @@ class DeviceGroup(Backend):
                 "used_bytes": total("used_bytes"), "total_bytes": total("total_bytes"),
                 "devices": [{**info, "device": name, "model": info["device"]}
                             for name, info in zip(self.names, infos)]}
+
+
+def check_placeable(backend: Backend, epoch) -> None:
+    """Raise PlacementError where `epoch` cannot be placed over `backend`'s devices as it asks,
+    before anything is freed or loaded (a stop-the-world switch frees the current epoch first)."""
+    if isinstance(backend, DeviceGroup):
+        matrix = epoch.matrix
+        if choose_placement(epoch.placement, matrix.nbytes, matrix.num_pages, matrix.domain_bits,
+                            backend.devices) is Placement.SHARD:
+            shard_bounds(matrix.num_pages, matrix.domain_bits, len(backend.devices))
 
 
 def load_placed(backend: Backend, epoch) -> ResidentMatrix:

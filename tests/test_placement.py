@@ -554,3 +554,91 @@ def test_a_device_that_fails_to_free_the_old_epoch_does_not_undo_the_switch():
         assert answer.epoch_id == 2 and np.array_equal(answer.answers, protocol_answers(second, keys))
     finally:
         engine.stop()  # the stuck device again: logged, not raised
+
+
+# --- the hold: an engine that cannot serve the party's active epoch answers none --------------
+
+
+def epoch_file(folder, epoch_id: int, pages: int):
+    from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
+
+    path = write_matrix_file(folder / f"h{epoch_id}.bin", pages, seed=epoch_id)
+    write_epoch_metadata(path, epoch_id=epoch_id)
+    return path
+
+
+def check_watches() -> None:
+    from engine.watcher import default_watcher
+
+    default_watcher().check_all()
+
+
+def test_a_held_engine_tries_again_by_itself_once_the_cause_is_gone(db, serve_matrix, tmp_path, monkeypatch):
+    """Epoch 2's file is away when the engine starts (an rsync in progress): it is held; once
+    the file is back, the watcher tries again after FAILED_SWITCH_BACKOFF though nothing in the
+    database changed, and the engine serves epoch 2."""
+    import os
+
+    from django.core.management import call_command
+
+    from engine.holder import get_engine, shutdown_engine
+    from epochs import sync
+
+    first, second = epoch_file(tmp_path, 1, 100), epoch_file(tmp_path, 2, 100)
+    serve_matrix(first)
+    get_engine()
+    shutdown_engine()
+    call_command("load_epoch", str(second), "--activate", stderr=io.StringIO())
+    os.rename(second, str(second) + ".away")
+    monkeypatch.setattr(sync, "FAILED_SWITCH_BACKOFF", 0.3)
+    engine = get_engine()
+    check_watches()
+    assert engine.held and "epoch 2 is this party's active epoch" in engine.held
+    os.rename(str(second) + ".away", second)
+    deadline = time.monotonic() + 10
+    while engine.held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        check_watches()
+    assert engine.held is None and engine.epoch.epoch_id == 2
+
+
+def test_row_updates_land_while_a_placement_the_devices_cannot_make_waits(db, serve_matrix, tmp_path):
+    from rest_framework.test import APIClient
+
+    from engine.holder import get_engine
+    from epochs import sync
+    from epochs.models import Epoch
+
+    path = epoch_file(tmp_path, 4, 100)
+    serve_matrix(path, MORPHO_ENGINE_DEVICES="0,1")
+    engine = get_engine()
+    Epoch.objects.filter(epoch_id=4).update(placement="shard")  # 100 pages: it cannot be made
+    check_watches()
+    assert engine.held is None and engine.placement == "replicate"
+    assert "cannot give each of 2 devices a shard" in Epoch.objects.get(epoch_id=4).message
+    row = bytes([7]) * ROW_BYTES
+    sync.push_rows([(5 * ROWS_PER_PAGE, row)])  # acknowledged: the next answer has it
+    epoch_id, page = ask_page(APIClient(), 5, 7)
+    assert epoch_id == 4 and page[:ROW_BYTES] == row
+
+
+def test_the_hold_lifts_when_the_active_epoch_is_the_one_served(db, serve_matrix, tmp_path):
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from engine.holder import get_engine, shutdown_engine
+    from epochs.models import Epoch, EpochState
+
+    fourth, fifth = epoch_file(tmp_path, 4, 100), epoch_file(tmp_path, 5, 100)
+    serve_matrix(fourth, MORPHO_ENGINE_DEVICES="0,1")
+    get_engine()
+    shutdown_engine()
+    call_command("load_epoch", str(fifth), "--placement", "shard", "--activate", stderr=io.StringIO())
+    engine = get_engine()
+    assert engine.held and "epoch 5" in engine.held
+    # made active again elsewhere, with a placement its devices cannot make either
+    Epoch.objects.filter(epoch_id=5).update(state=EpochState.RETIRED)
+    Epoch.objects.filter(epoch_id=4).update(state=EpochState.ACTIVE, placement="shard",
+                                            activated=timezone.now())
+    check_watches()
+    assert engine.epoch.epoch_id == 4 and engine.held is None  # right epoch: answers again
