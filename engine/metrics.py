@@ -48,7 +48,7 @@ class EngineCollector:
             return
         up = GaugeMetricFamily("pir_engine_up", "1 while this process's engine (in process, or the "
                                "engine server it submits to) takes queries, else 0.")
-        up.add_metric([], 1 if engine.running else 0)
+        up.add_metric([], 1 if engine.running and not getattr(engine, "held", None) else 0)
         yield up
         try:
             snap = engine.snapshot()

@@ -12,7 +12,9 @@ from engine.errors import EngineStartFailed, unavailable
 from engine.holder import get_engine
 
 HEALTH_RESPONSE = inline_serializer("Health", {
-    "status": serializers.CharField(help_text='"ok", or "unavailable" with a 503'),
+    "status": serializers.CharField(help_text='"ok"; with a 503 "warming", "held" (running, but '
+                                              'the active epoch cannot be served: "failure" says '
+                                              'why) or "unavailable"'),
     "epoch_id": serializers.IntegerField(),
     "block_number": serializers.IntegerField(),
     "num_pages": serializers.IntegerField(),
@@ -41,6 +43,8 @@ class HealthView(APIView):
         # also its address, whether it is reachable, and whether it is still warming up).
         if health.get("warming"):
             status = "warming"
+        elif health.get("held"):
+            status = "held"  # up, answering no query: the party's active epoch cannot be served
         else:
             status = "ok" if health.get("running", True) else "unavailable"
         body = {"status": status}

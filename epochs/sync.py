@@ -224,7 +224,9 @@ def sync(engine, explicit: bool = False) -> None:
                 if explicit:
                     raise EpochSwitchError(reason) from exc
                 return
-        _failed.pop(engine, None)
+        if _failed.pop(engine, None) is not None and record is not None:
+            # switched since it failed: the record no longer shows that failure
+            Epoch.objects.filter(pk=record.pk).exclude(message="").update(message="")
         _apply_new_updates(engine)
         engine.hold(None)  # it serves the active epoch (or the database has none)
 

@@ -616,6 +616,7 @@ class Engine:
         return {
             # a failed device of a group stops this party answering (503 with its reason)
             "running": self.running and not placed.get("failure") and not self.held,
+            "held": self.held,
             "failure": self.failure or placed.get("failure") or self.held,
             "placement": placed,
             "epoch_id": self._epoch.epoch_id,
@@ -634,8 +635,7 @@ class Engine:
         policies = dict(self._last_policies)
         fit = self.cost.fit()
         data = self.stats.snapshot(now)
-        data.update(running=self.running and not self.held, epoch_id=self._epoch.epoch_id,
-                    backend=self.backend.name,
+        data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
                     placement=describe_placement(self._resident),
                     cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
                           "samples": fit.samples, "rmse_s": fit.rmse_s})

@@ -89,6 +89,11 @@ class RemoteEngine:
                 and not status["warming"])
 
     @property
+    def held(self) -> Optional[str]:
+        """Why the engine server refuses every query while it runs on (Engine.hold), else None."""
+        return (self._status or {}).get("held")
+
+    @property
     def failure(self) -> Optional[str]:
         if self._down_reason is not None:
             return self._down_reason

@@ -106,7 +106,7 @@ class EngineServer:
         """What every PONG carries: enough for a client to validate keys and pick batch sizes."""
         engine = self.engine
         return {"epoch": engine.epoch.describe(), "state": engine.state.describe(),
-                "running": engine.running,
+                "running": engine.running, "held": engine.held,
                 "failure": engine.failure, "warming": self.warming,
                 "policies": wire.policies_to_json(engine.policies())}
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from morphoweb.partyprocs import NotHealthy, wait_healthy
+from morphoweb.partyprocs import NotHealthy, health, wait_healthy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RESTART_DELAY_S = 1.0  # pause before an engine server that died is started again
@@ -171,9 +171,13 @@ def main(argv=None) -> int:
         for name, url in urls.items():
             party = {c.name: c.proc for c in children if c.name.endswith(f"-{name}")}
             try:
-                wait_healthy(url, party, timeout=600, interval=0.3)
+                wait_healthy(url, party, timeout=600, interval=0.3, held_is_up=True)
             except NotHealthy as exc:
                 raise SystemExit(f"{exc}; see above") from None
+            status, body = health(url)
+            if status != 200:  # up, but answering no query until the operator fixes it
+                print(f"party {name.upper()} ({url}) answers 503: {body.get('failure')}",
+                      file=sys.stderr, flush=True)
         print(
             f"\nparty A: {urls['a']}  (GET /health, /epoch; POST /query/page/gpu[/batch])\n"
             f"party B: {urls['b']}\n"

@@ -5,6 +5,7 @@ Standard library only: it runs in the supervising process, which loads no Django
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -37,25 +38,41 @@ def isolated_env(**values) -> dict:
 
 def health_status(url: str) -> Optional[int]:
     """The status of GET `url`/health (200 only when the engine takes queries), None unreachable."""
+    return health(url)[0]
+
+
+def health(url: str) -> tuple:
+    """(status, parsed body or {}) of GET `url`/health; (None, {}) when it cannot be reached."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as response:
-            return response.status
+            return response.status, _json(response.read())
     except urllib.error.HTTPError as exc:
-        return exc.code
+        return exc.code, _json(exc.read())
     except OSError:
-        return None
+        return None, {}
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def wait_healthy(url: str, processes: Mapping[str, subprocess.Popen], timeout: float,
-                 interval: float = 0.2) -> float:
-    """Seconds until `url`/health answers 200; NotHealthy, naming the process and its status, when
-    one of `processes` (name -> process) exits first, or when `timeout` seconds pass."""
+                 interval: float = 0.2, held_is_up: bool = False) -> float:
+    """Seconds until `url`/health answers 200 (or, with held_is_up, says "held": the party is up
+    but cannot serve its active epoch, a state an operator fixes while it runs); NotHealthy,
+    naming the process and its status, when one of `processes` (name -> process) exits first, or
+    when `timeout` seconds pass."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         for name, proc in processes.items():
             if proc.poll() is not None:
                 raise NotHealthy(f"{name} exited with status {proc.returncode}")
-        if health_status(url) == 200:
+        status, body = health(url)
+        if status == 200 or (held_is_up and body.get("status") == "held"):
             return time.monotonic() - started
         time.sleep(interval)
     raise NotHealthy(f"{url}: not healthy after {timeout:.0f} s")

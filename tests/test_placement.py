@@ -429,13 +429,18 @@ def test_an_active_epoch_the_devices_cannot_hold_is_refused_not_replaced(two_dev
     assert record.state == EpochState.ACTIVE
 
     health = client.get("/health")
-    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert health.status_code == 503 and health.json()["status"] == "held"
     assert "epoch 3 is this party's active epoch, but this engine cannot serve it (100 pages " \
            "cannot give each of 2 devices a shard" in health.json()["failure"]
     pair = gen_keys(5, get_engine().epoch.matrix.domain_bits)
     refused = client.post("/query/page/gpu", {"keys": [pair[0].to_bytes().hex()] * 3}, format="json")
     assert refused.status_code == 503 and "epoch 3 is this party's active epoch" in refused.json()["detail"]
     assert refused["Retry-After"]
+    # keys made for epoch 3 (domain_bits 7) are not judged by epoch 1's domain: 503, not 400
+    pair = gen_keys(5, 7)
+    refused = client.post("/query/page/gpu", {"keys": [pair[0].to_bytes().hex()] * 3}, format="json")
+    assert refused.status_code == 503
+    assert client.get("/epoch").status_code == 503  # nor is epoch 1 advertised as this party's
 
     admin = APIClient()
     admin.force_login(User.objects.create_superuser("ops", password="pw-ops"))
@@ -642,3 +647,53 @@ def test_the_hold_lifts_when_the_active_epoch_is_the_one_served(db, serve_matrix
                                             activated=timezone.now())
     check_watches()
     assert engine.epoch.epoch_id == 4 and engine.held is None  # right epoch: answers again
+
+
+def test_load_epoch_that_an_engine_refuses_records_nothing(two_device_party, tmp_path):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from engine.holder import get_engine
+    from epochs.models import Epoch
+
+    get_engine()  # this process serves: load_epoch switches it first, as an engine server would
+    tiny = epoch_file(two_device_party[1].parent, 3, 100)
+    with pytest.raises(CommandError, match="epoch 3 was neither activated nor recorded: 100 pages "
+                                           "cannot give each of 2 devices a shard"):
+        call_command("load_epoch", str(tiny), "--placement", "shard", "--activate")
+    assert not Epoch.objects.filter(epoch_id=3).exists()
+    said = io.StringIO()
+    call_command("load_epoch", str(tiny), "--placement", "replicate", "--activate", stdout=said)
+    assert "epoch 3 is active" in said.getvalue()
+    assert Epoch.objects.get(epoch_id=3).state == "active"
+
+
+def test_make_run_waits_for_a_held_party_as_for_a_healthy_one():
+    """`make run` starts a party whose active epoch cannot be served and says why, rather than
+    wait ten minutes for a 200 and stop both parties."""
+    import http.server
+    import json
+
+    from morphoweb.partyprocs import NotHealthy, wait_healthy
+
+    class Held(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "held", "failure": "epoch 3 ..."}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Held)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert wait_healthy(url, {}, timeout=5, interval=0.05, held_is_up=True) < 5
+        with pytest.raises(NotHealthy, match="not healthy after"):
+            wait_healthy(url, {}, timeout=0.3, interval=0.05)
+    finally:
+        server.shutdown()

@@ -51,8 +51,9 @@ class PublicAPIView(APIView):
     permission_classes = [AllowAny]
 
     def validated(self, request):
-        """(engine, the epoch the keys were checked against, validated data) or a 400."""
-        engine = get_engine()
+        """(engine, the epoch the keys were checked against, validated data) or a 400; a 503
+        first where the engine is held (its epoch is not the party's: keys are not judged by it)."""
+        engine = serving_engine()
         epoch = engine.epoch
         serializer = self.serializer_class_for(request)(
             data=request.data, context={"domain_bits": epoch.matrix.domain_bits,
@@ -64,6 +65,16 @@ class PublicAPIView(APIView):
     def serializer_class_for(self, request):
         """The serializer of this request's body (QueryAPIView picks one by Content-Type)."""
         return self.serializer_class
+
+
+def serving_engine():
+    """This process's engine, or 503 where it is held: it cannot serve its party's active epoch
+    and answers no query, so neither its epoch nor a judgement of keys by it would be true."""
+    engine = get_engine()
+    held = getattr(engine, "held", None)
+    if held:
+        raise EngineUnavailable(held, retry_after=5)
+    return engine
 
 
 def request_keys(data: dict) -> KeyBatch:
@@ -102,7 +113,7 @@ class EpochView(PublicAPIView):
 
     @extend_schema(responses=EPOCH_RESPONSE)
     def get(self, request):
-        engine = get_engine()
+        engine = serving_engine()
         # the served state beside the epoch: a client compares it between the two parties
         epoch = self.serializer_class(engine.epoch, context={"key_formats": key_formats_of(engine)})
         return Response({**epoch.data, "state": engine.state.describe()})

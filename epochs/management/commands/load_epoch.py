@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 from engine import holder
 from epochs import sync
 from epochs.matrix_files import MatrixPathError, confine
-from epochs.models import Epoch, PendingUpdates, current_epoch_shape
+from epochs.models import Epoch, EpochState, PendingUpdates, current_epoch_shape
 from gpu_engine.engine import SwitchMode
 from gpu_engine.matrix import metadata_path
 from gpu_engine.placement import Placement
@@ -68,13 +68,18 @@ class Command(BaseCommand):
             raise CommandError("; ".join(f"{field}: {' '.join(msgs)}"
                                          for field, msgs in exc.message_dict.items())) from None
         record.save()
-        self.stdout.write(f"recorded epoch {record.epoch_id}: {record.num_pages} pages from "
-                          f"{record.matrix_path} (block {record.block_number})")
+        recorded = (f"recorded epoch {record.epoch_id}: {record.num_pages} pages from "
+                    f"{record.matrix_path} (block {record.block_number})")
         if options["activate"]:
             try:
                 sync.activate(record)
             except sync.EpochSwitchError as exc:
-                raise CommandError(f"epoch {record.epoch_id} was not activated: {exc}") from None
+                # Refused before it served anything: the record goes as well, so the same command,
+                # corrected, can run again.
+                Epoch.objects.filter(pk=record.pk, state=EpochState.LOADED).delete()
+                raise CommandError(f"epoch {record.epoch_id} was neither activated nor recorded: "
+                                   f"{exc}") from None
+            self.stdout.write(recorded)
             self.stdout.write(f"epoch {record.epoch_id} is active; every engine of this party "
                               f"switches to it within a second")
             if holder.peek_engine() is None:
@@ -83,6 +88,8 @@ class Command(BaseCommand):
                     "can serve it: one that cannot answers 503 saying why (GET /health). Give "
                     "load_epoch the party's MORPHO_ENGINE_URL to switch through its engine server "
                     "first, so that a switch it cannot make is refused before it is recorded.")
+        else:
+            self.stdout.write(recorded)
 
 
 def _pick(*values):
