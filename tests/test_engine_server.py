@@ -107,6 +107,10 @@ def test_queries_of_several_clients_share_one_launch(served, tmp_path):
         futures = [client.submit([list(random_keys_as_dpf(d, 3))]) for client in clients]
         done, _ = wait(futures, timeout=30)
         assert len(done) == 3 and all(f.exception() is None for f in futures)
+        # the engine hands answers out before it counts the launch: wait for the count
+        deadline = time.monotonic() + 5
+        while engine.snapshot()["queries_answered"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         snap = engine.snapshot()
         assert snap["launches"] == 1 and snap["queries_answered"] == 3
         assert server.health()["engine_clients"] == 3
