@@ -135,11 +135,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError:
         edges = [0, matrix.num_pages]
     baseline: dict = {}
-    rows, ok, device_names = [], True, ""
+    rows, ok = [], True
+    device_names = create_device_group(args.backend, ids).memory_info()["device"]
     for name in names:
         t0 = time.perf_counter()
         resident = load(name, args.backend, ids, matrix)
-        device_names = device_names or create_device_group(args.backend, ids).memory_info()["device"]
         log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, boundaries "
             f"{getattr(resident, 'bounds', [0, matrix.num_pages])}")
         for q in qs:

@@ -1,7 +1,6 @@
 """The Engine: owns one device, coalesces submitted queries into launches on a scheduler thread."""
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math
@@ -10,11 +9,12 @@ import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Self, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
+from gpu_engine.choices import LabelledChoice
 from gpu_engine.costmodel import CostModel, RateMeter
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
 from gpu_engine.engine_stats import EngineStats
@@ -42,25 +42,12 @@ PolicySource = Callable[[str], LanePolicy]  # lane -> the policy in force now
 POLICY_RECHECK_S = 0.1
 
 
-class SwitchMode(enum.StrEnum):
-    """How an engine moves to a new epoch: the one spelling the database, the API, the admin and
-    the engine server's control messages use (each member's value), with the words operators read
-    (its label)."""
+class SwitchMode(LabelledChoice):
+    """How an engine moves to a new epoch."""
 
     BESIDE = "beside", "prepare beside the current epoch, then switch (needs room for both)"
     STOP_THE_WORLD = "stop_the_world", (
         "stop the world: pause queries, free the current epoch, load the new one")
-
-    def __new__(cls, value: str, label: str) -> Self:
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.label = label
-        return member
-
-    @classmethod
-    def choices(cls) -> List[Tuple[str, str]]:
-        """(value, label) pairs, as Django fields and DRF choice fields take them."""
-        return [(mode.value, mode.label) for mode in cls]
 
 
 class EngineBusy(RuntimeError):
@@ -350,8 +337,7 @@ class Engine:
     def write_rows(self, rows: Mapping[int, bytes]) -> "Future[None]":
         """Overwrite rows between launches; the future resolves once answers include them."""
         rows = dict(rows)
-        for index, data in rows.items():
-            self._epoch.matrix.check_row(index, data)
+        self._epoch.matrix.check_rows(rows)
 
         def write() -> None:
             self._resident.write_rows(rows)

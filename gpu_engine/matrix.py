@@ -7,7 +7,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -54,6 +54,17 @@ class _Shape:
     @property
     def num_rows(self) -> int:
         return self.num_pages * ROWS_PER_PAGE
+
+    def check_row(self, index: int, data: bytes) -> None:
+        if not 0 <= index < self.num_rows:
+            raise ValueError(f"row {index} is outside [0, {self.num_rows})")
+        if len(data) != ROW_BYTES:
+            raise ValueError(f"row {index} data is {len(data)} bytes, expected {ROW_BYTES}")
+
+    def check_rows(self, rows: Mapping[int, bytes]) -> None:
+        """check_row for every row of `rows` (index -> 256 bytes), before any is written."""
+        for index, data in rows.items():
+            self.check_row(index, data)
 
 
 class PageMatrix(_Shape):
@@ -118,12 +129,6 @@ class PageMatrix(_Shape):
     def row(self, index: int) -> bytes:
         page, slot = divmod(index, ROWS_PER_PAGE)
         return self.page(page)[slot * ROW_BYTES : (slot + 1) * ROW_BYTES]
-
-    def check_row(self, index: int, data: bytes) -> None:
-        if not 0 <= index < self.num_rows:
-            raise ValueError(f"row {index} is outside [0, {self.num_rows})")
-        if len(data) != ROW_BYTES:
-            raise ValueError(f"row {index} data is {len(data)} bytes, expected {ROW_BYTES}")
 
     def write_row(self, index: int, data: bytes) -> None:
         """Overwrite one row in place (private to this process: the file is never written)."""

@@ -1,12 +1,11 @@
 """One epoch over several devices of a host: sharded (each device a range of pages) or replicated."""
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Self, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -17,9 +16,10 @@ from gpu_engine.backends.base import (
     ProgressFn,
     ResidentMatrix,
 )
+from gpu_engine.choices import LabelledChoice
 from gpu_engine.dpf import KeyBatch, subtree_keys
-from gpu_engine.matrix import PageMatrix
-from gpu_engine.protocol import LEAF_PAGES, ROW_BYTES, ROWS_PER_PAGE
+from gpu_engine.matrix import MatrixShape, PageMatrix
+from gpu_engine.protocol import LEAF_PAGES, ROWS_PER_PAGE
 
 log = logging.getLogger(__name__)
 
@@ -34,24 +34,12 @@ SPLITS_PER_DEVICE = 8
 BATCHES_PER_DEVICE = 2  # batches a device holds started and not collected (CUDA keeps two buffers)
 
 
-class Placement(enum.StrEnum):
-    """How an epoch's pages are placed over an engine's devices: the one spelling the database,
-    the API, the admin and `load_epoch` use (each member's value), with the words operators read."""
+class Placement(LabelledChoice):
+    """How an epoch's pages are placed over an engine's devices (also `load_epoch --placement`)."""
 
     AUTO = "auto", "auto: shard where one device cannot hold the matrix twice, else replicate"
     SHARD = "shard", "shard: each device holds a range of pages; every batch runs on every device"
     REPLICATE = "replicate", "replicate: each device holds every page; a batch runs on one device"
-
-    def __new__(cls, value: str, label: str) -> Self:
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.label = label
-        return member
-
-    @classmethod
-    def choices(cls) -> List[Tuple[str, str]]:
-        """(value, label) pairs, as Django fields and DRF choice fields take them."""
-        return [(placement.value, placement.label) for placement in cls]
 
 
 class PlacementError(ValueError):
@@ -209,6 +197,7 @@ class PlacedResident(ResidentMatrix):
 
     def __init__(self, matrix: PageMatrix, names: Sequence[str]) -> None:
         super().__init__(matrix)
+        self.shape = MatrixShape(matrix.num_pages, matrix.domain_bits)  # checks row writes
         self.names = list(names)
         self.failure: Optional[str] = None
         self.clocks = [_DeviceClock() for _ in self.names]
@@ -235,15 +224,6 @@ class PlacedResident(ResidentMatrix):
             except Exception:  # noqa: BLE001 - the rest must still be freed
                 log.exception("releasing this epoch's pages on %s failed", self.names[device])
 
-    @staticmethod
-    def _checked_rows(rows: Mapping[int, bytes], num_rows: int) -> Dict[int, bytes]:
-        for index, data in rows.items():
-            if not 0 <= index < num_rows:
-                raise ValueError(f"row {index} is outside [0, {num_rows})")
-            if len(data) != ROW_BYTES:
-                raise ValueError(f"row {index} data is {len(data)} bytes, expected {ROW_BYTES}")
-        return dict(rows)
-
     def describe(self) -> dict:
         """Where the pages are, as /health and the dashboard show it."""
         return {"placement": self.placement.value, "devices": self.devices(), "failure": self.failure}
@@ -265,15 +245,10 @@ class ShardedResident(PlacedResident):
     placement = Placement.SHARD
 
     def __init__(self, matrix: PageMatrix, devices: Sequence[Backend], names: Sequence[str],
-                 bounds: Optional[Sequence[int]] = None) -> None:
+                 bounds: Sequence[int]) -> None:
+        """`bounds`: device i holds pages [bounds[i], bounds[i + 1]), as DeviceGroup.plan checked."""
         super().__init__(matrix, names)
-        bounds = list(bounds) if bounds is not None else shard_bounds(
-            matrix.num_pages, matrix.domain_bits, len(devices))
-        if len(bounds) != len(devices) + 1:
-            raise PlacementError(f"{len(devices)} devices need {len(devices) + 1} boundaries, got "
-                             f"{list(bounds)}")
-        check_bounds(bounds, matrix.num_pages)
-        self.bounds = bounds
+        self.bounds = list(bounds)
         # (device, subtree, its pages resident on that device), in page order
         self.parts: List[Tuple[int, Subtree, ResidentMatrix]] = []
         try:
@@ -300,7 +275,7 @@ class ShardedResident(PlacedResident):
         return _Xor(self, started)
 
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
-        rows = self._checked_rows(rows, self.num_pages * ROWS_PER_PAGE)
+        self.shape.check_rows(rows)
         for device, tree, resident in self.parts:
             low, high = tree.first * ROWS_PER_PAGE, tree.stop * ROWS_PER_PAGE
             mine = {row - low: data for row, data in rows.items() if low <= row < high}
@@ -385,7 +360,8 @@ class ReplicatedResident(PlacedResident):
 
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
         # a replica left behind would answer from other pages: its failure fails the group
-        rows = self._checked_rows(rows, self.num_pages * ROWS_PER_PAGE)
+        self.shape.check_rows(rows)
+        rows = dict(rows)
         for device, replica in enumerate(self.replicas):
             self.guarded(device, lambda r=replica: r.write_rows(rows))
 
@@ -429,12 +405,28 @@ class DeviceGroup(Backend):
         self.warm_all_shapes = devices[0].warm_all_shapes
         self.fallback_reason = devices[0].fallback_reason
 
-    def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None,
-             placement: str = Placement.AUTO, bounds: Optional[Sequence[int]] = None) -> PlacedResident:
+    def plan(self, matrix: PageMatrix, placement: str = Placement.AUTO,
+             bounds: Optional[Sequence[int]] = None) -> Tuple[Placement, Optional[List[int]]]:
+        """What `placement` comes to for `matrix` over these devices, with a shard's page
+        boundaries (`bounds`, else balanced ones); PlacementError where it cannot be made.
+        Nothing is loaded or freed."""
         chosen = choose_placement(placement, matrix.nbytes, matrix.num_pages, matrix.domain_bits,
                                   self.devices)
+        if chosen is not Placement.SHARD:
+            return chosen, None
+        bounds = list(bounds) if bounds is not None else shard_bounds(
+            matrix.num_pages, matrix.domain_bits, len(self.devices))
+        if len(bounds) != len(self.devices) + 1:
+            raise PlacementError(f"{len(self.devices)} devices need {len(self.devices) + 1} "
+                                 f"boundaries, got {bounds}")
+        check_bounds(bounds, matrix.num_pages)
+        return chosen, bounds
+
+    def load(self, matrix: PageMatrix, progress: Optional[ProgressFn] = None,
+             placement: str = Placement.AUTO, bounds: Optional[Sequence[int]] = None) -> PlacedResident:
+        chosen, bounds = self.plan(matrix, placement, bounds)
         log.info("placing %d pages over %s: %s", matrix.num_pages, ", ".join(self.names), chosen.value)
-        if chosen is Placement.SHARD:  # ValueError for a matrix too small to shard
+        if chosen is Placement.SHARD:
             resident: PlacedResident = ShardedResident(matrix, self.devices, self.names, bounds)
         else:
             resident = ReplicatedResident(matrix, self.devices, self.names)
@@ -459,10 +451,7 @@ def check_placeable(backend: Backend, epoch) -> None:
     """Raise PlacementError where `epoch` cannot be placed over `backend`'s devices as it asks,
     before anything is freed or loaded (a stop-the-world switch frees the current epoch first)."""
     if isinstance(backend, DeviceGroup):
-        matrix = epoch.matrix
-        if choose_placement(epoch.placement, matrix.nbytes, matrix.num_pages, matrix.domain_bits,
-                            backend.devices) is Placement.SHARD:
-            shard_bounds(matrix.num_pages, matrix.domain_bits, len(backend.devices))
+        backend.plan(epoch.matrix, epoch.placement)
 
 
 def load_placed(backend: Backend, epoch) -> ResidentMatrix:

@@ -73,8 +73,7 @@ class NumpyResident(ResidentMatrix):
         return acc.reshape(len(keys), WORDS_PER_PAGE).astype("<u4").view(np.uint8).reshape(len(keys), PAGE_BYTES)
 
     def write_rows(self, rows: Mapping[int, bytes]) -> None:
-        for index, data in rows.items():
-            self.matrix.check_row(index, data)
+        self.matrix.check_rows(rows)
         for index, data in rows.items():
             self.matrix.write_row(index, data)
 
