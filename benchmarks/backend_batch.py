@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for, random_matrix  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
 
@@ -42,9 +42,10 @@ class Queries:
     party1: List
 
 
-def make_queries(q: int, num_pages: int, domain_bits: int, rng: np.random.Generator) -> Queries:
+def make_queries(q: int, num_pages: int, domain_bits: int, rng: np.random.Generator,
+                 key_format: int = KEY_FORMAT_V1) -> Queries:
     targets = [int(t) for t in rng.integers(0, num_pages, size=KEYS_PER_QUERY * q)]
-    pairs = [gen_keys(t, domain_bits, rng=rng) for t in targets]
+    pairs = [gen_keys(t, domain_bits, rng=rng, key_format=key_format) for t in targets]
     return Queries(targets, [a for a, _ in pairs], [b for _, b in pairs])
 
 
@@ -143,11 +144,11 @@ def make_resident(backend, pages: int, domain_bits: int, seed: int, on_device: b
 
 
 def run(resident, page_of, pages: int, domain_bits: int, qs: Sequence[int], dispatch: DispatchShape,
-        repeat: int, seed: int, log: Callable[[str], None]) -> List[dict]:
+        repeat: int, seed: int, log: Callable[[str], None], key_format: int = KEY_FORMAT_V1) -> List[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for q in qs:
-        queries = make_queries(q, pages, domain_bits, rng)
+        queries = make_queries(q, pages, domain_bits, rng, key_format)
         row = bench_q(resident, page_of, queries, q, dispatch, repeat, log)
         log("  " + "  ".join(f"{k}={row[k]}" for k in CSV_COLUMNS))
         rows.append(row)
@@ -167,6 +168,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
     ap.add_argument("--max-group-keys", type=int, default=None, help="cuda: keys per block, at most")
     ap.add_argument("--chunk-levels", type=int, default=None, help="cuda: log2 pages per expanded chunk")
+    ap.add_argument("--key-format", choices=("v1", "v2"), default="v1", help="docs/PROTOCOL.md 3, 3.1")
+    ap.add_argument("--v2-scan", choices=("auto", "mma", "alu"), default=None,
+                    help="cuda, v2 keys: by batch size (the default where the GPU has tensor cores), "
+                         "tensor cores, or the ALU")
+    ap.add_argument("--mma-chunks", type=int, default=None,
+                    help="cuda, v2 on the tensor cores: chunks of 1024 pages a block (default: the plan's)")
+    ap.add_argument("--define", action="append", default=[],
+                    help="cuda: NAME=VALUE, one more -D option for the kernels (a variant to time)")
     ap.add_argument("--out", required=True, help="CSV path")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -175,22 +184,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     qs = [int(x) for x in args.q.split(",") if x]
     dispatches = [parse_dispatch(t) for t in (args.dispatch or ["micro_batch=0,streams=1,graph=0"])]
     log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if args.define:
+        from gpu_engine.backends import cuda_module
+
+        cuda_module.NVRTC_OPTIONS += tuple(f"-D{d}" for d in args.define)
     backend = create_backend(args.backend)
     if args.gpu_matrix and args.backend != "cuda":
         ap.error("--gpu-matrix needs --backend cuda")
     resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, log)
-    extra = []
+    extra = [f"-D{d}" for d in args.define]
     if args.max_group_keys:
         resident.max_group_keys = args.max_group_keys
         extra.append(f"max_group_keys={args.max_group_keys}")
     if args.chunk_levels:
         resident.chunk_levels = args.chunk_levels
         extra.append(f"chunk_levels={args.chunk_levels}")
+    key_format = KEY_FORMAT_V2 if args.key_format == "v2" else KEY_FORMAT_V1
+    extra.append(f"keys={args.key_format}")
+    if key_format == KEY_FORMAT_V2 and args.backend == "cuda":
+        if args.v2_scan:
+            resident.v2_scan = args.v2_scan
+        extra.append(f"scan={resident.v2_scan}")
+        if args.mma_chunks:
+            resident.mma_chunks_per_block = args.mma_chunks
+            extra.append(f"mma_chunks={args.mma_chunks}")
     device = backend.memory_info()["device"]
     ok = True
     for dispatch in dispatches:
         log(f"{args.backend} {device} pages={args.pages} d={d} dispatch={dispatch_tag(dispatch)}")
-        rows = run(resident, page_of, args.pages, d, qs, dispatch, args.repeat, args.seed, log)
+        rows = run(resident, page_of, args.pages, d, qs, dispatch, args.repeat, args.seed, log, key_format)
         out = args.out if len(dispatches) == 1 else args.out.replace(".csv", f"-{dispatch_tag(dispatch)}.csv")
         header = csv_header(device, args.pages, d, args.backend, dispatch, argv, ", ".join(extra))
         write_csv(out, header, rows)

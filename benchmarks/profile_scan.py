@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import describe_plan  # noqa: E402
-from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
 
 
@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--max-group-keys", type=int, default=None)
     ap.add_argument("--chunk-levels", type=int, default=None)
+    ap.add_argument("--key-format", choices=("v1", "v2"), default="v1")
+    ap.add_argument("--v2-scan", choices=("auto", "mma", "alu"), default=None)
     args = ap.parse_args()
 
     d = domain_bits_for(args.pages, args.domain_bits)
@@ -39,9 +41,13 @@ def main() -> None:
         resident.max_group_keys = args.max_group_keys
     if args.chunk_levels:
         resident.chunk_levels = args.chunk_levels
+    if args.v2_scan:
+        resident.v2_scan = args.v2_scan
+    fmt = KEY_FORMAT_V2 if args.key_format == "v2" else KEY_FORMAT_V1
     rng = np.random.default_rng(5)
-    keys = KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng)[0] for _ in range(args.keys)])
-    plan = resident.plan(args.keys)
+    keys = KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng, key_format=fmt)[0]
+                               for _ in range(args.keys)])
+    plan = resident.plan(args.keys, fmt)
     print(describe_plan(plan), flush=True)
     for i in range(args.batches):
         t0 = time.perf_counter()

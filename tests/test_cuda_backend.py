@@ -15,13 +15,39 @@ from tests.protocol_vectors import (
 )
 
 MAINNET_PAGES = 16_817_159
-FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2]  # every GPU answer test runs for both key formats
+V2_MMA = -KEY_FORMAT_V2  # v2 keys on the tensor-core scan whatever the batch size
+# every GPU answer test runs for v1 keys, v2 keys as the engine scans them (the ALU below
+# cuda_plan.MMA_MIN_KEYS keys, the tensor cores from there) and v2 keys on the tensor cores
+FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MMA]
+
+
+def _key_format(fmt):
+    return KEY_FORMAT_V2 if fmt == V2_MMA else fmt
+
+
+def _v2_scan(fmt):
+    return "mma" if fmt == V2_MMA else "auto"
 
 
 def _keys(num_keys, num_pages, d, seed, fmt=KEY_FORMAT_V1):
     rng = np.random.default_rng(seed)
-    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng, key_format=fmt)[i % 2]
+    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng, key_format=_key_format(fmt))[i % 2]
                                for i in range(num_keys)])
+
+
+@pytest.fixture(autouse=True)
+def _scan_of_the_format(request):
+    """A GPU test's `fmt` picks the v2 scan of the matrices it loads (the backend's v2_scan)."""
+    fmt = getattr(getattr(request.node, "callspec", None), "params", {}).get("fmt")
+    if fmt is None or "cuda" not in request.fixturenames:
+        yield
+        return
+    cuda = request.getfixturevalue("cuda")
+    if fmt == V2_MMA and not cuda.tensor_cores:
+        pytest.skip(f"{cuda.device_name} has no 1-bit tensor-core products")
+    before, cuda.v2_scan = cuda.v2_scan, _v2_scan(fmt)
+    yield
+    cuda.v2_scan = before
 
 
 # --- launch planning and checks: pure code, run in CI ---------------------------------------------
@@ -295,12 +321,12 @@ def shared_65536(cuda):
 @pytest.mark.parametrize("max_group_keys", [8, 16, 32])
 def test_dispatch_shapes_and_groups_match_numpy(shared_65536, dispatch, max_group_keys, fmt):
     resident, batches = shared_65536
-    resident.max_group_keys = max_group_keys
+    resident.max_group_keys, resident.v2_scan = max_group_keys, _v2_scan(fmt)
     try:
         for keys, expect in batches[fmt]:  # a replayed graph must answer the new keys, not the captured ones
             assert np.array_equal(resident.answer(keys, dispatch), expect)
     finally:
-        resident.max_group_keys = cuda_plan.DEFAULT_MAX_GROUP_KEYS
+        resident.max_group_keys, resident.v2_scan = cuda_plan.DEFAULT_MAX_GROUP_KEYS, "auto"
 
 
 @pytest.mark.gpu
@@ -313,6 +339,7 @@ def test_poisoned_buffers_never_reach_the_answers(shared_65536, dispatch):
     resident, batches = shared_65536
     for _ in range(2):
         for fmt in FORMATS:
+            resident.v2_scan = _v2_scan(fmt)
             for keys, expect in batches[fmt]:
                 for state in resident._states.values():
                     state.out_host.view(np.uint8)[...] = 0x5A
@@ -321,8 +348,11 @@ def test_poisoned_buffers_never_reach_the_answers(shared_65536, dispatch):
                         for seed, t in item.nodes:
                             seed.fill(0xFFFFFFFF)
                             t.fill(1)
+                        if item.sel is not None:
+                            item.sel.fill(0xFFFFFFFF)
                 cupy.cuda.Device().synchronize()
                 assert np.array_equal(resident.answer(keys, dispatch), expect)
+    resident.v2_scan = "auto"
 
 
 @pytest.mark.gpu
@@ -443,7 +473,8 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
     try:
         rng = np.random.default_rng(12)
         targets = [[int(t) for t in rng.integers(0, 5000, size=3)] for _ in range(12)]
-        pairs = [[gen_keys(t, matrix.domain_bits, rng, key_format=fmt) for t in query] for query in targets]
+        pairs = [[gen_keys(t, matrix.domain_bits, rng, key_format=_key_format(fmt)) for t in query]
+                 for query in targets]
         with ThreadPoolExecutor(6) as pool:  # concurrent requests are coalesced into launches
             side0 = list(pool.map(lambda q: engine.answer([[p[0] for p in q]], timeout=60), pairs))
             side1 = list(pool.map(lambda q: engine.answer([[p[1] for p in q]], timeout=60), pairs))
@@ -459,3 +490,142 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
         assert page[5 * 256 : 6 * 256] == bytes(range(256))
     finally:
         engine.stop()
+
+
+# --- the tensor-core scan's plan: pure code, run in CI ------------------------------------------
+
+
+@pytest.mark.parametrize("num_keys, expect", [
+    (1, (1, 1)), (3, (1, 1)), (16, (1, 1)), (17, (2, 1)), (36, (3, 1)), (96, (6, 1)),
+    (97, (4, 2)), (192, (6, 2)), (200, (5, 3))])
+def test_pick_mma_tiles(num_keys, expect):
+    tiles, groups = cuda_plan.pick_mma_tiles(num_keys)
+    assert (tiles, groups) == expect
+    assert tiles in cuda_plan.MMA_TILE_COUNTS and 16 * tiles * groups >= num_keys > 16 * tiles * (groups - 1) - 16
+
+
+@pytest.mark.parametrize("scan, keys, expect", [
+    ("auto", 1, False), ("auto", cuda_plan.MMA_MIN_KEYS - 1, False), ("auto", cuda_plan.MMA_MIN_KEYS, True),
+    ("auto", 96, True), ("mma", 1, True), ("alu", 96, False)])
+def test_v2_batches_reach_the_tensor_cores_by_size(scan, keys, expect):
+    assert cuda_plan.use_tensor_cores(scan, KEY_FORMAT_V2, keys) is expect
+    assert cuda_plan.use_tensor_cores(scan, KEY_FORMAT_V1, keys) is False  # v1 keys: the ALU scan
+    with pytest.raises(ValueError, match="v2_scan"):
+        cuda_plan.use_tensor_cores("fast", KEY_FORMAT_V2, keys)
+
+
+@pytest.mark.parametrize("pages, d, keys", [
+    (1, 1, 1), (3, 2, 96), (128, 7, 5), (1025, 11, 40), (4097, 20, 3), (65536, 16, 96),
+    (2**20 + 17, 21, 96), (MAINNET_PAGES, 25, 96), (MAINNET_PAGES, 25, 3)])
+def test_mma_plan_covers_every_chunk_and_slice_once(pages, d, keys):
+    plan = cuda_plan.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2, tensor_cores=True)
+    assert plan.scan_kernel == ("dpf_scan_mma.cu", f"dpf_scan_mma<{plan.group_keys // 16}>")
+    chunks = -(-pages // cuda_plan.MMA_CHUNK_PAGES)
+    assert plan.num_chunks == chunks and plan.padded_leaves == 8 * chunks >= -(-pages // 128)
+    runs = plan.grid // (cuda_plan.MMA_SLICES * plan.num_groups)
+    assert plan.grid == runs * cuda_plan.MMA_SLICES * plan.num_groups
+    assert runs * plan.chunks_per_block >= chunks > (runs - 1) * plan.chunks_per_block
+    assert plan.padded_keys >= keys and plan.shared_bytes == cuda_plan.mma_shared_bytes(plan.group_keys // 16)
+    # the same top stages as the ALU scan of v2 keys: the leaves, 128 pages each
+    assert plan.stages == cuda_plan.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2).stages
+    # the selection bits of every (key, leaf) beside the tree nodes
+    assert cuda_plan.workspace_bytes(plan) >= plan.padded_keys * plan.padded_leaves * 16
+    with pytest.raises(ValueError, match="v2 keys only"):
+        cuda_plan.plan_scan(pages, d, keys, tensor_cores=True)
+
+
+def _bits_of(words, count=32):
+    """(..., count) 0/1 of u32 words, bit i at index i."""
+    return ((words[..., None].astype(np.uint64) >> np.arange(count, dtype=np.uint64)) & 1).astype(np.int64)
+
+
+def _words_of(bits):
+    """u32 words of (..., 32) 0/1 arrays, index i as bit i."""
+    return (bits.astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=-1).astype(np.uint32)
+
+
+def _mma_and_popc(a, b):
+    """PTX's mma.m16n8k256 .b1 AND.POPC on one warp's fragments: a (32 lanes, 4) u32 registers and
+    b (n, 32 lanes, 2), n products sharing a -> d (n, 32, 4) int. Lane l = 4g + t: A rows g (a0,
+    a2) and g + 8 (a1, a3), k 32t.. (a0, a1) and 128 + 32t.. (a2, a3); B column g, k 32t.. (b0)
+    and 128 + 32t.. (b1); D rows g (d0, d1) and g + 8 (d2, d3), columns 2t and 2t + 1."""
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    span = (32 * t)[:, None] + np.arange(32)  # (lane, i): k of bit i of a lane's register
+    A = np.zeros((16, 256), np.int64)
+    for reg, (row, k0) in enumerate([(0, 0), (8, 0), (0, 128), (8, 128)]):
+        A[(g + row)[:, None], k0 + span] = _bits_of(a[:, reg])
+    B = np.zeros((len(b), 256, 8), np.int64)
+    for reg, k0 in enumerate([0, 128]):
+        B[:, k0 + span, g[:, None]] = _bits_of(b[:, :, reg])
+    D = np.einsum("mk,nkc->nmc", A, B)
+    return np.stack([D[:, g, 2 * t], D[:, g, 2 * t + 1], D[:, g + 8, 2 * t], D[:, g + 8, 2 * t + 1]], axis=2)
+
+
+def _simulate_scan_mma(plan, matrix, keys, rng):
+    """dpf_leaf_bits then dpf_scan_mma<T> as their text runs, block by block: each chunk's slice
+    transposed into B fragments by stage_fragments' index arithmetic, A fragments read from the
+    selection bits as mma_chunk reads them, each product as PTX defines the fragments, and the
+    accumulators' low bits placed in the answer as the kernel places them. Pages past num_pages
+    are garbage in the staging buffer, as in shared memory."""
+    from gpu_engine.dpf import eval_full
+
+    kp, K, T = plan.padded_keys, plan.group_keys, plan.group_keys // 16
+    bits = eval_full(keys, plan.tree_leaves)
+    bits = np.concatenate([bits, np.repeat(bits[-1:], kp - len(keys), axis=0)])
+    sel = np.zeros((kp, plan.padded_leaves, 4), np.uint32)  # dpf_leaf_bits
+    sel[:, : plan.tree_leaves] = bits
+    page_bits = _bits_of(sel.reshape(kp, -1), 32).reshape(kp, -1)  # (kp, padded pages)
+    page_bits[:, plan.num_pages :] = 0
+    sel = _words_of(page_bits.reshape(kp, plan.padded_leaves, 4, 32))
+    pages = matrix.block(0, matrix.num_pages)
+    garbage = rng.integers(0, 2**32, size=(plan.num_chunks * 1024 - plan.num_pages, 1024), dtype=np.uint32)
+    pages = np.concatenate([pages, garbage])
+    out = np.zeros((kp, 1024), np.uint32)
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    for block in range(plan.grid):
+        group, rest = block % plan.num_groups, block // plan.num_groups
+        piece, run = rest % cuda_plan.MMA_SLICES, rest // cuda_plan.MMA_SLICES
+        key0 = group * K
+        acc = np.zeros((T, 8, 4, 32, 4), np.int64)  # [tile][warp][j][lane][reg]
+        first = run * plan.chunks_per_block
+        for chunk in range(first, min(plan.num_chunks, first + plan.chunks_per_block)):
+            raw = pages[chunk * 1024 : chunk * 1024 + 1024, piece * 8 : piece * 8 + 8]  # (page, w)
+            # stage_fragments: thread (pg, w) -> bfrag[ks][half][b][lane w * 4 + t]
+            bfrag = np.zeros((4, 2, 32, 32), np.uint32)
+            for pg in range(32):
+                x = _words_of(_bits_of(raw[32 * pg : 32 * pg + 32]).transpose(1, 2, 0))  # [w][b] bit i: page i
+                bfrag[pg >> 3, (pg >> 2) & 1, :, np.arange(8) * 4 + (pg & 3)] = x
+            selw = sel[key0 : key0 + K, chunk * 8 : chunk * 8 + 8].transpose(1, 0, 2).reshape(-1)  # [leaf][key][word]
+            for ks in range(4):
+                for m in range(T):
+                    lo = (2 * ks) * K * 4 + g * 4 + t + m * 64
+                    hi = lo + K * 4
+                    a = np.stack([selw[lo], selw[lo + 32], selw[hi], selw[hi + 32]], axis=1)
+                    # warp W's j-th product takes n-block 4W + j: all 32 n-blocks share a
+                    b = np.stack([bfrag[ks, 0], bfrag[ks, 1]], axis=2)  # (n-block, lane, reg)
+                    acc[m] += _mma_and_popc(a, b).reshape(8, 4, 32, 4)
+        outsm = np.zeros(K * 8, np.uint32)
+        for m in range(T):
+            for warp in range(8):
+                for r in range(4):
+                    word = np.zeros(32, np.uint32)
+                    for j in range(4):
+                        word |= ((acc[m, warp, j, :, r] & 1) << (4 * warp + j)).astype(np.uint32)
+                    np.bitwise_or.at(outsm, (16 * m + g + (r >> 1) * 8) * 8 + 2 * t + (r & 1), word)
+        for i in range(K * 8):
+            out[key0 + i // 8, piece * 8 + i % 8] ^= outsm[i]
+    return out[: len(keys)].astype("<u4").view(np.uint8)
+
+
+@pytest.mark.parametrize("pages, d, keys", [(1, 1, 2), (200, 8, 3), (1500, 11, 17)])
+def test_the_mma_scan_as_planned_equals_numpy(pages, d, keys):
+    # the kernel's index arithmetic and PTX's fragment layout, checked on the CPU; the GPU tests
+    # check the kernel itself (test_matches_numpy and the rest with fmt V2_MMA)
+    from gpu_engine.backends.cpu import reference_answers
+
+    matrix = random_matrix(pages, seed=pages, domain_bits=d)
+    batch = _keys(keys, pages, d, seed=d, fmt=KEY_FORMAT_V2)
+    plan = cuda_plan.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               resident_blocks=2)
+    simulated = _simulate_scan_mma(plan, matrix, batch, np.random.default_rng(1))
+    assert np.array_equal(simulated, reference_answers(matrix, batch))

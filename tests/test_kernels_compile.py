@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends import cuda_plan
-from gpu_engine.backends.cuda_plan import SCAN_GROUP_SIZES, SCAN_THREADS, TOP_THREADS
+from gpu_engine.backends.cuda_plan import (
+    MMA_THREADS,
+    MMA_TILE_COUNTS,
+    SCAN_GROUP_SIZES,
+    SCAN_THREADS,
+    TOP_THREADS,
+)
 from gpu_engine.backends.cuda_module import (
     KERNEL_DIR,
     KERNEL_FILES,
@@ -24,7 +30,9 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on t
 # __launch_bounds__ must be exactly this: fewer and the launch fails, more and registers are lost.
 LAUNCH_THREADS = {"dpf_expand_top": TOP_THREADS,
                   **{f"dpf_scan<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
-                  **{f"dpf_scan_bits<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES}}
+                  **{f"dpf_scan_bits<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
+                  "dpf_leaf_bits": MMA_THREADS,
+                  **{f"dpf_scan_mma<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS}}
 
 
 def test_every_cu_file_is_loaded_by_the_backend():
@@ -38,14 +46,16 @@ def test_sources_include_no_headers():
 
 
 def _code(name):
-    """The text of kernels/<name> without its comments."""
-    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", " ", kernel_source(name), flags=re.S))
+    """The text of kernels/<name> without its comments and string literals."""
+    code = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", " ", kernel_source(name), flags=re.S))
+    return re.sub(r'"[^"\n]*"', '""', code)
 
 
 def test_the_host_constants_are_the_compilers_d_options():
     defines = cuda_plan.kernel_defines()
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
-                            "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES"}
+                            "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
+                            "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -54,14 +64,17 @@ def test_the_host_constants_are_the_compilers_d_options():
     assert cuda_plan.LEAF_PAGES == 128  # a v2 leaf: 128 selection bits, 4 words of 32 pages
 
 
-def test_every_macro_the_scan_kernel_uses_is_defined_in_it_or_by_the_host_not_both():
-    code = _code("dpf_scan.cu")
-    defined_here = set(re.findall(r"^\s*#\s*define\s+(\w+)", code, re.M))
+def test_every_macro_the_scan_kernels_use_is_defined_in_them_or_by_the_host_not_both():
     host = set(cuda_plan.kernel_defines())
-    assert not defined_here & host, "restated in dpf_scan.cu"
-    used = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", code))  # macros are upper case; G, L, U are not
-    assert used - defined_here == host
-    assert host <= used  # no -D option the kernel ignores
+    used_somewhere = set()
+    for name in ("dpf_scan.cu", "dpf_scan_mma.cu"):
+        code = _code(name)
+        defined_here = set(re.findall(r"^\s*#\s*define\s+(\w+)", code, re.M))
+        assert not defined_here & host, f"restated in {name}"
+        used = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", code))  # macros are upper case; G, L, T are not
+        assert used - defined_here <= host, name
+        used_somewhere |= used - defined_here
+    assert used_somewhere == host  # no -D option every kernel ignores
 
 
 @pytest.mark.parametrize("group_keys, chunk_levels", [(1, 1), (3, 5), (16, 8), (32, 6)])
@@ -235,8 +248,12 @@ def test_scan_instantiations_match_the_host_and_do_not_spill(compiled):
     bits_sizes = sorted(int(m) for e in entries for m in re.findall(r"dpf_scan_bitsILi(\d+)E", e))
     assert bits_sizes == sorted(SCAN_GROUP_SIZES)
     assert "dpf_expand_top" in entries
+    mma = compiled("dpf_scan_mma.cu").report
+    mma_entries = re.findall(r"Compiling entry function '(\w+)'", mma)
+    tiles = sorted(int(m) for e in mma_entries for m in re.findall(r"dpf_scan_mmaILi(\d+)E", e))
+    assert tiles == sorted(MMA_TILE_COUNTS) and "dpf_leaf_bits" in mma_entries
     # registers capped by __launch_bounds__ must not push accumulators to local memory
-    for block in report.split("Compiling entry function")[1:]:
+    for block in (report + mma).split("Compiling entry function")[1:]:
         name = re.search(r"'(\w+)'", block).group(1)
         spill = re.search(r"(\d+) bytes spill stores", block)
         assert spill is None or spill.group(1) == "0", f"{name} spills: {block}"
@@ -251,3 +268,22 @@ def test_nvrtc_module_has_every_kernel_with_its_launch_bounds(name):
         function = get_kernel(name, kernel)  # NVRTC compiles the file on the first one
         if kernel in LAUNCH_THREADS:
             assert function.max_threads_per_block == LAUNCH_THREADS[kernel], kernel
+
+
+def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
+    code = _code("dpf_scan_mma.cu")
+    body = code[code.index("extern __shared__ uint4 smem[];"):]
+    names = [name for name, _ in cuda_plan.MMA_SHARED_REGIONS]
+    carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
+    assert [name for name, _ in carving] == names and carving[0][1] == "smem"
+    # each region starts where the one before it ends, sized as the host sizes it
+    words = {"raw": "2 * RAW_WORDS", "selsm": "2 * CHUNK_LEAVES * K", "bfrag": "KSTEPS * 2 * 32 * 32"}
+    for (prev, _), (_, expr) in zip(carving, carving[1:]):
+        assert expr == f"{prev} + {words[prev]}", expr
+    for tiles in cuda_plan.MMA_TILE_COUNTS:
+        k = 16 * tiles
+        raw = 2 * 4 * (cuda_plan.MMA_CHUNK_PAGES * 8 + cuda_plan.MMA_CHUNK_PAGES // 32 * 8)
+        sel = 2 * 16 * (cuda_plan.MMA_CHUNK_PAGES // 128) * k
+        frag = 4 * (cuda_plan.MMA_CHUNK_PAGES // 256) * 2 * 32 * 32
+        assert cuda_plan.mma_shared_bytes(tiles) == raw + sel + frag + 4 * k * 8
+        assert cuda_plan.mma_shared_bytes(tiles) <= cuda_plan.MAX_SHARED_BYTES

@@ -56,7 +56,12 @@ class _MicroBatch:
             for st in plan.stages
         ]
         self.top = get_kernel("dpf_scan.cu", "dpf_expand_top") if plan.stages else None
-        self.scan = scan_kernel(plan.group_keys, plan.shared_bytes, plan.scan_template)
+        self.scan = scan_kernel(plan)
+        # the tensor-core scan reads every (key, leaf)'s selection bits, made by dpf_leaf_bits
+        self.sel = self.leaf_bits = None
+        if plan.tensor_cores:
+            self.sel = cupy.empty((kp, plan.padded_leaves, 4), dtype=np.uint32)
+            self.leaf_bits = get_kernel("dpf_scan_mma.cu", "dpf_leaf_bits")
         self.graph = None
 
     def stage_keys(self, records: np.ndarray) -> None:
@@ -75,9 +80,16 @@ class _MicroBatch:
             for i, st in enumerate(plan.stages):
                 self.top((st.live_in, kp), (cuda_plan.TOP_THREADS,),
                          cuda_plan.top_args(plan, i, self.keyrec, self.nodes))
-            self.scan((plan.grid,), (cuda_plan.SCAN_THREADS,),
-                      cuda_plan.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
-                      shared_mem=plan.shared_bytes)
+            if plan.tensor_cores:
+                self.leaf_bits((cuda_plan.leaf_bits_grid(plan),), (cuda_plan.MMA_THREADS,),
+                               cuda_plan.leaf_bits_args(plan, self.keyrec, self.nodes, self.sel))
+                self.scan((plan.grid,), (cuda_plan.MMA_THREADS,),
+                          cuda_plan.mma_scan_args(plan, pages, self.sel, self.out),
+                          shared_mem=plan.shared_bytes)
+            else:
+                self.scan((plan.grid,), (cuda_plan.SCAN_THREADS,),
+                          cuda_plan.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
+                          shared_mem=plan.shared_bytes)
         runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr,
                             (self.stop - self.start) * PAGE_BYTES, _D2H, s)
 
@@ -143,6 +155,9 @@ class CudaResident(ResidentMatrix):
         # scan tuning; the benchmarks vary these, the engine keeps the defaults
         self.max_group_keys = cuda_plan.DEFAULT_MAX_GROUP_KEYS
         self.chunk_levels = cuda_plan.DEFAULT_CHUNK_LEVELS
+        # v2 keys: "auto" (tensor cores from MMA_MIN_KEYS keys), "mma" or "alu" (cuda_plan.V2_SCANS)
+        self.v2_scan = backend.v2_scan
+        self.mma_chunks_per_block: Optional[int] = None  # None: the plan's (a few waves a launch)
 
     @property
     def nbytes(self) -> int:
@@ -155,13 +170,16 @@ class CudaResident(ResidentMatrix):
 
     def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> cuda_plan.ScanPlan:
         return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
-                                self.chunk_levels, self._backend.resident_blocks, key_format)
+                                self.chunk_levels, self._backend.resident_blocks, key_format,
+                                tensor_cores=cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys),
+                                mma_chunks_per_block=self.mma_chunks_per_block)
 
     def _state(self, num_keys: int, dispatch: DispatchShape,
                key_format: int) -> Tuple[tuple, _DispatchState]:
         """The buffers (and graphs) of this batch shape that no started batch is using: a second
         set where the engine starts a batch while one of the same shape still runs."""
-        shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format)
+        shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format,
+                 self.v2_scan, self.mma_chunks_per_block)
         key = shape + (1 if shape + (0,) in self._started else 0,)
         if key in self._started:
             raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
@@ -267,6 +285,9 @@ class CudaBackend(Backend):
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.sm_count = int(props["multiProcessorCount"])
         self.compute_capability = (int(props["major"]), int(props["minor"]))
+        self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY
+        # the v2 scan of the matrices it loads from now on (cuda_plan.V2_SCANS)
+        self.v2_scan = "auto" if self.tensor_cores else "alu"
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
     def on_device(self):
@@ -286,7 +307,9 @@ class CudaBackend(Backend):
         # matrix: the engine starts the next batch while one runs
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
-                             key_format=key_format)) for key_format in (KEY_FORMAT_V1, KEY_FORMAT_V2))
+                                key_format=key_format, tensor_cores=tensor_cores))
+            for key_format, tensor_cores in ((KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False),
+                                             (KEY_FORMAT_V2, self.tensor_cores)))
         free, total = runtime.memGetInfo()
         if need + working > free:
             raise BackendUnavailable(

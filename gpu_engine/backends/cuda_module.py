@@ -8,7 +8,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from gpu_engine.backends.cuda_plan import SCAN_GROUP_SIZES, kernel_defines
+from gpu_engine.backends.cuda_plan import MMA_TILE_COUNTS, SCAN_GROUP_SIZES, kernel_defines
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets;
@@ -20,6 +20,7 @@ NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
 KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
     "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
                     *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES)),
+    "dpf_scan_mma.cu": ("dpf_leaf_bits", *(f"dpf_scan_mma<{t}>" for t in MMA_TILE_COUNTS)),
     "matrix_fill.cu": ("fill_pages",),
 }
 KERNEL_FILES = tuple(KERNEL_NAMES)
@@ -59,14 +60,13 @@ def _kernel(module, kernel_name: str):
     return module.get_function(kernel_name)
 
 
-def scan_kernel(group_keys: int, shared_bytes: int, name: str = "dpf_scan"):
-    """`name`<group_keys> (dpf_scan, or dpf_scan_bits for v2 keys), its dynamic shared-memory
-    limit raised to at least shared_bytes."""
-    if group_keys not in SCAN_GROUP_SIZES:
-        raise ValueError(f"group_keys must be one of {SCAN_GROUP_SIZES}, got {group_keys}")
-    kernel = get_kernel("dpf_scan.cu", f"{name}<{group_keys}>")
-    if shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_bytes:
-        kernel.max_dynamic_shared_size_bytes = shared_bytes
+def scan_kernel(plan):
+    """The scan of a cuda_plan.ScanPlan (dpf_scan<G>, dpf_scan_bits<G> or dpf_scan_mma<T>), its
+    dynamic shared-memory limit raised to at least the plan's."""
+    file_name, kernel_name = plan.scan_kernel
+    kernel = get_kernel(file_name, kernel_name)
+    if plan.shared_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < plan.shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = plan.shared_bytes
     return kernel
 
 

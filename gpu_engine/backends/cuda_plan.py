@@ -7,11 +7,11 @@ them to the compiler as -D options (cuda_module.NVRTC_OPTIONS), and the kernel t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from gpu_engine.dpf import KEY_FORMAT_V1, format_name, tree_depth
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, format_name, tree_depth
 from gpu_engine.protocol import LEAF_PAGE_BITS, LEAF_PAGES, PAGE_BYTES, ROW_BYTES
 
 SCAN_THREADS = PAGE_BYTES // 16  # 256: one thread per 16-byte column of a page
@@ -31,6 +31,42 @@ DEFAULT_MAX_GROUP_KEYS = 16  # 64 accumulator registers a thread: two blocks fit
 DEFAULT_CHUNK_LEVELS = 8  # 256 pages per expanded chunk: 106 KiB of shared memory at G = 16, 2 blocks an SM
 WAVES_PER_LAUNCH = 8  # blocks per launch over blocks resident at once: bounds the tail wave
 MAX_SHARED_BYTES = 227 * 1024  # opt-in limit of one block on sm_90
+PAGE_WORDS = PAGE_BYTES // 4  # 1024 u32 words a page
+# The v2 scan on the tensor cores (dpf_scan_mma.cu): a block of MMA_THREADS threads owns a slice
+# of MMA_SLICE_WORDS words of every page (the 8 columns of an m16n8k256 product) and stages
+# MMA_CHUNK_PAGES pages of it at a time; T key tiles of 16 keys a block, T in MMA_TILE_COUNTS.
+MMA_THREADS = 256  # 8 warps, each 4 of the 32 n-blocks (bits) of the slice's words
+MMA_SLICE_WORDS = 8  # words of a page a block owns: 32 bytes
+MMA_SLICES = PAGE_WORDS // MMA_SLICE_WORDS  # 128 blocks cover a page's width
+MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32 KiB of its slice)
+MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
+MMA_TILE_COUNTS = (1, 2, 3, 4, 5, 6)  # dpf_scan_mma<T> instantiations: up to 96 keys a group
+MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or later
+# keys from which v2 batches go to the tensor cores when the scan is "auto": below it the ALU
+# scan, which reads whole pages, wins (measured on the H100: docs/benchmarks/NOTES-cuda.md)
+MMA_MIN_KEYS = 36
+V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, tensor cores, ALU
+
+
+def use_tensor_cores(v2_scan: str, key_format: int, num_keys: int) -> bool:
+    """Whether a batch of num_keys keys of key_format runs on the tensor-core scan."""
+    if v2_scan not in V2_SCANS:
+        raise ValueError(f"v2_scan must be one of {V2_SCANS}, got {v2_scan!r}")
+    if key_format != KEY_FORMAT_V2:
+        return False
+    return v2_scan == "mma" or (v2_scan == "auto" and num_keys >= MMA_MIN_KEYS)
+# dpf_scan_mma<T>'s dynamic shared memory, region by region in the order the kernel carves it:
+# (region, bytes given T)
+MMA_SHARED_REGIONS = (
+    # two chunks' slices, u32, 8 words a page and 8 more after every 32 pages
+    ("raw", lambda T: 2 * 4 * (MMA_CHUNK_PAGES + MMA_CHUNK_PAGES // 32) * MMA_SLICE_WORDS),
+    # two chunks' selection bits, uint4 [leaf][key]
+    ("selsm", lambda T: 2 * 16 * MMA_CHUNK_LEAVES * 16 * T),
+    # B fragments, u32 [k-step][half][n-block][lane]
+    ("bfrag", lambda T: 4 * (MMA_CHUNK_PAGES // 256) * 2 * 32 * 32),
+    # the slice's answer words, u32 [key][word]
+    ("outsm", lambda T: 4 * 16 * T * MMA_SLICE_WORDS),
+)
 # dpf_scan<G>'s dynamic shared memory for chunks of L = 2**c leaves, region by region in the
 # order the kernel carves it: (region, bytes an entry, entries a key given L and c)
 SCAN_SHARED_REGIONS = (
@@ -55,6 +91,10 @@ def kernel_defines() -> Dict[str, int]:
         "KREC_ROOT_T": KREC_ROOT_T,
         "KREC_CW": KREC_CW,
         "LEAF_PAGES": LEAF_PAGES,  # v2 keys: pages one leaf selects among (dpf_scan_bits)
+        "PAGE_WORDS": PAGE_WORDS,
+        "MMA_THREADS": MMA_THREADS,
+        "MMA_SLICE_WORDS": MMA_SLICE_WORDS,
+        "MMA_CHUNK_PAGES": MMA_CHUNK_PAGES,
     }
 
 
@@ -138,6 +178,22 @@ def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
                             for _, size, count in SCAN_SHARED_REGIONS)
 
 
+def mma_shared_bytes(tiles: int) -> int:
+    """Dynamic shared memory of dpf_scan_mma<tiles>: the regions of MMA_SHARED_REGIONS."""
+    return sum(size(tiles) for _, size in MMA_SHARED_REGIONS)
+
+
+def pick_mma_tiles(num_keys: int) -> Tuple[int, int]:
+    """(key tiles of 16 a block, key groups) of the tensor-core scan: as few groups as the
+    compiled tile counts allow, each as even as 16-key tiles let it be (padding repeats a key)."""
+    if num_keys < 1:
+        raise ValueError(f"num_keys must be >= 1, got {num_keys}")
+    most = 16 * max(MMA_TILE_COUNTS)
+    groups = -(-num_keys // most)
+    tiles = -(-(-(-num_keys // groups)) // 16)
+    return tiles, -(-num_keys // (16 * tiles))
+
+
 def top_stages(depth_top: int) -> List[Tuple[int, int]]:
     """(depth_in, levels) of the dpf_expand_top launches that reach depth_top, at most
     MAX_TOP_LEVELS levels each; the short stage goes first, where there are fewest nodes."""
@@ -176,6 +232,7 @@ class ScanPlan:
     shared_bytes: int
     stages: Tuple[TopStage, ...]
     key_format: int = KEY_FORMAT_V1
+    tensor_cores: bool = False  # v2 keys: dpf_scan_mma (chunks of MMA_CHUNK_PAGES pages)
 
     @property
     def padded_keys(self) -> int:
@@ -196,8 +253,23 @@ class ScanPlan:
 
     @property
     def scan_template(self) -> str:
-        """The scan's template in dpf_scan.cu: dpf_scan (v1), dpf_scan_bits (v2), of G keys."""
+        """The scan's template: dpf_scan (v1), dpf_scan_bits (v2) of G keys in dpf_scan.cu;
+        dpf_scan_mma (v2 on the tensor cores) of G / 16 key tiles in dpf_scan_mma.cu."""
+        if self.tensor_cores:
+            return "dpf_scan_mma"
         return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
+
+    @property
+    def scan_kernel(self) -> Tuple[str, str]:
+        """(kernel file, name expression) of the scan."""
+        if self.tensor_cores:
+            return "dpf_scan_mma.cu", f"dpf_scan_mma<{self.group_keys // 16}>"
+        return "dpf_scan.cu", f"{self.scan_template}<{self.group_keys}>"
+
+    @property
+    def padded_leaves(self) -> int:
+        """Leaves of the selection-bit array the tensor-core scan reads: whole chunks."""
+        return self.num_chunks * MMA_CHUNK_LEAVES if self.tensor_cores else self.tree_leaves
 
     @property
     def depth_top(self) -> int:
@@ -212,7 +284,8 @@ class ScanPlan:
 def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
               max_group_keys: int = DEFAULT_MAX_GROUP_KEYS,
               chunk_levels: int = DEFAULT_CHUNK_LEVELS,
-              resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1) -> ScanPlan:
+              resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1,
+              tensor_cores: bool = False, mma_chunks_per_block: Optional[int] = None) -> ScanPlan:
     """Plan one launch of num_keys keys over num_pages pages of a domain of 2**domain_bits pages.
 
     v1 keys: top stages to depth d - c, then dpf_scan<G> expands chunks of 2**c leaves. v2 keys:
@@ -220,7 +293,13 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     scans 128 pages a leaf (chunk_levels does not apply: the plan's is 0, a chunk is one leaf).
     Blocks of one chunk run and consecutive key groups are adjacent (block = run * groups +
     group), so a run's pages are read from memory once and from L2 by the other groups.
+    tensor_cores (v2 keys only): dpf_leaf_bits then dpf_scan_mma, whose blocks are (run of
+    chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one block an SM.
     """
+    if tensor_cores:
+        if key_format != KEY_FORMAT_V2:
+            raise ValueError("the tensor-core scan takes v2 keys only")
+        return _plan_mma(num_pages, domain_bits, num_keys, resident_blocks, mma_chunks_per_block)
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
@@ -251,6 +330,27 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
                     runs * groups, shared, stages, key_format)
 
 
+def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: int,
+              chunks_per_block: Optional[int]) -> ScanPlan:
+    if not 1 <= num_pages <= (1 << domain_bits):
+        raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
+    tiles, groups = pick_mma_tiles(num_keys)
+    depth, leaves = tree_depth(domain_bits, KEY_FORMAT_V2), live_nodes(num_pages, LEAF_PAGE_BITS)
+    chunks = -(-num_pages // MMA_CHUNK_PAGES)
+    # one block an SM (resident_blocks counts two): WAVES_PER_LAUNCH waves of them
+    target_runs = max(1, -(-(resident_blocks // 2) * WAVES_PER_LAUNCH // (MMA_SLICES * groups)))
+    runs = min(chunks, target_runs)
+    per_block = chunks_per_block or -(-chunks // runs)
+    runs = -(-chunks // per_block)
+    stages = tuple(
+        TopStage(a, b, live_nodes(leaves, depth - a), live_nodes(leaves, depth - a - b))
+        for a, b in top_stages(depth)
+    )
+    return ScanPlan(num_pages, domain_bits, num_keys, 16 * tiles, groups, 0, chunks, per_block,
+                    runs * MMA_SLICES * groups, mma_shared_bytes(tiles), stages, KEY_FORMAT_V2,
+                    tensor_cores=True)
+
+
 def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
     """dpf_expand_top's arguments, in its order, for plan.stages[stage]; nodes[i] is the (seed,
     t) pair of arrays stage i writes, and stage i + 1 reads (stage 0 reads the key records)."""
@@ -276,6 +376,26 @@ def scan_args(plan: ScanPlan, pages, keyrec, nodes, out) -> Tuple[Any, ...]:
                    np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
 
 
+def leaf_bits_args(plan: ScanPlan, keyrec, nodes, sel) -> Tuple[Any, ...]:
+    """dpf_leaf_bits's arguments, in its order: the leaves are the last top stage's nodes (the
+    key records' roots when the tree has no levels)."""
+    leaf_seed, leaf_t = nodes[-1] if nodes else (keyrec, keyrec)
+    return (keyrec, np.int32(krec_words(plan.tree_depth)), np.int32(plan.padded_keys),
+            np.int32(plan.tree_depth), np.int64(plan.num_pages), leaf_seed, leaf_t,
+            np.int64(plan.root_stride), np.int64(plan.padded_leaves), sel)
+
+
+def leaf_bits_grid(plan: ScanPlan) -> int:
+    """Blocks of dpf_leaf_bits: a thread per (key, leaf) of the padded selection array."""
+    return -(-plan.padded_keys * plan.padded_leaves // MMA_THREADS)
+
+
+def mma_scan_args(plan: ScanPlan, pages, sel, out) -> Tuple[Any, ...]:
+    """dpf_scan_mma<T>'s arguments, in its order."""
+    return (pages, np.int64(plan.num_pages), sel, np.int64(plan.padded_leaves),
+            np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
+
+
 def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]]:
     """[start, stop) key ranges of the launches; micro_batch 0 = one launch for all keys."""
     if micro_batch < 0:
@@ -287,7 +407,8 @@ def split_micro_batches(num_keys: int, micro_batch: int) -> List[Tuple[int, int]
 def workspace_bytes(plan: ScanPlan) -> int:
     """Device bytes one launch needs besides the matrix: key records, tree nodes, answers."""
     nodes = sum(st.live_out for st in plan.stages) * plan.padded_keys * 17
-    return plan.padded_keys * (4 * krec_words(plan.tree_depth) + PAGE_BYTES) + nodes
+    sel = plan.padded_keys * plan.padded_leaves * 16 if plan.tensor_cores else 0
+    return plan.padded_keys * (4 * krec_words(plan.tree_depth) + PAGE_BYTES) + nodes + sel
 
 
 def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -306,7 +427,8 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
-    return (f"{format_name(plan.key_format)} keys={plan.num_keys} G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
+    scan = "mma " if plan.tensor_cores else ""
+    return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "
             f"smem={plan.shared_bytes} top=[{stages}]")
 
@@ -317,7 +439,8 @@ def sizes_text(nbytes: int) -> str:
 
 __all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
-    "kernel_defines", "top_args", "scan_args",
+    "kernel_defines", "top_args", "scan_args", "pick_mma_tiles", "mma_shared_bytes",
+    "leaf_bits_args", "leaf_bits_grid", "mma_scan_args", "use_tensor_cores",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
     "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",
 ]

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
+# then backend_batch.py on the tensor-core scan against the ALU scans in the same call.
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|all   (CSVs and logs under $OUT)
+set -u
+export PYTHONUNBUFFERED=1
+stage=${1:-all}
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+MAINNET=16817159
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+    timeout ${TEST_LIMIT:-500} python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_cuda_backend.py \
+        tests/test_kernels_compile.py tests/test_cuda_overlap.py tests/test_cuda_placement.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 | tee "$OUT/tests.log"
+fi
+[ "$stage" = tests ] && exit 0
+if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for keys in 96 3; do
+        timeout 200 "$NCU" --clock-control none -k regex:dpf_scan_mma --launch-skip 1 --launch-count 1 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --section Occupancy --section WarpStateStats --section LaunchStats \
+            --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active \
+            python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format v2 \
+            --v2-scan mma > "$OUT/ncu-mma-k$keys.log" 2>&1
+        grep -E "Duration|Throughput|Pipe|Busy|Hit Rate|Occupancy|Registers|Shared Memory Config|dram__|lts__|alu|Stall|Warp Cycles|Eligible|Issued" \
+            "$OUT/ncu-mma-k$keys.log" | head -60
+    done
+    exit 0
+fi
+if [ "$stage" = variants ]; then  # the L2 prefetch of the tensor-core scan's copies, at mainnet
+    for v in ${VARIANTS:-0 128 256}; do
+        timeout 200 python3 benchmarks/backend_batch.py --backend cuda --pages $MAINNET --domain-bits 25 --gpu-matrix \
+            --key-format v2 --v2-scan mma --q 1,32 --repeat 3 --define MMA_L2_PREFETCH=$v \
+            --dispatch=micro_batch=0,streams=1,graph=1 --out "$OUT/variant_l2_$v.csv" 2>&1 | tail -3
+    done
+    exit 0
+fi
+bench() {  # bench NAME ARGS...
+    timeout 300 python3 benchmarks/backend_batch.py --backend cuda --out "$OUT/$1.csv" "${@:2}" 2>&1 | tee "$OUT/$1.log"
+}
+G1=--dispatch=micro_batch=0,streams=1,graph=1
+Q=1,2,4,8,12,16,24,32
+bench v2mma_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --v2-scan mma --q $Q --repeat 3 $G1
+bench v2alu_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --v2-scan alu --q 1,4,8,12,16,32 --repeat 3 $G1
+bench v1_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --q 1,8,32 --repeat 3 $G1
+bench v2mma_65536 --pages 65536 --domain-bits 16 --key-format v2 --v2-scan mma --q $Q --repeat 9 $G1
+bench v2alu_65536 --pages 65536 --domain-bits 16 --key-format v2 --v2-scan alu --q $Q --repeat 9 $G1
+bench v1_65536 --pages 65536 --domain-bits 16 --key-format v1 --q 1,8,32 --repeat 9 $G1

@@ -1,0 +1,292 @@
+// The v2-key scan on the tensor cores (docs/PROTOCOL.md section 3.1; docs/benchmarks/NOTES-cuda.md).
+//
+// Compiled by NVRTC at run time and by nvcc in CI from this same text: no headers.
+//
+// Answer bit j of a v2 key is the parity of sum_i sel(i) AND page_i[j] over pages i: a binary
+// matrix product (keys x pages) . (pages x bit positions) over GF(2). mma.sync m16n8k256 with
+// b1 operands and AND + POPC multiplies a 16 x 256 bit tile of selection bits (16 keys, 256
+// pages) by a 256 x 8 tile of page bits into 16 x 8 popcounts; the s32 accumulators add up
+// every page a block reads (at most 2^24 pages, far from overflow) and the answer bit is the
+// low bit of the sum.
+//
+// The matrix stays page-major, so the block transposes it on the way: a block owns a slice of
+// MMA_SLICE_WORDS (8) words of every page and a run of chunks of MMA_CHUNK_PAGES (1024) pages.
+// Per chunk, cp.async copies the chunk's slice (32 KiB) and its selection bits into shared memory
+// one chunk ahead; each thread transposes one 32 x 32 bit block (32 pages x one word) in registers,
+// which gives bit b of that word across 32 pages: a B-fragment register of n-block b, column w
+// (bit b of word w of the slice). Warp W owns n-blocks 4W .. 4W + 3 for every key tile, so its
+// accumulators stay in registers for the whole run; they meet in global memory by XOR atomics
+// once per block.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+
+// Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines): MMA_THREADS,
+// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, PAGE_WORDS, LEAF_PAGES, and the word offsets of a key record
+// KREC_ROOT, KREC_FINAL, KREC_ROOT_T.
+
+#define MMA_K 256                                       // pages of one mma (k of m16n8k256)
+#define KSTEPS (MMA_CHUNK_PAGES / MMA_K)                // mma k-steps of a chunk
+#define CHUNK_LEAVES (MMA_CHUNK_PAGES / LEAF_PAGES)     // v2 leaves of a chunk
+#define RAW_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS + (MMA_CHUNK_PAGES / 32) * MMA_SLICE_WORDS)
+
+static_assert(MMA_SLICE_WORDS == 8, "a slice word is one column of the mma's n = 8");
+static_assert(MMA_THREADS == (MMA_CHUNK_PAGES / 32) * MMA_SLICE_WORDS,
+              "a thread transposes 32 pages x 1 word");
+static_assert(MMA_THREADS / 32 * 4 == 32, "8 warps of 4 n-blocks cover the 32 bits of a word");
+static_assert(LEAF_PAGES == 128, "a leaf is half a k-step");
+
+// The 128 selection bits of every (key, leaf) of a batch of v2 keys: sel[key * padded_leaves +
+// leaf] = seed ^ (final_cw if t), bits of pages past num_pages cleared, leaves past the last zero
+// (the scan reads whole chunks of leaves). With tree_depth 0 the key's root is its only leaf.
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
+              const uint4* __restrict__ leaf_seed, const u8* __restrict__ leaf_t, long long leaf_stride,
+              long long padded_leaves, uint4* __restrict__ sel) {
+    const long long i = blockIdx.x * (long long)MMA_THREADS + threadIdx.x;
+    if (i >= padded_leaves * num_keys) return;
+    const int key = (int)(i / padded_leaves);
+    const long long leaf = i - key * padded_leaves;
+    const long long page0 = leaf * LEAF_PAGES;
+    uint4 bits = make_uint4(0, 0, 0, 0);
+    if (page0 < num_pages) {
+        const u32* rec = keyrec + (long long)key * krec;
+        uint4 seed;
+        u32 t;
+        if (tree_depth == 0) {
+            seed = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+            t = rec[KREC_ROOT_T];
+        } else {
+            seed = leaf_seed[key * leaf_stride + leaf];
+            t = leaf_t[key * leaf_stride + leaf];
+        }
+        const u32 on = 0u - (t & 1u);
+        const long long live = num_pages - page0;  // pages of this leaf that exist
+        u32 w[4] = {seed.x ^ (rec[KREC_FINAL] & on), seed.y ^ (rec[KREC_FINAL + 1] & on),
+                    seed.z ^ (rec[KREC_FINAL + 2] & on), seed.w ^ (rec[KREC_FINAL + 3] & on)};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const long long keep = live - 32 * k;  // bit p of word k is page page0 + 32k + p
+            if (keep <= 0) w[k] = 0;
+            else if (keep < 32) w[k] &= (1u << keep) - 1u;
+        }
+        bits = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    sel[i] = bits;
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// A block reads 32 bytes of each page; the blocks of the other slices read the rest of it.
+// MMA_L2_PREFETCH (bytes: 0, 64, 128 or 256) asks L2 to fetch that much around each copy, for
+// the neighbours to find; measured no faster at 64 and slower at 128 and 256 (NOTES-cuda.md).
+#ifndef MMA_L2_PREFETCH
+#define MMA_L2_PREFETCH 0
+#endif
+#if MMA_L2_PREFETCH == 0
+#define CP_ASYNC_L2 ""
+#elif MMA_L2_PREFETCH == 64
+#define CP_ASYNC_L2 ".L2::64B"
+#elif MMA_L2_PREFETCH == 128
+#define CP_ASYNC_L2 ".L2::128B"
+#else
+#define CP_ASYNC_L2 ".L2::256B"
+#endif
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global" CP_ASYNC_L2 " [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Word offset of page p's slice in a chunk's staging buffer: 8 words a page, and 8 more after
+// every 32 pages, so the 4 page groups a warp transposes fall in different banks.
+__device__ __forceinline__ int raw_index(int p) { return (p + (p >> 5)) * MMA_SLICE_WORDS; }
+
+// x[b] bit i <- x[i] bit b: a 32 x 32 bit transpose in registers (byte permutes for the 16- and
+// 8-bit stages, masked swaps for the rest).
+__device__ __forceinline__ void transpose32(u32 (&x)[32]) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const u32 a = x[k], b = x[k + 16];
+        x[k] = __byte_perm(a, b, 0x5410);
+        x[k + 16] = __byte_perm(a, b, 0x7632);
+    }
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        if (k & 8) continue;
+        const u32 a = x[k], b = x[k + 8];
+        x[k] = __byte_perm(a, b, 0x6240);
+        x[k + 8] = __byte_perm(a, b, 0x7351);
+    }
+#define SWAP_STAGE(J, M)                                      \
+    _Pragma("unroll") for (int k = 0; k < 32; ++k) {          \
+        if (k & J) continue;                                  \
+        const u32 t = ((x[k] >> J) ^ x[k + J]) & M;           \
+        x[k] ^= t << J;                                       \
+        x[k + J] ^= t;                                        \
+    }
+    SWAP_STAGE(4, 0x0F0F0F0Fu)
+    SWAP_STAGE(2, 0x33333333u)
+    SWAP_STAGE(1, 0x55555555u)
+#undef SWAP_STAGE
+}
+
+// One chunk's staged slice -> B fragments in bfrag[kstep][half][n-block][lane]: thread (page
+// group pg, word w) transposes pages 32pg .. 32pg + 31 of word w; register b is n-block b's
+// fragment word of lane (g = w, t = pg % 4), half pg / 4 % 2 (b0: pages 0..127 of the k-step,
+// b1: 128..255), k-step pg / 8.
+__device__ __forceinline__ void stage_fragments(const u32* raw, u32* bfrag) {
+    const int pg = threadIdx.x / MMA_SLICE_WORDS, w = threadIdx.x % MMA_SLICE_WORDS;
+    u32 x[32];
+    const u32* src = raw + raw_index(32 * pg) + w;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) x[i] = src[i * MMA_SLICE_WORDS];
+    transpose32(x);
+    const int ks = pg >> 3, half = (pg >> 2) & 1, t = pg & 3;
+    u32* dst = bfrag + (ks * 2 + half) * 32 * 32 + w * 4 + t;
+#pragma unroll
+    for (int b = 0; b < 32; ++b) dst[b * 32] = x[b];
+}
+
+__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The chunk's products for this warp's 4 n-blocks and each of the T key tiles (K = 16T keys).
+// A fragment of key tile m, lane (g, t): rows g and g + 8 (keys 16m + g, 16m + g + 8), k =
+// 32t .. 32t + 31 (word t of the k-step's first leaf) and 128 + 32t .. (word t of its second).
+template <int T>
+__device__ __forceinline__ void mma_chunk(const u32* selw, const u32* bfrag, int (&acc)[T][4][4]) {
+    constexpr int K = 16 * T;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        u32 b0[4], b1[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            b0[j] = bfrag[((ks * 2) * 32 + warp * 4 + j) * 32 + lane];
+            b1[j] = bfrag[((ks * 2 + 1) * 32 + warp * 4 + j) * 32 + lane];
+        }
+        const u32* lo = selw + (2 * ks) * K * 4 + g * 4 + t;  // [leaf][key][word]
+        const u32* hi = lo + K * 4;
+#pragma unroll
+        for (int m = 0; m < T; ++m) {
+            const u32 a0 = lo[m * 64], a1 = lo[m * 64 + 32], a2 = hi[m * 64], a3 = hi[m * 64 + 32];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) mma_and_popc(acc[m][j], a0, a1, a2, a3, b0[j], b1[j]);
+        }
+    }
+}
+
+// Block = (run of chunks, slice, key group), the key group fastest: the groups of one slice run
+// together and read its pages once from memory. T key tiles of 16 keys (num_groups * 16 * T
+// keys: the host pads the last group). out: (keys, PAGE_WORDS) u32, zeroed by the host.
+template <int T>  // T key tiles of 16 keys: K keys a group
+__global__ void __launch_bounds__(MMA_THREADS, 1)
+dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __restrict__ sel,
+             long long padded_leaves, int num_groups, int chunks_per_block, u32* __restrict__ out) {
+    constexpr int K = 16 * T;
+    extern __shared__ uint4 smem[];
+    u32* raw = (u32*)(smem);                               // [2][RAW_WORDS]: staged page slices
+    uint4* selsm = (uint4*)(raw + 2 * RAW_WORDS);          // [2][CHUNK_LEAVES][K]
+    u32* bfrag = (u32*)(selsm + 2 * CHUNK_LEAVES * K);     // [KSTEPS][2][32][32]
+    u32* outsm = (u32*)(bfrag + KSTEPS * 2 * 32 * 32);     // [K][MMA_SLICE_WORDS]
+
+    const int group = blockIdx.x % num_groups;
+    const long long rest = blockIdx.x / num_groups;
+    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
+    const int slice = (int)(rest % slices);
+    const long long run = rest / slices;
+    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
+    const long long chunk_begin = run * chunks_per_block;
+    const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
+    const int key0 = group * K;
+
+    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
+
+    // Pages past num_pages are never copied: their selection bits are 0 (dpf_leaf_bits), so
+    // whatever the buffer holds there adds nothing.
+    auto load_chunk = [&](long long chunk, int buf) {
+        const long long page0 = chunk * MMA_CHUNK_PAGES;
+        u32* dst = raw + buf * RAW_WORDS;
+        for (int i = threadIdx.x; i < MMA_CHUNK_PAGES * 2; i += MMA_THREADS) {
+            const int p = i >> 1, h = i & 1;
+            if (page0 + p < num_pages)
+                cp_async16(dst + raw_index(p) + 4 * h,
+                           pages + (page0 + p) * PAGE_WORDS + slice * MMA_SLICE_WORDS + 4 * h);
+        }
+        uint4* sdst = selsm + buf * CHUNK_LEAVES * K;
+        for (int i = threadIdx.x; i < K * CHUNK_LEAVES; i += MMA_THREADS) {
+            const int key = i / CHUNK_LEAVES, leaf = i % CHUNK_LEAVES;
+            cp_async16(sdst + leaf * K + key,
+                       sel + (key0 + key) * padded_leaves + chunk * CHUNK_LEAVES + leaf);
+        }
+        cp_async_commit();
+    };
+
+    int acc[T][4][4];
+#pragma unroll
+    for (int m = 0; m < T; ++m)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0;
+
+    if (chunk_begin < chunk_end) load_chunk(chunk_begin, 0);
+    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+        const int buf = (int)((chunk - chunk_begin) & 1);
+        if (chunk + 1 < chunk_end) {
+            load_chunk(chunk + 1, buf ^ 1);  // its buffers were last read before the previous barrier
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        stage_fragments(raw + buf * RAW_WORDS, bfrag);
+        __syncthreads();
+        mma_chunk<T>((const u32*)(selsm + buf * CHUNK_LEAVES * K), bfrag, acc);
+        __syncthreads();  // the next chunk's fragments and loads overwrite what was read here
+    }
+
+    // accumulator (m, j, r) of lane (g, t): key 16m + g (+8 for r >= 2), word 2t + (r & 1) of
+    // the slice, bit 4 * warp + j: the warps' bits meet in shared memory, then once in out
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < T; ++m) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            u32 bits = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) bits |= ((u32)acc[m][j][r] & 1u) << (4 * warp + j);
+            if (bits) atomicOr(&outsm[(16 * m + g + (r >> 1) * 8) * MMA_SLICE_WORDS + 2 * t + (r & 1)], bits);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) {
+        const u32 v = outsm[i];
+        const long long word = (long long)(key0 + i / MMA_SLICE_WORDS) * PAGE_WORDS + slice * MMA_SLICE_WORDS;
+        if (v) atomicXor(&out[word + i % MMA_SLICE_WORDS], v);
+    }
+}
+
+// The key tiles the host may pick (cuda_plan.MMA_TILE_COUNTS): up to 96 keys, one 32-query launch.
+#define INSTANTIATE_MMA(T)                                                                       \
+    template __global__ void dpf_scan_mma<T>(const u32*, long long, const uint4*, long long, int, \
+                                              int, u32*);
+INSTANTIATE_MMA(1)
+INSTANTIATE_MMA(2)
+INSTANTIATE_MMA(3)
+INSTANTIATE_MMA(4)
+INSTANTIATE_MMA(5)
+INSTANTIATE_MMA(6)
