@@ -629,3 +629,13 @@ def test_the_mma_scan_as_planned_equals_numpy(pages, d, keys):
                                resident_blocks=2)
     simulated = _simulate_scan_mma(plan, matrix, batch, np.random.default_rng(1))
     assert np.array_equal(simulated, reference_answers(matrix, batch))
+
+
+def test_mma_runs_are_short_for_few_key_tiles_and_fill_the_gpu():
+    few = cuda_plan.plan_scan(MAINNET_PAGES, 25, 48, key_format=KEY_FORMAT_V2, tensor_cores=True)
+    many = cuda_plan.plan_scan(MAINNET_PAGES, 25, 96, key_format=KEY_FORMAT_V2, tensor_cores=True)
+    assert (few.group_keys, few.chunks_per_block) == (48, cuda_plan.MMA_SHORT_RUN_CHUNKS)
+    assert (many.group_keys, many.chunks_per_block) == (96, cuda_plan.MMA_LONG_RUN_CHUNKS)
+    # a small matrix still gets several waves of 132 blocks, whatever the run length
+    small = cuda_plan.plan_scan(65536, 16, 96, key_format=KEY_FORMAT_V2, tensor_cores=True)
+    assert small.grid >= 132 * 4 and small.chunks_per_block <= cuda_plan.MMA_SHORT_RUN_CHUNKS

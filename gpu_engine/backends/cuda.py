@@ -157,7 +157,7 @@ class CudaResident(ResidentMatrix):
         self.chunk_levels = cuda_plan.DEFAULT_CHUNK_LEVELS
         # v2 keys: "auto" (tensor cores from MMA_MIN_KEYS keys), "mma" or "alu" (cuda_plan.V2_SCANS)
         self.v2_scan = backend.v2_scan
-        self.mma_chunks_per_block: Optional[int] = None  # None: the plan's (a few waves a launch)
+        self.mma_chunks_per_block: Optional[int] = None  # None: the plan's (by key tiles)
 
     @property
     def nbytes(self) -> int:

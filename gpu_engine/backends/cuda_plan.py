@@ -42,9 +42,15 @@ MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32
 MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
 MMA_TILE_COUNTS = (1, 2, 3, 4, 5, 6)  # dpf_scan_mma<T> instantiations: up to 96 keys a group
 MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or later
+# chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
+# together (few tiles, where the scan waits on memory), long ones save atomics and prologues
+# (many tiles); measured at mainnet on the H100 (docs/benchmarks/NOTES-cuda.md)
+MMA_SHORT_RUN_TILES = 3  # up to this many tiles a block: short runs
+MMA_SHORT_RUN_CHUNKS = 8
+MMA_LONG_RUN_CHUNKS = 128
 # keys from which v2 batches go to the tensor cores when the scan is "auto": below it the ALU
 # scan, which reads whole pages, wins (measured on the H100: docs/benchmarks/NOTES-cuda.md)
-MMA_MIN_KEYS = 36
+MMA_MIN_KEYS = 24
 V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, tensor cores, ALU
 
 
@@ -340,7 +346,8 @@ def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: 
     # one block an SM (resident_blocks counts two): WAVES_PER_LAUNCH waves of them
     target_runs = max(1, -(-(resident_blocks // 2) * WAVES_PER_LAUNCH // (MMA_SLICES * groups)))
     runs = min(chunks, target_runs)
-    per_block = chunks_per_block or -(-chunks // runs)
+    run_chunks = MMA_SHORT_RUN_CHUNKS if tiles <= MMA_SHORT_RUN_TILES else MMA_LONG_RUN_CHUNKS
+    per_block = chunks_per_block or min(run_chunks, -(-chunks // runs))
     runs = -(-chunks // per_block)
     stages = tuple(
         TopStage(a, b, live_nodes(leaves, depth - a), live_nodes(leaves, depth - a - b))
