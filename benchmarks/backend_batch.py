@@ -187,12 +187,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.define:
         from gpu_engine.backends import cuda_module
 
-        cuda_module.NVRTC_OPTIONS += tuple(f"-D{d}" for d in args.define)
+        cuda_module.NVRTC_OPTIONS += tuple(f"-D{define}" for define in args.define)
     backend = create_backend(args.backend)
     if args.gpu_matrix and args.backend != "cuda":
         ap.error("--gpu-matrix needs --backend cuda")
     resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, log)
-    extra = [f"-D{d}" for d in args.define]
+    extra = [f"-D{define}" for define in args.define]
     if args.max_group_keys:
         resident.max_group_keys = args.max_group_keys
         extra.append(f"max_group_keys={args.max_group_keys}")

@@ -15,23 +15,25 @@ from tests.protocol_vectors import (
 )
 
 MAINNET_PAGES = 16_817_159
-V2_MMA = -KEY_FORMAT_V2  # v2 keys on the tensor-core scan whatever the batch size
+V2_MMA = "v2-mma"  # v2 keys on the tensor-core scan whatever the batch size
+V2_ALU = "v2-alu"  # v2 keys on the ALU scan whatever the batch size (GPUs before sm_80)
 # every GPU answer test runs for v1 keys, v2 keys as the engine scans them (the ALU below
-# cuda_plan.MMA_MIN_KEYS keys, the tensor cores from there) and v2 keys on the tensor cores
-FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MMA]
+# cuda_plan.MMA_MIN_KEYS keys, the tensor cores from there), and v2 keys on either scan alone
+FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MMA, V2_ALU]
 
 
 def _key_format(fmt):
-    return KEY_FORMAT_V2 if fmt == V2_MMA else fmt
+    return KEY_FORMAT_V2 if fmt in (V2_MMA, V2_ALU) else fmt
 
 
 def _v2_scan(fmt):
-    return "mma" if fmt == V2_MMA else "auto"
+    return {V2_MMA: "mma", V2_ALU: "alu"}.get(fmt, "auto")
 
 
 def _keys(num_keys, num_pages, d, seed, fmt=KEY_FORMAT_V1):
     rng = np.random.default_rng(seed)
-    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng, key_format=_key_format(fmt))[i % 2]
+    fmt = _key_format(fmt)
+    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), d, rng, key_format=fmt)[i % 2]
                                for i in range(num_keys)])
 
 
@@ -266,11 +268,12 @@ def _reference(matrix, keys):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key_hex, sha256", [
-    ((KEY0_HEX, KEY1_HEX), (ANSWER0_SHA256, ANSWER1_SHA256)),
-    ((V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),  # section 7, v2 keys
+@pytest.mark.parametrize("fmt, key_hex, sha256", [
+    (KEY_FORMAT_V1, (KEY0_HEX, KEY1_HEX), (ANSWER0_SHA256, ANSWER1_SHA256)),
+    (KEY_FORMAT_V2, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),  # section 7
+    (V2_MMA, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),
 ])
-def test_protocol_vectors_on_gpu(cuda, key_hex, sha256):
+def test_protocol_vectors_on_gpu(cuda, fmt, key_hex, sha256):
     keys = KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(h)) for h in key_hex])
     answers = cuda.load(vector_matrix()).answer(keys)
     assert hashlib.sha256(answers[0].tobytes()).hexdigest() == sha256[0]
@@ -375,6 +378,37 @@ def test_large_shape_matches_numpy(cuda, fmt):
     keys = _keys(9, pages, host.domain_bits, seed=4, fmt=fmt)
     assert np.array_equal(resident.answer(keys), _reference(host, keys))
     assert resident.read_page(pages - 1) == host.page(pages - 1)
+
+
+@pytest.fixture(scope="module")
+def generated_answers(cuda):
+    """(pages, keys) -> (resident, v2 batch, NumPy answers), made once for the run-length test."""
+    import cupy
+
+    made = {}
+
+    def get(pages, keys):
+        if (pages, keys) not in made:
+            resident = cuda.generate(pages, seed=keys)
+            host = PageMatrix(cupy.asnumpy(resident._pages))
+            batch = _keys(keys, pages, host.domain_bits, seed=keys, fmt=KEY_FORMAT_V2)
+            made[(pages, keys)] = (resident, batch, _reference(host, batch))
+        return made[(pages, keys)]
+
+    yield get
+    for resident, _, _ in made.values():
+        resident.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages, keys", [(40000, 48), (40000, 72), (40000, 96), (2**20 + 17, 96)])
+@pytest.mark.parametrize("run_chunks", [1, 3, None])  # None: the plan's (8 or 128 chunks a block)
+def test_mma_run_lengths_match_numpy(cuda, generated_answers, pages, keys, run_chunks):
+    if not cuda.tensor_cores:
+        pytest.skip(f"{cuda.device_name} has no 1-bit tensor-core products")
+    resident, batch, expect = generated_answers(pages, keys)
+    resident.v2_scan, resident.mma_chunks_per_block = "mma", run_chunks
+    assert np.array_equal(resident.answer(batch), expect)
 
 
 @pytest.mark.gpu
@@ -501,7 +535,8 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
 def test_pick_mma_tiles(num_keys, expect):
     tiles, groups = cuda_plan.pick_mma_tiles(num_keys)
     assert (tiles, groups) == expect
-    assert tiles in cuda_plan.MMA_TILE_COUNTS and 16 * tiles * groups >= num_keys > 16 * tiles * (groups - 1) - 16
+    assert tiles in cuda_plan.MMA_TILE_COUNTS
+    assert 16 * tiles * groups >= num_keys > 16 * tiles * (groups - 1) - 16
 
 
 @pytest.mark.parametrize("scan, keys, expect", [
@@ -562,11 +597,13 @@ def _mma_and_popc(a, b):
 
 
 def _simulate_scan_mma(plan, matrix, keys, rng):
-    """dpf_leaf_bits then dpf_scan_mma<T> as their text runs, block by block: each chunk's slice
-    transposed into B fragments by stage_fragments' index arithmetic, A fragments read from the
-    selection bits as mma_chunk reads them, each product as PTX defines the fragments, and the
-    accumulators' low bits placed in the answer as the kernel places them. Pages past num_pages
-    are garbage in the staging buffer, as in shared memory."""
+    """dpf_scan_mma<T> block by block as its text plans and indexes: blocks (run, slice, group),
+    each chunk's slice placed in B fragments where stage_fragments puts them (the transpose as
+    its result: transpose32 itself is checked bit for bit by the GPU tests), A fragments read from
+    the selection bits as mma_chunk reads them, each product as PTX defines the fragments, and the
+    accumulators' low bits placed in the answer as the kernel places them. The selection bits are
+    the protocol's (eval_full) with the bits past num_pages cleared, as dpf_leaf_bits leaves them;
+    pages past num_pages are garbage, as in the staging buffer."""
     from gpu_engine.dpf import eval_full
 
     kp, K, T = plan.padded_keys, plan.group_keys, plan.group_keys // 16
@@ -593,9 +630,11 @@ def _simulate_scan_mma(plan, matrix, keys, rng):
             # stage_fragments: thread (pg, w) -> bfrag[ks][half][b][lane w * 4 + t]
             bfrag = np.zeros((4, 2, 32, 32), np.uint32)
             for pg in range(32):
-                x = _words_of(_bits_of(raw[32 * pg : 32 * pg + 32]).transpose(1, 2, 0))  # [w][b] bit i: page i
+                # x[w][b] bit i: bit b of word w of page 32 pg + i
+                x = _words_of(_bits_of(raw[32 * pg : 32 * pg + 32]).transpose(1, 2, 0))
                 bfrag[pg >> 3, (pg >> 2) & 1, :, np.arange(8) * 4 + (pg & 3)] = x
-            selw = sel[key0 : key0 + K, chunk * 8 : chunk * 8 + 8].transpose(1, 0, 2).reshape(-1)  # [leaf][key][word]
+            # the chunk's selection bits as shared memory holds them: [leaf][key][word]
+            selw = sel[key0 : key0 + K, chunk * 8 : chunk * 8 + 8].transpose(1, 0, 2).reshape(-1)
             for ks in range(4):
                 for m in range(T):
                     lo = (2 * ks) * K * 4 + g * 4 + t + m * 64
@@ -617,8 +656,10 @@ def _simulate_scan_mma(plan, matrix, keys, rng):
     return out[: len(keys)].astype("<u4").view(np.uint8)
 
 
-@pytest.mark.parametrize("pages, d, keys", [(1, 1, 2), (200, 8, 3), (1500, 11, 17)])
-def test_the_mma_scan_as_planned_equals_numpy(pages, d, keys):
+@pytest.mark.parametrize("pages, d, keys, run_chunks", [
+    (1, 1, 2, None), (200, 8, 3, None), (1500, 11, 17, None),
+    (1100, 11, 100, 1)])  # two key groups of 4 tiles, two runs
+def test_the_mma_scan_as_planned_equals_numpy(pages, d, keys, run_chunks):
     # the kernel's index arithmetic and PTX's fragment layout, checked on the CPU; the GPU tests
     # check the kernel itself (test_matches_numpy and the rest with fmt V2_MMA)
     from gpu_engine.backends.cpu import reference_answers
@@ -626,7 +667,7 @@ def test_the_mma_scan_as_planned_equals_numpy(pages, d, keys):
     matrix = random_matrix(pages, seed=pages, domain_bits=d)
     batch = _keys(keys, pages, d, seed=d, fmt=KEY_FORMAT_V2)
     plan = cuda_plan.plan_scan(pages, d, keys, key_format=KEY_FORMAT_V2, tensor_cores=True,
-                               resident_blocks=2)
+                               resident_blocks=2, mma_chunks_per_block=run_chunks)
     simulated = _simulate_scan_mma(plan, matrix, batch, np.random.default_rng(1))
     assert np.array_equal(simulated, reference_answers(matrix, batch))
 

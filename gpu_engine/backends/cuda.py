@@ -305,11 +305,11 @@ class CudaBackend(Backend):
         need = num_pages * PAGE_BYTES
         # room for two of the largest batches (32 queries) of either key format beside the
         # matrix: the engine starts the next batch while one runs
+        scans = [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
                                 key_format=key_format, tensor_cores=tensor_cores))
-            for key_format, tensor_cores in ((KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False),
-                                             (KEY_FORMAT_V2, self.tensor_cores)))
+            for key_format, tensor_cores in scans)
         free, total = runtime.memGetInfo()
         if need + working > free:
             raise BackendUnavailable(

@@ -54,13 +54,6 @@ MMA_MIN_KEYS = 24
 V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, tensor cores, ALU
 
 
-def use_tensor_cores(v2_scan: str, key_format: int, num_keys: int) -> bool:
-    """Whether a batch of num_keys keys of key_format runs on the tensor-core scan."""
-    if v2_scan not in V2_SCANS:
-        raise ValueError(f"v2_scan must be one of {V2_SCANS}, got {v2_scan!r}")
-    if key_format != KEY_FORMAT_V2:
-        return False
-    return v2_scan == "mma" or (v2_scan == "auto" and num_keys >= MMA_MIN_KEYS)
 # dpf_scan_mma<T>'s dynamic shared memory, region by region in the order the kernel carves it:
 # (region, bytes given T)
 MMA_SHARED_REGIONS = (
@@ -84,6 +77,16 @@ SCAN_SHARED_REGIONS = (
     ("half_t", 1, lambda L, c: L // 2),  # u8: t bits of half
     ("cw_t", 1, lambda L, c: c),  # u8: [level][key]
 )
+
+
+def use_tensor_cores(v2_scan: str, key_format: int, num_keys: int) -> bool:
+    """Whether a launch (a batch, or a micro-batch of one) of num_keys keys of key_format runs
+    on the tensor-core scan."""
+    if v2_scan not in V2_SCANS:
+        raise ValueError(f"v2_scan must be one of {V2_SCANS}, got {v2_scan!r}")
+    if key_format != KEY_FORMAT_V2:
+        return False
+    return v2_scan == "mma" or (v2_scan == "auto" and num_keys >= MMA_MIN_KEYS)
 
 
 def kernel_defines() -> Dict[str, int]:
@@ -300,7 +303,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     Blocks of one chunk run and consecutive key groups are adjacent (block = run * groups +
     group), so a run's pages are read from memory once and from L2 by the other groups.
     tensor_cores (v2 keys only): dpf_leaf_bits then dpf_scan_mma, whose blocks are (run of
-    chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one block an SM.
+    chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one or two blocks an SM.
     """
     if tensor_cores:
         if key_format != KEY_FORMAT_V2:
@@ -343,7 +346,7 @@ def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: 
     tiles, groups = pick_mma_tiles(num_keys)
     depth, leaves = tree_depth(domain_bits, KEY_FORMAT_V2), live_nodes(num_pages, LEAF_PAGE_BITS)
     chunks = -(-num_pages // MMA_CHUNK_PAGES)
-    # one block an SM (resident_blocks counts two): WAVES_PER_LAUNCH waves of them
+    # one block an SM counted (resident_blocks counts two; up to 3 tiles two fit): waves of them
     target_runs = max(1, -(-(resident_blocks // 2) * WAVES_PER_LAUNCH // (MMA_SLICES * groups)))
     runs = min(chunks, target_runs)
     run_chunks = MMA_SHORT_RUN_CHUNKS if tiles <= MMA_SHORT_RUN_TILES else MMA_LONG_RUN_CHUNKS
@@ -435,7 +438,8 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
     scan = "mma " if plan.tensor_cores else ""
-    return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
+    return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
+            f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "
             f"smem={plan.shared_bytes} top=[{stages}]")
 

@@ -6,7 +6,7 @@
 // matrix product (keys x pages) . (pages x bit positions) over GF(2). mma.sync m16n8k256 with
 // b1 operands and AND + POPC multiplies a 16 x 256 bit tile of selection bits (16 keys, 256
 // pages) by a 256 x 8 tile of page bits into 16 x 8 popcounts; the s32 accumulators add up
-// every page a block reads (at most 2^24 pages, far from overflow) and the answer bit is the
+// every page of a block's run (fewer than 2^31, far from overflow) and the answer bit is the
 // low bit of the sum.
 //
 // The matrix stays page-major, so the block transposes it on the way: a block owns a slice of
@@ -19,7 +19,6 @@
 // once per block.
 
 typedef unsigned int u32;
-typedef unsigned long long u64;
 typedef unsigned char u8;
 
 // Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines): MMA_THREADS,
@@ -94,12 +93,15 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 #define CP_ASYNC_L2 ".L2::64B"
 #elif MMA_L2_PREFETCH == 128
 #define CP_ASYNC_L2 ".L2::128B"
-#else
+#elif MMA_L2_PREFETCH == 256
 #define CP_ASYNC_L2 ".L2::256B"
+#else
+#error "MMA_L2_PREFETCH must be 0, 64, 128 or 256"
 #endif
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global" CP_ASYNC_L2 " [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
+    asm volatile("cp.async.cg.shared.global" CP_ASYNC_L2 " [%0], [%1], 16;"
+                 ::"r"(shared_address(dst)), "l"(src));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
