@@ -127,9 +127,9 @@ def _build_engine():
         )
     requested = config.backend
     if config.devices:
-        backend = create_device_group(requested, config.devices)
-    else:
-        backend = backends.create_backend(requested)  # looked up here: tests put a device in its place
+        backend = create_device_group(requested, config.devices, v2_scan=config.v2_scan)
+    else:  # looked up here: tests put a device in its place
+        backend = backends.create_backend(requested, v2_scan=config.v2_scan)
     if backend.fallback_reason:
         log.warning(
             "engine backend %s (requested %s; fell back because: %s)",

@@ -483,7 +483,7 @@ def parse_devices(text: str) -> List[int]:
     return ids
 
 
-def create_device_group(backend_name: str, ids: Sequence[int]) -> DeviceGroup:
+def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "auto") -> DeviceGroup:
     """One backend per device id as a DeviceGroup: GPUs cuda:ID for CUDA; for the CPU backend,
     as many simulated devices (the host's scan threads shared among them), so the placement
     logic runs, and is tested, where there is no GPU."""
@@ -492,11 +492,11 @@ def create_device_group(backend_name: str, ids: Sequence[int]) -> DeviceGroup:
 
     if not ids:
         raise ValueError("a device group needs at least one device id")
-    first = create_backend(backend_name, device=ids[0])
+    first = create_backend(backend_name, device=ids[0], v2_scan=v2_scan)
     if first.name == "cpu":
         workers = max(1, default_workers() // len(ids))
         devices: List[Backend] = [NumpyBackend(workers) for _ in ids]
         devices[0].fallback_reason = first.fallback_reason
     else:
-        devices = [first] + [create_backend("cuda", device=i) for i in ids[1:]]
+        devices = [first] + [create_backend("cuda", device=i, v2_scan=v2_scan) for i in ids[1:]]
     return DeviceGroup(devices, [f"{first.name}:{i}" for i in ids])

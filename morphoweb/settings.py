@@ -260,6 +260,10 @@ MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
 # The devices one engine owns, as ids "0,1,..." (GPUs for CUDA; simulated devices for the CPU
 # backend); unset = one device, the current one. Each epoch's placement says how pages go on them.
 MORPHO_ENGINE_DEVICES = _env("MORPHO_ENGINE_DEVICES", "").strip()
+# How the CUDA backend scans v2 keys: auto (the tensor cores from 24 keys a launch, where the GPU
+# has 1-bit products; the ALU below), mma (always the tensor cores) or alu (never); answers are the
+# same bytes. The CPU backend has one scan and ignores it.
+MORPHO_V2_SCAN = _env("MORPHO_V2_SCAN", "auto").strip().lower()
 # DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
 MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None)
 # Queries per batch request (count, 1..32).

@@ -680,3 +680,25 @@ def test_mma_runs_are_short_for_few_key_tiles_and_fill_the_gpu():
     # a small matrix still gets several waves of 132 blocks, whatever the run length
     small = cuda_plan.plan_scan(65536, 16, 96, key_format=KEY_FORMAT_V2, tensor_cores=True)
     assert small.grid >= 132 * 4 and small.chunks_per_block <= cuda_plan.MMA_SHORT_RUN_CHUNKS
+
+
+def test_the_v2_scan_is_checked_when_a_backend_is_made():
+    from gpu_engine.backends import create_backend
+
+    with pytest.raises(ValueError, match="unknown v2 scan 'fast', expected one of auto, mma, alu"):
+        create_backend("cpu", v2_scan="fast")
+    assert create_backend("cpu", v2_scan="alu").name == "cpu"  # one scan: the setting is ignored
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", ["auto", "mma", "alu"])
+def test_the_backends_v2_scan_reaches_the_matrices_it_loads(scan):
+    from gpu_engine.backends import create_backend
+
+    backend = create_backend("cuda", v2_scan=scan)
+    resident = backend.load(random_matrix(300, seed=3))
+    assert resident.v2_scan == (scan if backend.tensor_cores else "alu")
+    keys = _keys(30, 300, resident.domain_bits, seed=3, fmt=KEY_FORMAT_V2)
+    assert resident.plan(30, KEY_FORMAT_V2).tensor_cores is (backend.tensor_cores and scan != "alu")
+    assert np.array_equal(resident.answer(keys), _reference(random_matrix(300, seed=3), keys))
+    resident.release()

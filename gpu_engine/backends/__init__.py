@@ -9,30 +9,34 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
     DispatchShape,
     ResidentMatrix,
 )
+from gpu_engine.backends.cuda_plan import V2_SCANS
 from gpu_engine.protocol import BACKEND_NAMES
 
 
-def _cuda_backend(device: Optional[int]) -> Backend:
+def _cuda_backend(device: Optional[int], v2_scan: str) -> Backend:
     try:
         from gpu_engine.backends.cuda import CudaBackend
     except ImportError as exc:  # its message already says that the CUDA backend needs CuPy
         raise BackendUnavailable(str(exc)) from exc
-    return CudaBackend(device)
+    return CudaBackend(device, v2_scan)
 
 
-def create_backend(name: str = "auto", device: Optional[int] = None) -> Backend:
+def create_backend(name: str = "auto", device: Optional[int] = None, v2_scan: str = "auto") -> Backend:
     """The backend called `name` (on GPU `device`, else the current one); raises
-    BackendUnavailable if `cuda` cannot run here."""
+    BackendUnavailable if `cuda` cannot run here. v2_scan: how CUDA scans v2 keys (auto, mma or
+    alu; cuda_plan.use_tensor_cores); the CPU backend has one scan."""
     from gpu_engine.backends.cpu import NumpyBackend
 
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}, expected one of {', '.join(BACKEND_NAMES)}")
+    if v2_scan not in V2_SCANS:
+        raise ValueError(f"unknown v2 scan {v2_scan!r}, expected one of {', '.join(V2_SCANS)}")
     if name == "cpu":
         return NumpyBackend()
     if name == "cuda":
-        return _cuda_backend(device)
+        return _cuda_backend(device, v2_scan)
     try:
-        return _cuda_backend(device)
+        return _cuda_backend(device, v2_scan)
     except BackendUnavailable as exc:
         backend = NumpyBackend()
         # Only the cause: `backend` already says cpu, and the caller logs the fallback once.

@@ -268,7 +268,7 @@ class CudaBackend(Backend):
     name = "cuda"
     warm_all_shapes = True
 
-    def __init__(self, device: Optional[int] = None) -> None:
+    def __init__(self, device: Optional[int] = None, v2_scan: str = "auto") -> None:
         super().__init__()
         try:
             count = runtime.getDeviceCount()
@@ -287,7 +287,11 @@ class CudaBackend(Backend):
         self.compute_capability = (int(props["major"]), int(props["minor"]))
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY
         # the v2 scan of the matrices it loads from now on (cuda_plan.V2_SCANS)
-        self.v2_scan = "auto" if self.tensor_cores else "alu"
+        if v2_scan == "mma" and not self.tensor_cores:
+            raise BackendUnavailable(
+                f"v2 keys on the tensor cores need 1-bit products (sm_80 or later); {self.device_name} is "
+                f"sm_{self.compute_capability[0]}{self.compute_capability[1]}: scan them as auto or alu")
+        self.v2_scan = v2_scan if self.tensor_cores else "alu"
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
     def on_device(self):
