@@ -61,7 +61,7 @@ class _MicroBatch:
         self.sel = self.leaf_bits = None
         if plan.tensor_cores:
             self.sel = cupy.empty((kp, plan.padded_leaves, 4), dtype=np.uint32)
-            self.leaf_bits = get_kernel("dpf_scan_mma.cu", "dpf_leaf_bits")
+            self.leaf_bits = get_kernel("dpf_scan.cu", "dpf_leaf_bits")
         self.graph = None
 
     def stage_keys(self, records: np.ndarray) -> None:

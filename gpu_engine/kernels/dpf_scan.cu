@@ -365,6 +365,25 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // each of the leaf's pages and, for every key, XORs the page's words in where the key's bit is 1
 // (acc ^= v & -bit, on the ALU). Bits of pages past num_pages are never read.
 
+// The 128 selection bits of one leaf of a v2 key (record rec): the leaf's seed (at `at` in the
+// leaf arrays dpf_expand_top wrote), XORed with final_cw where its t is 1. With tree_depth 0 the
+// key's root is its only leaf and comes from the record.
+__device__ __forceinline__ uint4 leaf_selection(const u32* rec, int tree_depth, const uint4* leaf_seed,
+                                                const u8* leaf_t, long long at) {
+    uint4 seed;
+    u32 t;
+    if (tree_depth == 0) {
+        seed = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+        t = rec[KREC_ROOT_T];
+    } else {
+        seed = leaf_seed[at];
+        t = leaf_t[at];
+    }
+    const uint4 fcw = make_uint4(rec[KREC_FINAL], rec[KREC_FINAL + 1], rec[KREC_FINAL + 2],
+                                 rec[KREC_FINAL + 3]);
+    return xor4(seed, and_mask(fcw, 0u - (t & 1u)));
+}
+
 // acc[j] ^= v where bit p of sel[j] is 1, for the G keys of one page column.
 template <int G>
 __device__ __forceinline__ void accumulate_selected(uint4 (&acc)[G], const uint4& v, const u32 (&sel)[G], int p) {
@@ -402,18 +421,8 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
     for (long long leaf = leaf_begin; leaf < leaf_end; ++leaf) {
         if (threadIdx.x < G) {
             const int key = key0 + threadIdx.x;
-            const u32* rec = keyrec + (long long)key * krec;
-            uint4 seed;
-            u32 t;
-            if (tree_depth == 0) {
-                seed = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
-                t = rec[KREC_ROOT_T];
-            } else {
-                seed = leaf_seed[key * leaf_stride + leaf];
-                t = leaf_t[key * leaf_stride + leaf];
-            }
-            const uint4 fcw = make_uint4(rec[KREC_FINAL], rec[KREC_FINAL + 1], rec[KREC_FINAL + 2], rec[KREC_FINAL + 3]);
-            bits[threadIdx.x] = xor4(seed, and_mask(fcw, 0u - (t & 1u)));
+            bits[threadIdx.x] = leaf_selection(keyrec + (long long)key * krec, tree_depth, leaf_seed, leaf_t,
+                                               key * leaf_stride + leaf);
         }
         __syncthreads();
 
@@ -433,6 +442,35 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
         __syncthreads();  // the next leaf's bits overwrite these
     }
     flush_columns<G>(acc, out, key0, col);
+}
+
+// The selection bits of every (key, leaf) of a batch of v2 keys, for the tensor-core scan
+// (dpf_scan_mma.cu): sel[key * padded_leaves + leaf], bits of pages past num_pages cleared, leaves
+// past the last zero (that scan reads whole chunks of leaves).
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
+              const uint4* __restrict__ leaf_seed, const u8* __restrict__ leaf_t, long long leaf_stride,
+              long long padded_leaves, uint4* __restrict__ sel) {
+    const long long i = blockIdx.x * (long long)MMA_THREADS + threadIdx.x;
+    if (i >= padded_leaves * num_keys) return;
+    const int key = (int)(i / padded_leaves);
+    const long long leaf = i - key * padded_leaves;
+    const long long page0 = leaf * LEAF_PAGES;
+    uint4 bits = make_uint4(0, 0, 0, 0);
+    if (page0 < num_pages) {
+        const uint4 s = leaf_selection(keyrec + (long long)key * krec, tree_depth, leaf_seed, leaf_t,
+                                       key * leaf_stride + leaf);
+        const long long live = num_pages - page0;  // pages of this leaf that exist
+        u32 w[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const long long keep = live - 32 * k;  // bit p of word k is page page0 + 32k + p
+            if (keep <= 0) w[k] = 0;
+            else if (keep < 32) w[k] &= (1u << keep) - 1u;
+        }
+        bits = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    sel[i] = bits;
 }
 
 // Explicit instantiations: the group sizes the host may pick (cuda_plan.SCAN_GROUP_SIZES), of

@@ -19,11 +19,10 @@
 // once per block.
 
 typedef unsigned int u32;
-typedef unsigned char u8;
 
 // Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines): MMA_THREADS,
-// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, PAGE_WORDS, LEAF_PAGES, and the word offsets of a key record
-// KREC_ROOT, KREC_FINAL, KREC_ROOT_T.
+// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, PAGE_WORDS, LEAF_PAGES. The selection bits come from
+// dpf_leaf_bits in dpf_scan.cu, beside the ALU scan of v2 keys, which reads leaves the same way.
 
 #define MMA_K 256                                       // pages of one mma (k of m16n8k256)
 #define KSTEPS (MMA_CHUNK_PAGES / MMA_K)                // mma k-steps of a chunk
@@ -35,45 +34,6 @@ static_assert(MMA_THREADS == (MMA_CHUNK_PAGES / 32) * MMA_SLICE_WORDS,
               "a thread transposes 32 pages x 1 word");
 static_assert(MMA_THREADS / 32 * 4 == 32, "8 warps of 4 n-blocks cover the 32 bits of a word");
 static_assert(LEAF_PAGES == 128, "a leaf is half a k-step");
-
-// The 128 selection bits of every (key, leaf) of a batch of v2 keys: sel[key * padded_leaves +
-// leaf] = seed ^ (final_cw if t), bits of pages past num_pages cleared, leaves past the last zero
-// (the scan reads whole chunks of leaves). With tree_depth 0 the key's root is its only leaf.
-extern "C" __global__ void __launch_bounds__(MMA_THREADS)
-dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
-              const uint4* __restrict__ leaf_seed, const u8* __restrict__ leaf_t, long long leaf_stride,
-              long long padded_leaves, uint4* __restrict__ sel) {
-    const long long i = blockIdx.x * (long long)MMA_THREADS + threadIdx.x;
-    if (i >= padded_leaves * num_keys) return;
-    const int key = (int)(i / padded_leaves);
-    const long long leaf = i - key * padded_leaves;
-    const long long page0 = leaf * LEAF_PAGES;
-    uint4 bits = make_uint4(0, 0, 0, 0);
-    if (page0 < num_pages) {
-        const u32* rec = keyrec + (long long)key * krec;
-        uint4 seed;
-        u32 t;
-        if (tree_depth == 0) {
-            seed = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
-            t = rec[KREC_ROOT_T];
-        } else {
-            seed = leaf_seed[key * leaf_stride + leaf];
-            t = leaf_t[key * leaf_stride + leaf];
-        }
-        const u32 on = 0u - (t & 1u);
-        const long long live = num_pages - page0;  // pages of this leaf that exist
-        u32 w[4] = {seed.x ^ (rec[KREC_FINAL] & on), seed.y ^ (rec[KREC_FINAL + 1] & on),
-                    seed.z ^ (rec[KREC_FINAL + 2] & on), seed.w ^ (rec[KREC_FINAL + 3] & on)};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const long long keep = live - 32 * k;  // bit p of word k is page page0 + 32k + p
-            if (keep <= 0) w[k] = 0;
-            else if (keep < 32) w[k] &= (1u << keep) - 1u;
-        }
-        bits = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    sel[i] = bits;
-}
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 a;
