@@ -31,11 +31,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.http_load import Load, closed_loop, poisson  # noqa: E402
+from benchmarks.placement import throughput_qps  # noqa: E402
 from benchmarks.report import cpu_model, write_csv  # noqa: E402
 from benchmarks.stack import Party  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.dpf import random_keys  # noqa: E402
-from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file  # noqa: E402
+from gpu_engine.matrix import ServedEpoch, load_matrix, write_epoch_metadata, write_matrix_file  # noqa: E402
+from gpu_engine.placement import create_device_group, load_placed, parse_devices  # noqa: E402
 from gpu_engine.protocol import PAGE_BYTES  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY as KEYS  # noqa: E402
 
@@ -49,12 +51,17 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def engine_capacity(backend_name: str, matrix_path: Path, rng) -> tuple[float, float, dict]:
-    """(q/s of 32-query batches back to back, each started while the one before runs, as the
-    engine does with full batches; ms of one query; {key hex: answer}) on the backend."""
-    backend = create_backend(backend_name)
+def engine_capacity(backend_name: str, matrix_path: Path, rng,
+                    devices: tuple = ()) -> tuple[float, float, dict]:
+    """(q/s of 32-query batches, as many started as the engine keeps in flight (two per device),
+    as the engine runs full batches; ms of one query; {key hex: answer}) on the backend, over
+    `devices` placed as the engine server places the epoch (auto) where several are named."""
+    if len(devices) > 1:
+        backend = create_device_group(backend_name, devices)
+    else:
+        backend = create_backend(backend_name, device=devices[0] if devices else None)
     matrix = load_matrix(matrix_path)
-    resident = backend.load(matrix)
+    resident = load_placed(backend, ServedEpoch(0, matrix))
     d = matrix.domain_bits
     try:
         full = random_keys(32 * KEYS, d, rng)
@@ -63,14 +70,7 @@ def engine_capacity(backend_name: str, matrix_path: Path, rng) -> tuple[float, f
             resident.answer(full)
             resident.answer(one)
         reps = 20
-        started = time.perf_counter()
-        running = resident.start(full)
-        for _ in range(reps - 1):  # as the engine runs full batches: the next one behind each
-            behind = resident.start(full)
-            running.result()
-            running = behind
-        running.result()
-        batch_s = (time.perf_counter() - started) / reps
+        batch_qps = throughput_qps(resident, full, 32, seconds=3.0)
         started = time.perf_counter()
         for _ in range(reps):
             resident.answer(one)
@@ -82,7 +82,7 @@ def engine_capacity(backend_name: str, matrix_path: Path, rng) -> tuple[float, f
         expected = {raw[i * size:(i + 1) * size].hex(): answers[i].tobytes() for i in range(len(check))}
     finally:
         resident.release()
-    return 32 / batch_s, single_s * 1e3, expected
+    return batch_qps, single_s * 1e3, expected
 
 
 def bodies(d: int, queries_per_body: int, count: int, rng) -> list[bytes]:
@@ -229,12 +229,13 @@ def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
     write_matrix_file(matrix, pages, seed=pages)
     write_epoch_metadata(matrix)
     d = load_matrix(matrix).domain_bits
-    capacity, single_ms, expected = engine_capacity(args.backend, matrix, rng)
+    capacity, single_ms, expected = engine_capacity(args.backend, matrix, rng, args.devices)
     log(f"  engine alone: {capacity:,.0f} q/s in 32-query batches, one query {single_ms:.2f} ms")
     rows = [row(pages, d, "engine_batch32", engine=capacity, http=capacity,
                 note=f"one query alone {single_ms:.3f} ms")]
     party = Party(matrix, folder / f"party-{pages}", args.backend, args.web_workers,
-                  bulk_workers=args.bulk, port=args.port)
+                  bulk_workers=args.bulk, port=args.port,
+                  extra_env={"MORPHO_ENGINE_DEVICES": ",".join(map(str, args.devices))})
     try:
         log(f"  party ready in {party.ready_s:.1f} s (engine server start to /health 200)")
         check_answers(party, expected)
@@ -317,8 +318,9 @@ def bulk_rows(args, party, pages, d, capacity, single_qps, singles, rng) -> list
 def device_name(backend: str) -> str:
     if backend == "cuda":
         try:
-            return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30).stdout.strip()
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30).stdout.split("\n")
+            return ", ".join(name.strip() for name in names if name.strip())  # one line per GPU
         except (OSError, subprocess.SubprocessError):
             return "cuda"
     return platform.processor() or platform.machine()
@@ -336,6 +338,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bulk", action="store_true", help="bulk job and p95 with/without it")
     parser.add_argument("--bulk-queries", type=int, default=10000)
     parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--devices", type=parse_devices, default=(),
+                        help="device ids the engine server owns, e.g. 0,1 (MORPHO_ENGINE_DEVICES; "
+                             "default: one device, the current one); the engine figure uses the same")
     parser.add_argument("--out", required=True)
     parser.add_argument("--profile", help="a folder: py-spy profiles of the engine server and a "
                                           "web worker during each closed loop")
@@ -350,7 +355,8 @@ def main(argv=None) -> int:
             rows += run_shape(args, pages, folder, rng)
     write_csv(args.out, [
         f"# machine: {device_name(args.backend)}; host {platform.node()}, {cpu_model()}, "
-        f"cpus={os.cpu_count()}; web workers {args.web_workers} x 8 threads, "
+        f"cpus={os.cpu_count()}; devices {','.join(map(str, args.devices)) or 'the current one'}; "
+        f"web workers {args.web_workers} x 8 threads, "
         f"{args.client_procs} client processes",
         "# command: python3 benchmarks/http_vs_engine.py "
         + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -466,29 +466,43 @@ def subtree_keys(batch: KeyBatch, level: int, index: int) -> KeyBatch:
     A node's seed and control bit, with the correction words of the levels below it and the same
     final_cw, evaluate exactly as the whole key does under that node (docs/PROTOCOL.md sections
     3 and 3.1), so a device holding only the pages under one node answers for them with a key of
-    domain_bits - level (gpu_engine.placement shards pages over devices so). The host expands
-    `level` nodes per key: microseconds beside a scan."""
-    if not 0 <= level <= batch.tree_depth or batch.domain_bits - level < 1:
-        raise ValueError(f"level {level} is outside 0..{min(batch.tree_depth, batch.domain_bits - 1)} "
-                         f"for {format_name(batch.key_format)} keys of domain_bits {batch.domain_bits}")
-    if not 0 <= index < (1 << level):
-        raise ValueError(f"node {index} is outside [0, 2**{level})")
-    if level == 0:
-        return batch
-    seeds, t = batch.root_seed[:, None, :].copy(), batch.root_t[:, None].copy()
-    for depth in range(level):
+    domain_bits - level (gpu_engine.placement shards pages over devices so)."""
+    return subtree_keys_many(batch, [(level, index)])[0]
+
+
+def subtree_keys_many(batch: KeyBatch, nodes: Sequence[Tuple[int, int]]) -> List[KeyBatch]:
+    """subtree_keys for each (level, index) of `nodes`, in order. The host expands each tree
+    level once, for every node of that level on the way to one of them: one vectorised ChaCha
+    call a level (about 0.7 ms on the device hosts, whatever the keys), not one a node and level,
+    so a shard's keys for all its devices cost as much as the deepest node's."""
+    for level, index in nodes:
+        if not 0 <= level <= batch.tree_depth or batch.domain_bits - level < 1:
+            raise ValueError(f"level {level} is outside 0..{min(batch.tree_depth, batch.domain_bits - 1)} "
+                             f"for {format_name(batch.key_format)} keys of domain_bits {batch.domain_bits}")
+        if not 0 <= index < (1 << level):
+            raise ValueError(f"node {index} is outside [0, 2**{level})")
+    # the nodes of the current depth that some wanted node lies under: index -> (seed, t) per key
+    frontier = {0: (batch.root_seed, batch.root_t)}
+    found: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray]] = {}
+    for depth in range(max(level for level, _ in nodes) + 1):
+        found.update({(depth, i): frontier[i] for level, i in nodes if level == depth})
+        parents = sorted({i >> (level - depth) for level, i in nodes if level > depth})
+        if not parents:
+            break
+        seeds = np.stack([frontier[i][0] for i in parents], axis=1)
+        t = np.stack([frontier[i][1] for i in parents], axis=1)
         children, child_t = _expand_level(batch, depth, seeds, t)
-        side = (index >> (level - 1 - depth)) & 1
-        seeds, t = children[:, side:side + 1], child_t[:, side:side + 1]
-    return KeyBatch(
+        frontier = {2 * parent + side: (children[:, 2 * j + side], child_t[:, 2 * j + side])
+                    for j, parent in enumerate(parents) for side in (0, 1)}
+    return [batch if level == 0 else KeyBatch(
         domain_bits=batch.domain_bits - level,
-        root_seed=np.ascontiguousarray(seeds[:, 0]),
-        root_t=np.ascontiguousarray(t[:, 0]),
+        root_seed=np.ascontiguousarray(found[level, index][0]),
+        root_t=np.ascontiguousarray(found[level, index][1]),
         cw_seed=np.ascontiguousarray(batch.cw_seed[:, level:]),
         cw_t=np.ascontiguousarray(batch.cw_t[:, level:]),
         final_cw=batch.final_cw,
         key_format=batch.key_format,
-    )
+    ) for level, index in nodes]
 
 
 def _leaves(batch: KeyBatch, seeds: np.ndarray, t: np.ndarray) -> np.ndarray:

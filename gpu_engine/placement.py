@@ -17,7 +17,7 @@ from gpu_engine.backends.base import (
     ResidentMatrix,
 )
 from gpu_engine.choices import LabelledChoice
-from gpu_engine.dpf import KeyBatch, subtree_keys
+from gpu_engine.dpf import KeyBatch, subtree_keys_many
 from gpu_engine.matrix import MatrixShape, PageMatrix
 from gpu_engine.protocol import LEAF_PAGES, ROWS_PER_PAGE
 
@@ -99,18 +99,16 @@ def check_bounds(bounds: Sequence[int], num_pages: int) -> None:
 
 def subtrees(first: int, stop: int, num_pages: int, domain_bits: int) -> List[Subtree]:
     """The fewest aligned subtrees that cover pages [first, stop), each of at least GRAIN_PAGES
-    pages (or the whole domain): as large as its start's alignment allows, and where the range
-    ends the matrix the smallest aligned one that holds the rest (pages past num_pages are not
-    held and take no part in an answer)."""
+    pages (or the whole domain): as large as its start's alignment allows, within the range; the
+    range that ends the matrix takes the largest its start's alignment allows, since pages past
+    num_pages are not held and take no part in an answer. Larger subtrees sit higher in the tree:
+    the host derives a subtree's keys one level at a time (about a millisecond a level in NumPy),
+    so the tail of the mainnet shape is a level-1 subtree, not a level-9 one."""
     domain = 1 << domain_bits
     out, page = [], first
     while page < stop:
-        align = page & -page if page else domain
-        size = min(GRAIN_PAGES, domain)
-        while size < stop - page:
-            size *= 2
-        if stop != num_pages or size > align:  # no one subtree holds the rest: the largest that fits
-            size = align
+        size = page & -page if page else domain  # the largest subtree aligned at `page`
+        if stop != num_pages:
             while page + size > stop:
                 size //= 2
         level = domain_bits - size.bit_length() + 1
@@ -268,8 +266,8 @@ class ShardedResident(PlacedResident):
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> PendingAnswer:
         self.check_keys(keys)
         started: List[Tuple[int, float, PendingAnswer]] = []
-        for device, tree, resident in self.parts:
-            sub = subtree_keys(keys, tree.level, tree.index)
+        subs = subtree_keys_many(keys, [(tree.level, tree.index) for _, tree, _ in self.parts])
+        for (device, tree, resident), sub in zip(self.parts, subs):
             at = self.clocks[device].started()
             started.append((device, at, self.guarded(device, lambda r=resident, s=sub: r.start(s, dispatch))))
         return _Xor(self, started)

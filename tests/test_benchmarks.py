@@ -118,3 +118,23 @@ def test_placement_runs_on_simulated_cpu_devices(tmp_path):
     assert [(r[0], r[2], r[-1]) for r in rows[1:]] == [
         (name, q, "True") for name in ("one", "shard", "replicate") for q in ("1", "2")]
     assert all(r[5] == "1.0" for r in rows[1:3])  # the one device against itself
+
+
+def test_epoch_switch_answers_from_both_epochs_and_none_wrong_on_simulated_cpu_devices(tmp_path):
+    from benchmarks import epoch_switch
+    from benchmarks.report import read_csv
+
+    out = tmp_path / "switch.csv"
+    argv = ["--backend", "cpu", "--devices", "0,1", "--pages", "1000", "--placement", "shard",
+            "--clients", "3", "--before", "0.3", "--after", "0.3", "--out", str(out)]
+    assert epoch_switch.main(argv) == 0
+    header, rows = read_csv(out)
+    assert header["shape"].startswith("pages=1000, domain_bits=10, placement=shard")
+    assert len(header["switches (s from asking to serving)"].split(", ")) == 2
+    by_phase = {row["phase"]: row for row in rows}
+    assert list(by_phase) == ["before", "loading_1", "loading_2", "after", "all"]
+    whole = by_phase["all"]
+    assert whole["wrong"] == "0" and int(whole["requests"]) > 0
+    # served epoch 1, then 2, then 1 again: answers came from both, the last ones from epoch 1
+    assert int(whole["from_epoch_1"]) > 0 and int(whole["from_epoch_2"]) > 0
+    assert by_phase["after"]["from_epoch_2"] == "0"

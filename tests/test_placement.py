@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, eval_pages, gen_keys, random_keys, subtree_keys
+from gpu_engine.dpf import (KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, eval_pages, gen_keys, random_keys,
+                            subtree_keys, subtree_keys_many)
 from gpu_engine.engine import Engine, EngineUnavailable
 from gpu_engine.matrix import PageMatrix, ServedEpoch, random_matrix
 from gpu_engine.placement import (
@@ -76,6 +77,22 @@ def test_subtree_keys_evaluate_the_pages_under_their_node(key_format, level):
 
 
 @pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
+def test_subtree_keys_of_several_nodes_at_once_evaluate_their_pages(key_format):
+    # what a shard derives for every device in one pass: nodes on shared and separate paths, of
+    # several levels, the root among them, in no particular order
+    rng = np.random.default_rng(5)
+    keys = random_keys(3, 10, rng, key_format)
+    whole = eval_pages(keys, 1 << 10)
+    nodes = [(2, 1), (1, 1), (3, 0), (0, 0), (3, 3), (2, 1)]
+    for (level, index), sub in zip(nodes, subtree_keys_many(keys, nodes), strict=True):
+        size = 1 << (10 - level)
+        assert sub.domain_bits == 10 - level
+        assert np.array_equal(eval_pages(sub, size), whole[:, index * size:(index + 1) * size])
+    with pytest.raises(ValueError, match="node 4 is outside"):
+        subtree_keys_many(keys, [(1, 0), (2, 4)])
+
+
+@pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
 @pytest.mark.parametrize("num_pages, bounds", [
     (1000, [0, 384, 1000]),  # 384 falls mid-subtree (inside [256, 512)); 1000 pages: no power of 2
     (4099, [0, 1280, 2816, 4099]),  # three devices; the last page past 4096 its own subtree
@@ -102,11 +119,12 @@ def test_a_sharded_epoch_answers_byte_for_byte_as_the_protocol_says(key_format, 
 
 
 def test_default_boundaries_are_balanced_and_need_few_launches():
-    # the mainnet shape (68.9 GB) over two GPUs: one half each, at most two subtrees a device
+    # the mainnet shape (68.9 GB) over two GPUs: one half each, at most two subtrees a device, the
+    # tail as high in the tree as its start allows (one level of keys to derive on the host, not nine)
     pages = 16_817_159  # docs/benchmarks/NOTES-cuda.md
     assert shard_bounds(pages, 25, 2) == [0, 1 << 23, pages]
     trees = subtrees(1 << 23, pages, pages, 25)
-    assert [(t.level, t.first, t.stop) for t in trees] == [(2, 1 << 23, 1 << 24), (9, 1 << 24, pages)]
+    assert [(t.level, t.first, t.stop) for t in trees] == [(2, 1 << 23, 1 << 24), (1, 1 << 24, pages)]
     for devices in (2, 3, 4, 8):
         bounds = shard_bounds(1_000_003, 20, devices)
         sizes = np.diff(bounds)
