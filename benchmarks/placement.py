@@ -43,6 +43,7 @@ from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
 CSV_COLUMNS = ("placement", "devices", "q", "latency_ms", "qps", "latency_vs_one", "qps_vs_one",
                "checked")
 FILL_PAGES = 1 << 16  # pages filled per step (256 MiB)
+FILL_THREADS = 16  # threads filling steps at once (each holds a 256 MiB temporary)
 
 
 def patterned_matrix(num_pages: int, seed: int, domain_bits: Optional[int]) -> PageMatrix:
@@ -52,8 +53,9 @@ def patterned_matrix(num_pages: int, seed: int, domain_bits: Optional[int]) -> P
     body = np.empty((num_pages, WORDS_PER_PAGE), dtype=np.uint32)
     flat = body.reshape(-1)
     step = FILL_PAGES * WORDS_PER_PAGE
-    # NumPy's ufuncs release the GIL: one thread per core fills the steps side by side
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    # NumPy's ufuncs release the GIL: threads fill the steps side by side (at most FILL_THREADS,
+    # each with a step-sized temporary)
+    with ThreadPoolExecutor(max_workers=min(FILL_THREADS, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda first: fill_words(flat[first:first + step], first, seed),
                       range(0, flat.size, step)))
     return PageMatrix(body, domain_bits=domain_bits)

@@ -21,15 +21,23 @@ from benchmarks.report import read_csv  # noqa: E402
 
 SHARD_LATENCY_TARGET = 9.0 / 15.1  # issue 17: 9 ms where one H200 reads mainnet in 15.1 ms
 THROUGHPUT_TARGET = 1.9  # issue 17: two GPUs against one
-SHAPE_NAMES = {"16817159": "mainnet", "1048576": "1,048,576 pages"}
+MAINNET_PAGES = 16817159
+
+
+def shape_name(pages: str) -> str:
+    return "mainnet" if int(pages) == MAINNET_PAGES else f"{int(pages):,} pages"
 
 
 def http_ratios(one_gpu: str, two_gpus: str) -> dict:
-    """{figure: (HTTP 2-GPU/1-GPU, engine 2-GPU/1-GPU)} of http_vs_engine.py's batch rows."""
-    rows = [{r["figure"]: r for r in read_csv(path)[1]} for path in (one_gpu, two_gpus)]
-    return {fig: (float(rows[1][fig]["http_qps"]) / float(rows[0][fig]["http_qps"]),
-                  float(rows[1][fig]["engine_qps"]) / float(rows[0][fig]["engine_qps"]))
-            for fig in rows[0] if fig.startswith("http_batch32") and fig in rows[1]}
+    """{(pages, figure): (HTTP 2-GPU/1-GPU, engine 2-GPU/1-GPU)} of http_vs_engine.py's batch
+    rows present in both files."""
+    rows = [{(r["pages"], r["figure"]): r for r in read_csv(path)[1]} for path in (one_gpu, two_gpus)]
+    ratios = {key: (float(rows[1][key]["http_qps"]) / float(rows[0][key]["http_qps"]),
+                    float(rows[1][key]["engine_qps"]) / float(rows[0][key]["engine_qps"]))
+              for key in rows[0] if key[1].startswith("http_batch32") and key in rows[1]}
+    if not ratios:
+        raise SystemExit(f"{one_gpu} and {two_gpus} share no http_batch32 row")
+    return ratios
 
 
 def main() -> None:
@@ -52,7 +60,7 @@ def main() -> None:
         pages = header["shape"].split(",")[0].split("=")[1]
         for row in rows:
             if row["placement"] != "one":
-                bars.append((f"{SHAPE_NAMES.get(pages, pages)}\n{row['placement']} q={row['q']}",
+                bars.append((f"{shape_name(pages)}\n{row['placement']} q={row['q']}",
                              float(row["latency_vs_one"]), float(row["qps_vs_one"])))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
     x = range(len(bars))
@@ -63,12 +71,13 @@ def main() -> None:
     left.set_title("latency, two GPUs over one")
     throughput = [(b[0], b[2], "tab:green") for b in bars]
     if args.http:
-        ratios = http_ratios(*args.http)
-        for fig_name, (http, _) in ratios.items():
+        engines = {}  # pages -> the engine's ratio (one engine figure per run, in every row)
+        for (pages, fig_name), (http, engine) in http_ratios(*args.http).items():
             kind = "binary" if "binary" in fig_name else "JSON"
-            throughput.append((f"1,048,576 pages\nHTTP {kind} q=32", http, "tab:orange"))
-        engine = next(iter(ratios.values()))[1]  # one engine figure per run, in every row
-        throughput.append(("1,048,576 pages\nthose runs' engine", engine, "tab:olive"))
+            throughput.append((f"{shape_name(pages)}\nHTTP {kind} q=32", http, "tab:orange"))
+            engines[pages] = engine
+        throughput += [(f"{shape_name(pages)}\nthose runs' engine", engine, "tab:olive")
+                       for pages, engine in engines.items()]
     right.bar(range(len(throughput)), [t[1] for t in throughput], color=[t[2] for t in throughput])
     right.axhline(THROUGHPUT_TARGET, color="tab:red", ls="--", label="target 1.9x")
     right.axhline(1.0, color="grey", lw=0.8)

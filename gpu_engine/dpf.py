@@ -473,8 +473,11 @@ def subtree_keys(batch: KeyBatch, level: int, index: int) -> KeyBatch:
 def subtree_keys_many(batch: KeyBatch, nodes: Sequence[Tuple[int, int]]) -> List[KeyBatch]:
     """subtree_keys for each (level, index) of `nodes`, in order. The host expands each tree
     level once, for every node of that level on the way to one of them: one vectorised ChaCha
-    call a level (about 0.7 ms on the device hosts, whatever the keys), not one a node and level,
+    call a level (0.7 ms for a 1-query batch on the lent H100 hosts; more for more keys), not one
+    a node and level,
     so a shard's keys for all its devices cost as much as the deepest node's."""
+    if not nodes:
+        return []
     for level, index in nodes:
         if not 0 <= level <= batch.tree_depth or batch.domain_bits - level < 1:
             raise ValueError(f"level {level} is outside 0..{min(batch.tree_depth, batch.domain_bits - 1)} "

@@ -126,15 +126,19 @@ def test_epoch_switch_answers_from_both_epochs_and_none_wrong_on_simulated_cpu_d
 
     out = tmp_path / "switch.csv"
     argv = ["--backend", "cpu", "--devices", "0,1", "--pages", "1000", "--placement", "shard",
-            "--clients", "3", "--before", "0.3", "--after", "0.3", "--out", str(out)]
+            "--clients", "3", "--before", "0.3", "--after", "0.3", "--key-format", "v2",
+            "--out", str(out)]
     assert epoch_switch.main(argv) == 0
     header, rows = read_csv(out)
-    assert header["shape"].startswith("pages=1000, domain_bits=10, placement=shard")
+    assert header["shape"] == ("pages=1000, domain_bits=10, placement=shard, devices=0,1, "
+                               "clients=3, keys=v2")
     assert len(header["switches (s from asking to serving)"].split(", ")) == 2
     by_phase = {row["phase"]: row for row in rows}
-    assert list(by_phase) == ["before", "loading_1", "loading_2", "after", "all"]
+    assert list(by_phase) == ["before", "loading_1", "serving_1", "loading_2", "serving_2", "all"]
     whole = by_phase["all"]
     assert whole["wrong"] == "0" and int(whole["requests"]) > 0
+    for column in ("requests", "from_epoch_1", "from_epoch_2", "refused"):  # phases partition all
+        assert sum(int(row[column]) for row in rows[:-1]) == int(whole[column]), column
     # served epoch 1, then 2, then 1 again: answers came from both, the last ones from epoch 1
     assert int(whole["from_epoch_1"]) > 0 and int(whole["from_epoch_2"]) > 0
-    assert by_phase["after"]["from_epoch_2"] == "0"
+    assert by_phase["serving_2"]["from_epoch_2"] == "0"

@@ -15,6 +15,7 @@ from gpu_engine.dpf import (KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, eval_pages, 
 from gpu_engine.engine import Engine, EngineUnavailable
 from gpu_engine.matrix import PageMatrix, ServedEpoch, random_matrix
 from gpu_engine.placement import (
+    GRAIN_PAGES,
     DeviceFailed,
     DeviceGroup,
     Placement,
@@ -116,6 +117,33 @@ def test_a_sharded_epoch_answers_byte_for_byte_as_the_protocol_says(key_format, 
     for i, target in enumerate(targets):  # what the client reads: the page it asked for
         assert (answers0[i] ^ answers1[i]).tobytes() == matrix.page(target)
     assert answers0.any() and answers1.any()
+
+
+def test_every_shard_is_covered_once_by_subtrees_inside_it_and_the_domain():
+    # what a shard's launches read: each page of the matrix once, no subtree past the domain or
+    # (but at the matrix's end) past its device's range, none deeper than a v2 key's tree
+    rng = np.random.default_rng(3)
+    page_counts = [*range(1, 700), *(int(n) for n in rng.integers(700, 1 << 22, 60))]
+    for num_pages in page_counts:
+        own = max(0, (num_pages - 1).bit_length())
+        for domain_bits in {max(own, 8), max(own, 8) + 3}:
+            for devices in (1, 2, 3, 5, 8):
+                try:
+                    bounds = shard_bounds(num_pages, domain_bits, devices)
+                except ValueError:  # too few pages for so many devices
+                    continue
+                covered = []
+                for first, stop in zip(bounds, bounds[1:]):
+                    for tree in subtrees(first, stop, num_pages, domain_bits):
+                        size = 1 << (domain_bits - tree.level)
+                        assert tree.first == tree.index * size and tree.first >= first
+                        assert tree.stop == min(tree.first + size, num_pages)
+                        assert tree.stop <= stop and tree.first + size <= 1 << domain_bits
+                        assert tree.level == 0 or size >= GRAIN_PAGES
+                        assert tree.level <= domain_bits - 7  # a v2 key's tree depth
+                        covered.append((tree.first, tree.stop))
+                assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # in order, no gap
+                assert covered[0][0] == 0 and covered[-1][1] == num_pages, (num_pages, bounds)
 
 
 def test_default_boundaries_are_balanced_and_need_few_launches():
