@@ -27,9 +27,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.backends.cuda_plan import V2_SCANS  # noqa: E402
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for, random_matrix  # noqa: E402
-from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
+from gpu_engine.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
 
 CSV_COLUMNS = ("q", "single_ms_per_batch", "batch_ms_per_batch", "batch_vs_single_speedup",
                "single_qps", "batch_qps", "checksum_match")
@@ -168,8 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
     ap.add_argument("--max-group-keys", type=int, default=None, help="cuda: keys per block, at most")
     ap.add_argument("--chunk-levels", type=int, default=None, help="cuda: log2 pages per expanded chunk")
-    ap.add_argument("--key-format", choices=("v1", "v2"), default="v1", help="docs/PROTOCOL.md 3, 3.1")
-    ap.add_argument("--v2-scan", choices=("auto", "mma", "alu"), default=None,
+    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1", help="docs/PROTOCOL.md 3, 3.1")
+    ap.add_argument("--v2-scan", choices=V2_SCANS, default=None,
                     help="cuda, v2 keys: by batch size (the default where the GPU has tensor cores), "
                          "tensor cores, or the ALU")
     ap.add_argument("--mma-chunks", type=int, default=None,
@@ -199,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.chunk_levels:
         resident.chunk_levels = args.chunk_levels
         extra.append(f"chunk_levels={args.chunk_levels}")
-    key_format = KEY_FORMAT_V2 if args.key_format == "v2" else KEY_FORMAT_V1
+    key_format = format_by_name(args.key_format)
     extra.append(f"keys={args.key_format}")
     if key_format == KEY_FORMAT_V2 and args.backend == "cuda":
         if args.v2_scan:

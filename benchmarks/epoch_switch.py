@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.placement import patterned_matrix  # noqa: E402
 from benchmarks.report import write_csv  # noqa: E402
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, gen_keys  # noqa: E402
+from gpu_engine.dpf import format_by_name, gen_keys  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.matrix import ServedEpoch  # noqa: E402
 from gpu_engine.placement import Placement, create_device_group, parse_devices  # noqa: E402
+from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
 
 CSV_COLUMNS = ("phase", "seconds", "requests", "from_epoch_1", "from_epoch_2", "wrong", "refused",
                "qps", "p50_ms", "p99_ms", "max_gap_ms")
@@ -99,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--after", type=float, default=3.0, help="seconds served after the last swap "
                     "(1 s after each earlier one)")
     ap.add_argument("--switches", type=int, default=2, help="switches, alternating epochs 2 and 1")
-    ap.add_argument("--key-format", choices=("v1", "v2"), default="v1")
+    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1")
     ap.add_argument("--out", required=True, help="CSV path")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -117,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{time.perf_counter() - t0:.1f} s; {group.memory_info()}")
     engine.warm_up().result()
     rng = np.random.default_rng(7)
-    key_format = KEY_FORMAT_V2 if args.key_format == "v2" else KEY_FORMAT_V1
+    key_format = format_by_name(args.key_format)
     pool = []
     for target in rng.integers(0, args.pages, KEY_POOL):
         key_a, key_b = gen_keys(int(target), domain_bits, rng, key_format=key_format)

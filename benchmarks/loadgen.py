@@ -35,6 +35,7 @@ import numpy as np
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.report import pyplot  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix  # noqa: E402
 from gpu_engine.costmodel import CostFit, CostModel  # noqa: E402
@@ -421,10 +422,7 @@ def read_csv(path: str) -> Tuple[List[Point], List[str]]:
 
 
 def plot(path: str, points: Sequence[Point], header: Sequence[str], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(12, 4.8))
     for mode in dict.fromkeys(p.mode for p in points):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import read_csv  # noqa: E402
+from benchmarks.report import pyplot, read_csv  # noqa: E402
 
 # docs/PROTOCOL.md section 8 (Morphogenesis on one H100) and issue 3's targets, per shape
 REFERENCE = {
@@ -28,10 +28,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(args.csvs), figsize=(6 * len(args.csvs), 4.5))
     for ax, path in zip(axes if len(args.csvs) > 1 else [axes], args.csvs):

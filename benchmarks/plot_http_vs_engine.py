@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import read_csv  # noqa: E402
+from benchmarks.report import pyplot, read_csv  # noqa: E402
 
 # issue 11's targets as fractions of the engine's 32-query capacity, and (issues 11 and 12) in
 # queries per second, drawn as that fraction of the engine alone of the same run
@@ -31,9 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("csv")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     header, rows = read_csv(args.csv)
     ratios: dict = defaultdict(dict)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import read_csv  # noqa: E402
+from benchmarks.report import pyplot, read_csv  # noqa: E402
 
 READ_BYTES_PER_S = 3.08e12  # the H100's measured streaming read (NOTES-cuda.md, Floors)
 PAGE_BYTES = 4096
@@ -37,10 +37,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shapes = defaultdict(list)  # pages -> [(label, qs, qps)]
     for path in args.csvs:

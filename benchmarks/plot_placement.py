@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import read_csv  # noqa: E402
+from benchmarks.report import pyplot, read_csv  # noqa: E402
 
 SHARD_LATENCY_TARGET = 9.0 / 15.1  # issue 17: 9 ms where one H200 reads mainnet in 15.1 ms
 THROUGHPUT_TARGET = 1.9  # issue 17: two GPUs against one
@@ -47,10 +47,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     bars = []  # (label, latency_vs_one, qps_vs_one)
     gpu = ""

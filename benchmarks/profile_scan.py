@@ -18,9 +18,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.backends.cuda_plan import describe_plan  # noqa: E402
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys  # noqa: E402
+from gpu_engine.backends.cuda_plan import V2_SCANS, describe_plan  # noqa: E402
+from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
+from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +32,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--max-group-keys", type=int, default=None)
     ap.add_argument("--chunk-levels", type=int, default=None)
-    ap.add_argument("--key-format", choices=("v1", "v2"), default="v1")
-    ap.add_argument("--v2-scan", choices=("auto", "mma", "alu"), default=None)
+    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1")
+    ap.add_argument("--v2-scan", choices=V2_SCANS, default=None)
     args = ap.parse_args()
 
     d = domain_bits_for(args.pages, args.domain_bits)
@@ -43,7 +44,7 @@ def main() -> None:
         resident.chunk_levels = args.chunk_levels
     if args.v2_scan:
         resident.v2_scan = args.v2_scan
-    fmt = KEY_FORMAT_V2 if args.key_format == "v2" else KEY_FORMAT_V1
+    fmt = format_by_name(args.key_format)
     rng = np.random.default_rng(5)
     keys = KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng, key_format=fmt)[0]
                                for _ in range(args.keys)])

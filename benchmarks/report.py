@@ -29,6 +29,17 @@ def write_csv(path, comments: Iterable[str], fieldnames: Sequence[str],
         writer.writerows(rows)
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files (the Agg backend: no display), imported only by the
+    scripts that plot, when they plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def read_csv(path) -> Tuple[Dict[str, str], List[dict]]:
     """({name: value} of the `# name: value` comment lines, the rows) of a CSV write_csv wrote."""
     header: Dict[str, str] = {}

@@ -474,8 +474,7 @@ def subtree_keys_many(batch: KeyBatch, nodes: Sequence[Tuple[int, int]]) -> List
     """subtree_keys for each (level, index) of `nodes`, in order. The host expands each tree
     level once, for every node of that level on the way to one of them: one vectorised ChaCha
     call a level (0.7 ms for a 1-query batch on the lent H100 hosts; more for more keys), not one
-    a node and level,
-    so a shard's keys for all its devices cost as much as the deepest node's."""
+    a node and level, so a shard's keys for all its devices cost as much as the deepest node's."""
     if not nodes:
         return []
     for level, index in nodes:
