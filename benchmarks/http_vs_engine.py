@@ -40,6 +40,7 @@ from gpu_engine.matrix import ServedEpoch, load_matrix, write_epoch_metadata, wr
 from gpu_engine.placement import create_device_group, load_placed, parse_devices  # noqa: E402
 from gpu_engine.protocol import PAGE_BYTES  # noqa: E402
 from gpu_engine.protocol import KEYS_PER_QUERY as KEYS  # noqa: E402
+from gpu_engine.remote import RemoteEngine  # noqa: E402
 
 PROFILE_SECONDS = 6  # py-spy's sampling time within a 10 s closed loop (s)
 PROFILE_RATE = 200  # py-spy's samples per second
@@ -223,6 +224,43 @@ def py_spy(pid: int, out: Path, gil: bool) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def engine_lanes(party: Party) -> dict:
+    """The engine server's per-lane counters now (its snapshot, as /metrics reads it) and the
+    bulk lane's launch cap."""
+    client = RemoteEngine(party.env["MORPHO_ENGINE_URL"])
+    try:
+        client.wait_connected()
+        lanes = client.snapshot()["lanes"]
+        lanes["bulk"]["launch_cap"] = client.launch_cap("bulk")
+        return lanes
+    finally:
+        client.stop()
+
+
+def bucket_quantile(before: dict, after: dict, q: float) -> float:
+    """The upper bound of the histogram bucket holding the q-quantile of what was added between
+    two snapshots of it (seconds; inf past the last bound)."""
+    added = [(bound, n1 - n0) for (bound, n1), (_, n0) in zip(after["buckets"], before["buckets"])]
+    total = added[-1][1]
+    for bound, cumulative in added:
+        if cumulative >= q * total:
+            return bound
+    return float("inf")
+
+
+def engine_side(before: dict, after: dict) -> str:
+    """What the engine saw between two engine_lanes(): the interactive queries' latency inside
+    it (arrival to answer, to a histogram bucket) and the bulk launches' size and device time."""
+    fast, bulk = (after[lane] for lane in ("interactive", "bulk"))
+    launches = bulk["launches"] - before["bulk"]["launches"]
+    queries = bulk["queries"] - before["bulk"]["queries"]
+    device = bulk["compute"]["sum"] - before["bulk"]["compute"]["sum"]
+    p95 = bucket_quantile(before["interactive"]["latency"], fast["latency"], 0.95)
+    return (f"engine side: interactive p95 <= {p95 * 1e3:g} ms; bulk {launches} launches of "
+            f"{queries / max(1, launches):.1f} queries, {1e3 * device / max(1, launches):.2f} ms "
+            f"each (launch cap {bulk['launch_cap']})")
+
+
 def run_shape(args, pages: int, folder: Path, rng) -> list[dict]:
     matrix = folder / f"matrix-{pages}.bin"
     log(f"== {pages} pages: writing the matrix")
@@ -297,19 +335,22 @@ def bulk_rows(args, party, pages, d, capacity, single_qps, singles, rng) -> list
         log(f"  {figure}: {bulk_qps:,.0f} q/s ({bulk_qps / capacity:.2f}) {job['status']}, "
             f"upload {posted:.2f} s, running {running:.2f} s")
     rate = 0.5 * single_qps
+    start = engine_lanes(party)
     alone = poisson(party.url, "/query/page/gpu", singles, args.client_procs, rate, args.seconds)
     rows.append(row(pages, d, "interactive_50pct_no_bulk", alone, capacity,
-                    note=f"offered {rate:.0f} q/s"))
+                    note=f"offered {rate:.0f} q/s; {engine_side(start, engine_lanes(party))}"))
     background, _, _ = bulk_job(party, d, args.bulk_queries * 4, rng, wait=False, binary=True)
     time.sleep(1.0)
+    start = engine_lanes(party)
     during = poisson(party.url, "/query/page/gpu", singles, args.client_procs, rate, args.seconds)
+    seen = engine_side(start, engine_lanes(party))
     state = party.json("GET", f"/bulk/jobs/{background['id']}")
     if state["status"] in ("queued", "running"):
         party.request("DELETE", f"/bulk/jobs/{background['id']}").close()
     p95_ratio = during.quantile(0.95) / alone.quantile(0.95)
     rows.append(row(pages, d, "interactive_50pct_with_bulk", during, capacity,
                     note=f"p95 {p95_ratio:.2f}x without bulk; bulk answered {state['answered']} "
-                         f"of {state['total']} meanwhile ({state['status']} at the end)"))
+                         f"of {state['total']} meanwhile ({state['status']} at the end); {seen}"))
     log(f"  p95 at 50%: {alone.quantile(0.95) * 1e3:.1f} ms alone, "
         f"{during.quantile(0.95) * 1e3:.1f} ms with bulk ({p95_ratio:.2f}x)")
     return rows

@@ -117,6 +117,10 @@ class RateMeter:
         self._rate = self.rate(now) + count / self.tau_s
         self._at = now
 
+    def since_last(self, now: float) -> float:
+        """Seconds since the latest arrival (inf before the first)."""
+        return math.inf if self._at is None else max(0.0, now - self._at)
+
     def rate(self, now: float) -> float:
         if self._at is None:
             return 0.0

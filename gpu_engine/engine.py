@@ -30,6 +30,7 @@ from gpu_engine.scheduler import (
     LaneQueue,
     decide,
     expiry_cutoff,
+    launch_cap,
     overlaps,
     plan_slo,
 )
@@ -323,6 +324,12 @@ class Engine:
             pass
         return self._last_policies[lane]
 
+    def launch_cap(self, lane: str) -> int:
+        """The most queries a request on `lane` should carry: while a higher lane is active, a
+        lane whose policy yields (yield_ms) launches no more than this, and a request is never
+        split across launches (scheduler.launch_cap)."""
+        return launch_cap(self._policy_for(lane), self.cost.fit())
+
     def _drain_s(self, depth: int, policy: LanePolicy) -> float:
         # How long the queue ahead takes to clear at full batches, as the Retry-After hint.
         fit = self.cost.fit()
@@ -449,7 +456,7 @@ class Engine:
         """What each lane holds now, as the scheduler decides from it (under the lock)."""
         return [LaneQueue(lane, tuple(r.size for r in itertools.islice(q, HEAD_REQUESTS)),
                           q[0].arrived if q else None, self._depth[lane], self._rates[lane].rate(now),
-                          self._last_launch_end.get(lane))
+                          self._last_launch_end.get(lane), self._rates[lane].since_last(now))
                 for lane, q in self._queues.items()]
 
     def _dequeue(self, lane: str, count: int) -> List[_Request]:

@@ -62,8 +62,7 @@ class RemoteEngine:
         self._merged: Dict[int, List[int]] = {}
         self._lock = threading.Lock()
         self._outbox: Deque[Any] = deque()  # frame lists (control, ping) and _Query entries
-        self._wake_url = f"inproc://remote-engine-wake-{id(self)}"
-        self._wake: Optional[zmq.Socket] = None
+        self._waker = wire.Waker(self._context, f"inproc://remote-engine-wake-{id(self)}")
         self._status: Optional[dict] = None  # the last PONG's body
         self._epoch: Optional[ServedEpoch] = None
         self._policies: Dict[str, LanePolicy] = {}
@@ -117,6 +116,11 @@ class RemoteEngine:
     def policies(self) -> Dict[str, LanePolicy]:
         self._check_up()
         return dict(self._policies)
+
+    def launch_cap(self, lane: str) -> int:
+        """The engine server's Engine.launch_cap as of its last PONG."""
+        self._check_up()
+        return self._status["launch_caps"][lane]  # every PONG carries them (EngineServer.status)
 
     def submit(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive") -> "Future[BatchAnswer]":
         """Queue queries of equal key counts on `lane`; the future holds their answers."""
@@ -201,10 +205,7 @@ class RemoteEngine:
         with self._lock:
             self._pending[rid] = (future, query_keys)
             self._outbox.append(item)
-            if self._wake is None:
-                self._wake = self._context.socket(zmq.PUSH)
-                self._wake.connect(self._wake_url)
-            self._wake.send(b"", zmq.NOBLOCK)
+        self._waker.wake()
         return future
 
     def _fail_all(self, reason: str) -> None:
@@ -231,8 +232,7 @@ class RemoteEngine:
         dealer.setsockopt(zmq.SNDHWM, 100_000)
         dealer.setsockopt(zmq.RCVHWM, 100_000)
         monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        wake = self._context.socket(zmq.PULL)
-        wake.bind(self._wake_url)
+        wake = self._waker.bind()
         dealer.connect(self.url)
         poller = zmq.Poller()
         for sock in (dealer, monitor, wake):
@@ -251,24 +251,19 @@ class RemoteEngine:
                     self._on_monitor(monitor, dealer)
                     last_ping = 0.0 if self._connected else last_ping
                 if wake in events:
-                    wire.drain(wake)
+                    self._waker.woken(wake)
                 self._flush(dealer)
                 if dealer in events:
                     for _ in range(256):
-                        try:
-                            frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                        if not wire.readable(dealer):
                             break
-                        self._on_reply(frames)
+                        self._on_reply(dealer.recv_multipart(copy=False))
                 self._check_deadline()
         finally:
             dealer.disable_monitor()
             for sock in (monitor, dealer, wake):
                 sock.close(0)
-            with self._lock:
-                if self._wake is not None:
-                    self._wake.close(0)
-                    self._wake = None
+            self._waker.close()
 
     def _flush(self, dealer: zmq.Socket) -> None:
         """Send everything queued. Queries that arrived together on one lane, in one key format,
@@ -296,8 +291,10 @@ class RemoteEngine:
                 self._send_queries(dealer, group)
 
     def _merge_cap(self, lane: str) -> int:
-        policy = self._policies.get(lane)
-        return min(MAX_BATCH_QUERIES, policy.max_batch) if policy else MAX_BATCH_QUERIES
+        # The engine never splits a request, so a merged one must still fit the lane's launch
+        # cap: a bulk launch cut short for interactive queries could not be cut otherwise.
+        status = self._status or {}
+        return min(MAX_BATCH_QUERIES, status.get("launch_caps", {}).get(lane, MAX_BATCH_QUERIES))
 
     def _send_queries(self, dealer: zmq.Socket, group: "List[_Query]") -> None:
         first = group[0]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from decimal import Decimal
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -21,8 +21,11 @@ SLO_MIN_SAMPLES = 4
 # A LaneQueue needs no more head requests than a full batch can hold (each has >= 1 query).
 HEAD_REQUESTS = MAX_BATCH_QUERIES + 1
 # queries per second under which a lane counts as idle: a lower lane's full batch may then start
-# behind a running one (overlaps)
+# behind a running one (overlaps), and its launches are not cut (yield_to_higher)
 QUIET_RATE = 1.0
+# seconds without an arrival after which a lane counts as idle whatever its average rate says:
+# the 2 s average of a burst that ended takes many seconds to decay below QUIET_RATE
+QUIET_GAP_S = 0.5
 
 # field -> (lowest, highest, unit words used in every error message)
 POLICY_BOUNDS: Dict[str, Tuple[float, float, str]] = {
@@ -36,6 +39,7 @@ POLICY_BOUNDS: Dict[str, Tuple[float, float, str]] = {
     "max_queue": (1, 100_000, "queries"),
     "queue_timeout_ms": (1, 600_000, "ms"),
     "max_starvation_ms": (1, 600_000, "ms"),
+    "yield_ms": (0, 60_000, "ms"),
 }
 
 
@@ -119,6 +123,10 @@ class LanePolicy:
     queue_timeout_ms: int = 5000  # a query not started this long after arrival fails (503), ms
     # longest this lane's oldest query waits while a higher-priority lane keeps the device busy, ms
     max_starvation_ms: int = 1000
+    # while a higher-priority lane is active, this lane's launches are cut to the batch the cost
+    # model says ends within this long, so a query of that lane waits about this long at most
+    # behind one of them (0: never cut), ms
+    yield_ms: float = 0.0
 
     def __post_init__(self) -> None:
         errors = policy_errors({f.name: getattr(self, f.name) for f in fields(self)})
@@ -142,8 +150,10 @@ DEFAULT_POLICIES: Mapping[str, LanePolicy] = MappingProxyType({
     # answer at once with whatever is queued; under load batches form while the device is busy
     "interactive": LanePolicy(name="interactive-builtin", mode="latency", p95_target_ms=250),
     # full batches or 20 ms, a queue deep enough for whole job chunks, deadlines of minutes
+    # yields to interactive queries: while they come, bulk launches last 4 ms at most
     "bulk": LanePolicy(name="bulk-builtin", mode="throughput", window_us=20_000,
-                           max_queue=100_000, queue_timeout_ms=600_000, p95_target_ms=1000),
+                           max_queue=100_000, queue_timeout_ms=600_000, p95_target_ms=1000,
+                           yield_ms=4),
 })
 
 
@@ -157,6 +167,14 @@ class LaneQueue:
     queued: int = 0  # queries queued in all (0: the sum of request_sizes)
     arrival_rate: float = 0.0  # queries per second, recent average
     last_launch_end: Optional[float] = None  # monotonic seconds this lane's last launch ended
+    since_arrival_s: float = 0.0  # seconds since the lane's latest arrival (inf: none yet)
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing queued and no queries coming: fewer than QUIET_RATE a second on average, or
+        none for QUIET_GAP_S."""
+        return not self.request_sizes and (self.arrival_rate < QUIET_RATE
+                                           or self.since_arrival_s > QUIET_GAP_S)
 
     @property
     def starved_since(self) -> Optional[float]:
@@ -219,14 +237,43 @@ def overlaps(decision: Launch, queues: Sequence[LaneQueue],
     Only a full batch does: waiting for the device could not make it larger, and starting it
     now hides the host's work between launches (answers handed out, the next keys staged). A
     smaller one waits for the device, so that queries arriving meanwhile can still join it. And a
-    lane's batch starts behind another only while every lane above it is idle (nothing queued,
-    fewer than QUIET_RATE queries a second arriving): else a query of the higher lane arriving
-    meanwhile would wait for two launches of the lower lane instead of one."""
+    lane's batch starts behind another only while every lane above it is idle (LaneQueue.quiet):
+    else a query of the higher lane arriving meanwhile would wait for two launches of the lower
+    lane instead of one."""
     if decision.queries < policies[decision.lane].max_batch:
         return False
-    rank = _rank(decision.lane)
-    return all(not q.request_sizes and q.arrival_rate < QUIET_RATE
-               for q in queues if _rank(q.lane) < rank)
+    return higher_lanes_quiet(decision.lane, queues)
+
+
+def higher_lanes_quiet(lane: str, queues: Sequence[LaneQueue]) -> bool:
+    """Whether every lane above `lane` is idle (LaneQueue.quiet)."""
+    rank = _rank(lane)
+    return all(q.quiet for q in queues if _rank(q.lane) < rank)
+
+
+def launch_cap(policy: LanePolicy, cost: Optional[CostFit]) -> int:
+    """The most queries a launch of this lane takes while a higher lane is active: the largest
+    batch the cost model says ends within the policy's yield_ms (at least 1), or max_batch when
+    the policy never yields or nothing has been measured yet."""
+    if not policy.yield_ms or cost is None or not cost.samples:
+        return policy.max_batch
+    room = policy.yield_ms / 1000 - cost.intercept_s
+    if cost.per_query_s <= 0:
+        return policy.max_batch if room >= 0 else 1
+    return max(1, min(policy.max_batch, math.floor(room / cost.per_query_s)))
+
+
+def yield_to_higher(decision: Launch, queues: Sequence[LaneQueue],
+                    policies: Mapping[str, LanePolicy], cost: Optional[CostFit]) -> Launch:
+    """`decision` cut to its lane's launch_cap while a higher lane is active: a query of that lane
+    arriving meanwhile then waits for a short launch, not a full one. Whole requests only (at
+    least one), so a lane that yields is fed requests of at most launch_cap queries."""
+    cap = launch_cap(policies[decision.lane], cost)
+    if decision.queries <= cap or higher_lanes_quiet(decision.lane, queues):
+        return decision
+    queue = next(q for q in queues if q.lane == decision.lane)
+    requests, queries = take_requests(queue.request_sizes, cap)
+    return replace(decision, requests=requests, queries=queries)
 
 
 def _rank(lane: str) -> int:
@@ -358,7 +405,17 @@ def decide(queues: Sequence[LaneQueue], policies: Mapping[str, LanePolicy],
     waited for the device past its starvation bound (since its oldest query arrived or its own
     last launch ended, whichever is later), or the cost model predicts its launch
     ends before the waiting higher lane wants the device. Otherwise wait for the earliest
-    instant at which any of that changes (a window closing, a starvation bound, a deadline)."""
+    instant at which any of that changes (a window closing, a starvation bound, a deadline).
+    A lower lane's launch is cut to what its policy's yield_ms allows while a higher lane is
+    active (yield_to_higher)."""
+    decision = _decide(queues, policies, cost, now)
+    if isinstance(decision, Launch):
+        return yield_to_higher(decision, queues, policies, cost)
+    return decision
+
+
+def _decide(queues: Sequence[LaneQueue], policies: Mapping[str, LanePolicy],
+            cost: Optional[CostFit], now: float) -> Decision:
     order = {lane: i for i, lane in enumerate(LANES)}
     busy = sorted((q for q in queues if q.request_sizes), key=lambda q: order.get(q.lane, len(order)))
     if not busy:

@@ -21,6 +21,7 @@ import zmq
 from gpu_engine import wire
 from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length_from_bytes
 from gpu_engine.engine import BatchAnswer, Engine, EngineBusy, EngineOverloaded
+from gpu_engine.scheduler import LANES
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,7 @@ class EngineServer:
         self._snapshot_lock = threading.Lock()
         self._context = context or zmq.Context.instance()
         self._outbox: Deque[List[Any]] = deque()  # frames for the I/O thread to send
-        self._wake_lock = threading.Lock()
-        self._wake_url = f"inproc://engine-server-wake-{id(self)}"
-        self._wake: Optional[zmq.Socket] = None
+        self._waker = wire.Waker(self._context, f"inproc://engine-server-wake-{id(self)}")
         self._pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="engine-control")
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -108,16 +107,13 @@ class EngineServer:
         return {"epoch": engine.epoch.describe(), "state": engine.state.describe(),
                 "running": engine.running, "held": engine.held,
                 "failure": engine.failure, "warming": self.warming,
-                "policies": wire.policies_to_json(engine.policies())}
+                "policies": wire.policies_to_json(engine.policies()),
+                "launch_caps": {lane: engine.launch_cap(lane) for lane in LANES}}
 
     # -- replies from other threads ---------------------------------------------------------
     def _post(self, frames: List[Any]) -> None:
         self._outbox.append(frames)
-        with self._wake_lock:
-            if self._wake is None:
-                self._wake = self._context.socket(zmq.PUSH)
-                self._wake.connect(self._wake_url)
-            self._wake.send(b"", zmq.NOBLOCK)
+        self._waker.wake()
 
     def _answered(self, peer: bytes, rid: bytes, future: "Future[BatchAnswer]") -> None:
         try:
@@ -146,8 +142,7 @@ class EngineServer:
         router.setsockopt(zmq.SNDHWM, HIGH_WATER)
         router.setsockopt(zmq.RCVHWM, HIGH_WATER)
         router.setsockopt(zmq.LINGER, 0)
-        wake = self._context.socket(zmq.PULL)
-        wake.bind(self._wake_url)
+        wake = self._waker.bind()
         try:
             router.bind(self.url)
         except zmq.ZMQError as exc:
@@ -166,23 +161,18 @@ class EngineServer:
             while not self._stop.is_set():
                 events = dict(poller.poll(POLL_MS))
                 if wake in events:
-                    wire.drain(wake)
+                    self._waker.woken(wake)
                 while self._outbox:
                     router.send_multipart(self._outbox.popleft(), copy=False)
                 if router in events:
                     for _ in range(256):  # then send what queued meanwhile
-                        try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
+                        if not wire.readable(router):
                             break
-                        self._handle(router, frames)
+                        self._handle(router, router.recv_multipart())
         finally:
             router.close(0)
             wake.close(0)
-            with self._wake_lock:
-                if self._wake is not None:
-                    self._wake.close(0)
-                    self._wake = None
+            self._waker.close()
 
     def _handle(self, router: zmq.Socket, frames: List[bytes]) -> None:
         if len(frames) < 3:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from dataclasses import asdict
 from typing import Any, Dict, Mapping, Tuple
 
@@ -46,13 +47,54 @@ class WireError(ValueError):
     """A message that does not follow this protocol (a bug or a foreign peer), not a user error."""
 
 
-def drain(sock: zmq.Socket) -> None:
-    """Read every pending wake-up from `sock` (empty messages that say "the outbox has frames")."""
-    while True:
-        try:
-            sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message waits on `sock`: asked, not tried, since a NOBLOCK read of an empty
+    socket raises zmq.Again, and the I/O loops would build and catch one on every pass."""
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+class Waker:
+    """How other threads tell an I/O thread that its outbox has frames: an inproc PUSH to the
+    PULL socket the I/O thread polls. One wake-up stands for every frame queued until the I/O
+    thread takes it (`woken`, before it empties the outbox), so a busy outbox costs one message
+    per pass of the I/O loop, not one per frame."""
+
+    def __init__(self, context: zmq.Context, url: str) -> None:
+        self._context, self._url = context, url
+        self._lock = threading.Lock()
+        self._push: zmq.Socket | None = None  # made by the first waker: PUSH connects after the bind
+        self._pending = False  # a wake-up is on its way and not yet taken
+
+    def bind(self) -> zmq.Socket:
+        """The PULL socket to poll (in the I/O thread)."""
+        pull = self._context.socket(zmq.PULL)
+        pull.bind(self._url)
+        return pull
+
+    def wake(self) -> None:
+        """Call after queueing frames."""
+        with self._lock:
+            if self._pending:
+                return
+            if self._push is None:
+                self._push = self._context.socket(zmq.PUSH)
+                self._push.connect(self._url)
+            self._push.send(b"", zmq.NOBLOCK)
+            self._pending = True
+
+    def woken(self, pull: zmq.Socket) -> None:
+        """Take the wake-ups (in the I/O thread, then empty the outbox): frames queued from here
+        on wake it again."""
+        while readable(pull):
+            pull.recv()
+        with self._lock:
+            self._pending = False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._push is not None:
+                self._push.close(0)
+                self._push = None
 
 
 def pack_id(request_id: int) -> bytes:

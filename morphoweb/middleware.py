@@ -2,6 +2,8 @@
 serve a path with or without its trailing slash."""
 from __future__ import annotations
 
+import functools
+
 from django.conf import settings
 from django.http import JsonResponse
 from django.urls import is_valid_path
@@ -12,6 +14,7 @@ from engine.json_errors import header_error
 BULK_PREFIX = "/bulk/"  # bulk job submissions carry up to MORPHO_BULK_MAX_QUERIES queries
 # HTML pages keep Django's redirect to the slashed path, so the browser shows the canonical URL.
 REDIRECTED_PREFIXES = ("/admin",)
+RESOLVED_PATHS_KEPT = 1024  # paths whose resolvability each process remembers (a bounded LRU)
 
 
 def body_limit(path: str) -> tuple[int, str]:
@@ -71,10 +74,18 @@ class OptionalSlashMiddleware:
     def __call__(self, request):
         path = request.path_info
         if path != "/" and not path.startswith(REDIRECTED_PREFIXES):
-            urlconf = getattr(request, "urlconf", None)
-            if not is_valid_path(path, urlconf):
+            urlconf = getattr(request, "urlconf", None) or settings.ROOT_URLCONF
+            if not resolves(path, urlconf):
                 other = path[:-1] if path.endswith("/") else path + "/"
-                if is_valid_path(other, urlconf):
+                if resolves(other, urlconf):
                     request.path = request.path[: len(request.path) - len(path)] + other
                     request.path_info = other
         return self.get_response(request)
+
+
+@functools.lru_cache(maxsize=RESOLVED_PATHS_KEPT)
+def resolves(path: str, urlconf: str) -> bool:
+    """Whether `path` names a view of `urlconf`, remembered: the URL patterns do not change while
+    a process runs, and Django resolves the path again to dispatch the request anyway."""
+    return bool(is_valid_path(path, urlconf))
+

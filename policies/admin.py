@@ -42,7 +42,8 @@ class BatchingPolicyAdmin(admin.ModelAdmin):
         ("Batching", {"fields": ("max_batch", "window_us", "adaptive_threshold")}),
         ("Dispatch", {"fields": ("micro_batch", "streams", "cuda_graph")}),
         ("Latency target (slo)", {"fields": ("p95_target_ms", "safety_margin")}),
-        ("Backpressure", {"fields": ("max_queue", "queue_timeout_ms", "max_starvation_ms")}),
+        ("Backpressure", {"fields": ("max_queue", "queue_timeout_ms", "max_starvation_ms",
+                                     "yield_ms")}),
         ("Record", {"fields": ("created_at", "updated_at")}),
     )
 

@@ -77,6 +77,12 @@ class BatchingPolicy(models.Model):
         default=_DEFAULT.max_starvation_ms,
         help_text=_help("max_starvation_ms", "Longest this lane waits while a higher-priority lane "
                                              "keeps the device busy."))
+    yield_ms = models.FloatField(
+        "yield to higher lanes (ms)", default=_DEFAULT.yield_ms,
+        help_text=_help("yield_ms", "While a higher-priority lane is active, this lane's launches "
+                                    "are cut to what the cost model says ends within this long, "
+                                    "so those queries wait about this long at most behind one; "
+                                    "0 = never cut."))
     notes = models.TextField(blank=True)
     active = models.BooleanField(default=False, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -18,9 +18,10 @@ from queries.models import BulkChunk
 log = logging.getLogger(__name__)
 
 LANE = "bulk"
-# Requests kept in the engine's bulk queue at once: one launching, one waiting, so the device
-# never idles between launches and no request waits long enough to pass the lane's deadline.
-IN_FLIGHT = 2
+# Full launches' worth of queries kept in the engine's bulk queue at once: one launching, one
+# waiting, so the device never idles between launches and no request waits long enough to pass
+# the lane's deadline.
+LAUNCHES_IN_FLIGHT = 2
 EPOCH_ATTEMPTS = 3  # an epoch switch mid-chunk: answer the whole chunk again, this many times
 
 
@@ -35,6 +36,17 @@ class EpochChanged(EngineBusy):
 def bulk_policy(engine) -> LanePolicy:
     """The bulk lane's batching policy in force in this engine."""
     return engine.policies()[LANE]
+
+
+def request_plan(engine) -> tuple[int, int]:
+    """(queries per request, requests kept in flight) on the bulk lane. Requests are no larger
+    than the engine's launch cap: a bulk launch shrinks to it while interactive queries come
+    (the policy's yield_ms) and takes whole requests only. Their size divides max_batch, so
+    that alone the lane merges them into full launches again."""
+    max_batch = bulk_policy(engine).max_batch
+    cap = max(1, min(max_batch, engine.launch_cap(LANE)))
+    size = max(d for d in range(1, cap + 1) if max_batch % d == 0)
+    return size, LAUNCHES_IN_FLIGHT * max_batch // size
 
 
 def parse_chunk(chunk: BulkChunk) -> KeyBatch:
@@ -86,7 +98,7 @@ def answer_queries(
     epoch; 3 x 4096 answer bytes each.
 
     `progress(n)` is called from this thread with the queries answered so far whenever a request
-    (one launch of the bulk policy's max_batch) resolves, so a job's progress moves launch by
+    (at most one launch: request_plan) resolves, so a job's progress moves launch by
     launch rather than chunk by chunk."""
     domain_bits = engine.epoch.matrix.domain_bits
     if keys.domain_bits != domain_bits:
@@ -95,7 +107,8 @@ def answer_queries(
             f"epoch {engine.epoch.epoch_id} has {domain_bits}"
         )
     for attempt in range(EPOCH_ATTEMPTS):
-        step = bulk_policy(engine).max_batch * KEYS_PER_QUERY  # keys of one full launch
+        size, in_flight = request_plan(engine)
+        step = size * KEYS_PER_QUERY  # keys of one request
         requests = [keys.keys(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
         futures: list[Future] = []
         last_beat = time.monotonic()
@@ -125,8 +138,8 @@ def answer_queries(
                 last_beat = time.monotonic()
 
         for request in requests:
-            # Keep IN_FLIGHT requests queued: submit the next as soon as an earlier one resolves.
-            while sum(1 for f in futures if not f.done()) >= IN_FLIGHT:
+            # Keep in_flight requests queued: submit the next as soon as an earlier one resolves.
+            while sum(1 for f in futures if not f.done()) >= in_flight:
                 wait_for_one()
             futures.append(_submit(engine, request, futures, heartbeat))
         while not all(f.done() for f in futures):

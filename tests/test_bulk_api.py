@@ -17,7 +17,8 @@ from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix
 from engine.holder import get_engine
 from queries import bulk
-from queries.bulk_runner import answer_queries, parse_chunk
+from gpu_engine.scheduler import LanePolicy
+from queries.bulk_runner import answer_queries, parse_chunk, request_plan
 from queries.models import BulkChunk, BulkJob, BulkResult, JobStatus
 from tests.protocol_vectors import KEY0_HEX, KEY1_HEX
 
@@ -286,3 +287,28 @@ def test_admin_lists_progress_and_cancels(client, key_pool):
     assert response.status_code == 302
     assert BulkJob.objects.get(pk=job_id).status == JobStatus.CANCELLED
     assert admin.get(f"/admin/queries/bulkjob/{job_id}/change/").status_code == 200
+
+
+class _CappedEngine:
+    """What request_plan asks of an engine: the bulk policy and the launch cap."""
+
+    def __init__(self, cap: int, max_batch: int = 32) -> None:
+        self.cap, self.max_batch = cap, max_batch
+
+    def policies(self):
+        return {"bulk": LanePolicy(max_batch=self.max_batch)}
+
+    def launch_cap(self, lane: str) -> int:
+        return self.cap
+
+
+@pytest.mark.parametrize("cap, max_batch, plan", [
+    (32, 32, (32, 2)),  # no yield: requests of a full launch, two in flight
+    (9, 32, (8, 8)),  # launches of at most 9: requests of 8, 4 to a full launch alone
+    (12, 24, (12, 4)),
+    (1, 32, (1, 64)),
+    (40, 32, (32, 2)),  # never past max_batch
+    (10, 7, (7, 2)),
+])
+def test_bulk_requests_are_sized_by_the_engines_launch_cap(cap, max_batch, plan):
+    assert request_plan(_CappedEngine(cap, max_batch)) == plan

@@ -97,6 +97,28 @@ def test_a_policy_change_and_an_epoch_switch_reach_the_client_within_a_second(se
     assert client.epoch.matrix.num_pages == PAGES * 2
 
 
+def test_the_bulk_launch_cap_reaches_the_client(served):
+    """A bulk worker sizes its requests by the engine's launch cap (queries.bulk_runner): through
+    the engine server it is the engine's own, as the cost model moves it."""
+    engine, _, client, policies = served()
+    assert client.launch_cap("bulk") == engine.launch_cap("bulk") == 32  # no yield_ms
+    policies.current["bulk"] = LanePolicy(name="yields", mode="throughput", yield_ms=0.001)
+    for _ in range(8):  # measured launches: now a query takes longer than 1 µs
+        engine.answer([gen_keys(1, client.epoch.matrix.domain_bits)], lane="bulk", timeout=30)
+    changed = time.monotonic()
+    while client.launch_cap("bulk") != 1:
+        assert time.monotonic() - changed < 1.0, "the client still sees the old launch cap"
+        time.sleep(0.02)
+    assert engine.launch_cap("bulk") == 1
+    # requests waiting together in the client's outbox merge only up to the cap: the engine
+    # never splits a request, so a merged one could not be cut for interactive queries
+    before = engine.snapshot()["lanes"]["bulk"]["requests"]
+    keys = [gen_keys(2, client.epoch.matrix.domain_bits)]
+    futures = [client.submit(keys, lane="bulk") for _ in range(6)]
+    assert all(f.result(30).epoch_id == 1 for f in futures)
+    assert engine.snapshot()["lanes"]["bulk"]["requests"] - before == 6
+
+
 def test_queries_of_several_clients_share_one_launch(served, tmp_path):
     engine, server, first, _ = served(mode="throughput", window_us=500_000, max_batch=3)
     clients = [first] + [RemoteEngine(server.url) for _ in range(2)]

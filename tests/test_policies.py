@@ -87,7 +87,8 @@ def staff(client, django_user_model):
 def _form(**changes):
     values = {f: getattr(LanePolicy(), f) for f in (
         "mode", "max_batch", "window_us", "adaptive_threshold", "micro_batch", "streams",
-        "p95_target_ms", "safety_margin", "max_queue", "queue_timeout_ms", "max_starvation_ms")}
+        "p95_target_ms", "safety_margin", "max_queue", "queue_timeout_ms", "max_starvation_ms",
+        "yield_ms")}
     values.update(name="new-one", lane="interactive", notes="")
     values.update(changes)
     return {k: v for k, v in values.items() if v is not False}

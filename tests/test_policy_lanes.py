@@ -21,7 +21,7 @@ pytestmark = pytest.mark.django_db
 CHANGELIST = "/admin/policies/batchingpolicy/"
 FORM_FIELDS = ("name", "lane", "mode", "max_batch", "window_us", "adaptive_threshold", "micro_batch",
                "streams", "p95_target_ms", "safety_margin", "max_queue", "queue_timeout_ms",
-               "max_starvation_ms", "notes")
+               "max_starvation_ms", "yield_ms", "notes")
 
 
 def actives() -> dict[str, str]:

@@ -7,6 +7,8 @@ from gpu_engine.backends.base import DispatchShape
 from gpu_engine.engine import POLICY_RECHECK_S
 from gpu_engine.costmodel import CostFit, CostModel, RateMeter, fit_line
 from gpu_engine.scheduler import (
+    DEFAULT_POLICIES,
+    QUIET_GAP_S,
     QUIET_RATE,
     overlaps,
     SLO_MAX_UTILISATION,
@@ -18,6 +20,7 @@ from gpu_engine.scheduler import (
     Wait,
     decide,
     expiry_cutoff,
+    launch_cap,
     plan_slo,
     policy_errors,
     take_requests,
@@ -357,3 +360,50 @@ def test_a_lower_lane_starts_behind_only_while_the_lanes_above_are_idle(interact
     policies = {"interactive": LanePolicy(), "bulk": LanePolicy(max_batch=32)}
     decision = Launch("bulk", 1, 32)
     assert overlaps(decision, [interactive, q([32, 32], 1.0, lane="bulk")], policies) is starts
+
+
+# -- a lower lane yields to a higher one (yield_ms) -----------------------------------------------
+
+def test_launch_cap_is_the_largest_batch_that_ends_within_yield_ms():
+    # FIT: t(b) = 4 ms + 1 ms per query
+    assert launch_cap(LanePolicy(yield_ms=10), FIT) == 6
+    assert launch_cap(LanePolicy(yield_ms=10.5), FIT) == 6
+    assert launch_cap(LanePolicy(yield_ms=4.5), FIT) == 1  # even one query takes 5 ms: at least 1
+    assert launch_cap(LanePolicy(yield_ms=100), FIT) == 32  # never past max_batch
+    assert launch_cap(LanePolicy(yield_ms=0), FIT) == 32  # 0: never cut
+    assert launch_cap(LanePolicy(yield_ms=10), None) == 32  # nothing measured yet
+    assert launch_cap(LanePolicy(yield_ms=10), CostFit(0.004, 0.001, samples=0)) == 32
+
+
+@pytest.mark.parametrize("interactive, queries", [
+    (q([], 1.0), 30),  # the lane above is idle: a full bulk launch (whole requests of 3)
+    (q([], 1.0, rate=QUIET_RATE / 2), 30),
+    (q([], 1.0, rate=QUIET_RATE * 40), 6),  # queries coming above: cut to end within 10 ms
+    # a burst above that ended: its average decays for seconds, but nothing came for a while
+    (LaneQueue("interactive", (), None, 0, QUIET_RATE * 40, since_arrival_s=QUIET_GAP_S * 2), 30),
+])
+def test_a_lower_lane_launch_is_cut_while_a_higher_lane_is_active(interactive, queries):
+    policies = lanes(bulk=LanePolicy(mode="throughput", yield_ms=10))
+    bulk = q([3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], 0.5, lane="bulk")  # 33 queries: a full batch
+    decision = decide([interactive, bulk], policies, FIT, now=1.0)
+    assert isinstance(decision, Launch) and decision.lane == "bulk"
+    assert (decision.queries, decision.requests) == (queries, queries // 3)
+
+
+def test_a_starved_lower_lane_launches_cut_too():
+    policies = lanes(bulk=LanePolicy(max_starvation_ms=200, yield_ms=10))
+    decision = decide([q([1], 2.0), q([4, 4, 4], 1.0, lane="bulk")], policies, FIT, now=2.0)
+    assert decision == Launch("bulk", 1, 4, "starvation", "latency")
+
+
+def test_a_yielding_launch_takes_whole_requests_at_least_one():
+    policies = lanes(bulk=LanePolicy(yield_ms=10))
+    decision = decide([q([], 1.0, rate=50), q([16, 16], 0.5, lane="bulk")], policies, FIT, now=1.0)
+    assert (decision.requests, decision.queries) == (1, 16)  # never split: the runner sizes requests
+
+
+def test_the_default_bulk_policy_yields_and_interactive_never_does():
+    assert DEFAULT_POLICIES["bulk"].yield_ms > 0
+    assert DEFAULT_POLICIES["interactive"].yield_ms == 0
+    decision = decide([q([1] * 32, 0.5)], lanes(LanePolicy(yield_ms=1)), FIT, now=1.0)
+    assert decision.queries == 32  # no lane above interactive to yield to
