@@ -88,4 +88,3 @@ def resolves(path: str, urlconf: str) -> bool:
     """Whether `path` names a view of `urlconf`, remembered: the URL patterns do not change while
     a process runs, and Django resolves the path again to dispatch the request anyway."""
     return bool(is_valid_path(path, urlconf))
-
