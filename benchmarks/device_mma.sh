@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
-# then backend_batch.py on the tensor-core scan against the ALU scans in the same call.
+# then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
+# 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
 #   bash benchmarks/device_mma.sh tests|bench|ncu|variants|all   (CSVs and logs under $OUT)
 set -u
 export PYTHONUNBUFFERED=1
@@ -28,11 +29,11 @@ if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (N
     done
     exit 0
 fi
-if [ "$stage" = variants ]; then  # the L2 prefetch of the tensor-core scan's copies, at mainnet
-    for v in ${VARIANTS:-0 128 256}; do
+if [ "$stage" = variants ]; then  # kernel alternatives (-D options of dpf_scan_mma.cu) at mainnet
+    for v in ${VARIANTS:-MMA_STAGGER=0 MMA_STAGGER=1}; do
         timeout 200 python3 benchmarks/backend_batch.py --backend cuda --pages $MAINNET --domain-bits 25 --gpu-matrix \
-            --key-format v2 --v2-scan mma --q 1,32 --repeat 3 --define MMA_L2_PREFETCH=$v \
-            --dispatch=micro_batch=0,streams=1,graph=1 --out "$OUT/variant_l2_$v.csv" 2>&1 | tail -3
+            --key-format v2 --v2-scan mma --q ${VARIANT_Q:-24,32,40} --repeat 3 --define $v \
+            --dispatch=micro_batch=0,streams=1,graph=1 --out "$OUT/variant_$v.csv" 2>&1 | tail -3
     done
     exit 0
 fi
@@ -40,10 +41,13 @@ bench() {  # bench NAME ARGS...
     timeout 300 python3 benchmarks/backend_batch.py --backend cuda --out "$OUT/$1.csv" "${@:2}" 2>&1 | tee "$OUT/$1.log"
 }
 G1=--dispatch=micro_batch=0,streams=1,graph=1
-Q=1,2,4,8,12,16,24,32
+Q=1,2,4,8,12,16,24,32,42,48,58
+SMALL=1,2,3,4,6,8
 bench v2mma_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --v2-scan mma --q $Q --repeat 3 $G1
-bench v2alu_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --v2-scan alu --q 1,4,8,12,16,32 --repeat 3 $G1
+bench v2alu_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --v2-scan alu --q 1,2,4,8,12,16,32 --repeat 3 $G1
 bench v1_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --q 1,8,32 --repeat 3 $G1
-bench v2mma_65536 --pages 65536 --domain-bits 16 --key-format v2 --v2-scan mma --q $Q --repeat 9 $G1
-bench v2alu_65536 --pages 65536 --domain-bits 16 --key-format v2 --v2-scan alu --q $Q --repeat 9 $G1
+bench v2mma_1048576 --pages 1048576 --domain-bits 20 --gpu-matrix --key-format v2 --v2-scan mma --q $SMALL,12,16 --repeat 5 $G1
+bench v2alu_1048576 --pages 1048576 --domain-bits 20 --gpu-matrix --key-format v2 --v2-scan alu --q $SMALL,12,16 --repeat 5 $G1
+bench v2mma_65536 --pages 65536 --domain-bits 16 --key-format v2 --v2-scan mma --q $SMALL,12,16,24,32,42,48,58 --repeat 9 $G1
+bench v2alu_65536 --pages 65536 --domain-bits 16 --key-format v2 --v2-scan alu --q $SMALL,16,32 --repeat 9 $G1
 bench v1_65536 --pages 65536 --domain-bits 16 --key-format v1 --q 1,8,32 --repeat 9 $G1

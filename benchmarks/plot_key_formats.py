@@ -1,10 +1,10 @@
 """Plots batch queries/s against Q for v1 keys, v2 keys on the ALU and v2 keys on the tensor cores.
 
     python3 benchmarks/plot_key_formats.py --out docs/benchmarks/keyformats_qps.png \
-        docs/benchmarks/keyformats_mainnet_*.csv docs/benchmarks/keyformats_65536_*.csv
+        docs/benchmarks/keyformats_*.csv
 
-One panel per shape, with the memory floor (one read of the matrix per batch at 3.08 TB/s,
-docs/benchmarks/NOTES-cuda.md) and issue 16's v2 target drawn.
+One panel per GPU and shape, with the memory floor (one read of the matrix per batch at the GPU's
+measured streaming read, docs/benchmarks/NOTES-cuda.md) and issue 16's v2 target drawn.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import pyplot, read_csv  # noqa: E402
 
-READ_BYTES_PER_S = 3.08e12  # the H100's measured streaming read (NOTES-cuda.md, Floors)
+# measured streaming reads, bytes/s (NOTES-cuda.md, Floors): the H100's single-query scan under
+# ncu, the H200's single v1 query at mainnet (keyformats_h200_mainnet_v1.csv)
+READ_BYTES_PER_S = {"H100": 3.08e12, "H200": 4.47e12}
 PAGE_BYTES = 4096
 # issue 16's v2-key targets, queries/s at the best batch size, per page count
 V2_TARGET = {16817159: 2500.0, 65536: 150000.0}
@@ -31,6 +33,14 @@ def label(header: dict) -> str:
     return "v2 keys, tensor cores" if "scan=mma" in dispatch else "v2 keys, ALU"
 
 
+COLORS = {"v1 keys (ALU)": "tab:blue", "v2 keys, ALU": "tab:orange", "v2 keys, tensor cores": "tab:green"}
+
+
+def gpu_model(header: dict) -> str:
+    """'H100' or 'H200' from a backend_batch.py CSV's gpu line."""
+    return next(m for m in READ_BYTES_PER_S if m in header.get("gpu", ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csvs", nargs="+")
@@ -39,29 +49,32 @@ def main() -> None:
 
     plt = pyplot()
 
-    shapes = defaultdict(list)  # pages -> [(label, qs, qps)]
+    panels = defaultdict(list)  # (gpu, pages) -> [(label, qs, qps)]
     for path in args.csvs:
         header, rows = read_csv(path)
         pages = int(header["shape"].split(",")[0].split("=")[1])
         qs = [int(r["q"]) for r in rows]
-        shapes[pages].append((label(header), qs, [float(r["batch_qps"]) for r in rows]))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 4.5), squeeze=False)
-    for ax, pages in zip(axes[0], sorted(shapes, reverse=True)):
-        top = 1
-        for name, qs, qps in sorted(shapes[pages]):
-            ax.plot(qs, qps, marker="o", label=name)
-            top = max(top, max(qs))
-        floor_s = pages * PAGE_BYTES / READ_BYTES_PER_S
-        qs = list(range(1, top + 1))
-        ax.plot(qs, [q / floor_s for q in qs], "k:", label=f"memory floor ({floor_s * 1e3:.3g} ms a batch)")
-        if pages in V2_TARGET:
-            ax.axhline(V2_TARGET[pages], color="tab:red", ls="--", lw=1, label="issue 16 v2 target")
-        ax.set_yscale("log")
-        ax.set_xlabel("queries per batch (Q, 3 keys each)")
-        ax.set_ylabel("queries/s")
-        ax.set_title(f"{pages:,} pages, one H100")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        panels[(gpu_model(header), pages)].append((label(header), qs, [float(r["batch_qps"]) for r in rows]))
+    gpus = sorted({gpu for gpu, _ in panels})
+    shapes = sorted({pages for _, pages in panels}, reverse=True)
+    fig, axes = plt.subplots(len(gpus), len(shapes), figsize=(6 * len(shapes), 4.3 * len(gpus)), squeeze=False)
+    for row, gpu in enumerate(gpus):
+        for ax, pages in zip(axes[row], shapes):
+            top = 1
+            for name, qs, qps in sorted(panels[(gpu, pages)]):
+                ax.plot(qs, qps, marker="o", ms=3, label=name, color=COLORS[name])
+                top = max(top, max(qs))
+            floor_s = pages * PAGE_BYTES / READ_BYTES_PER_S[gpu]
+            qs = list(range(1, top + 1))
+            ax.plot(qs, [q / floor_s for q in qs], "k:", label=f"memory floor ({floor_s * 1e3:.3g} ms a batch)")
+            if pages in V2_TARGET:
+                ax.axhline(V2_TARGET[pages], color="tab:red", ls="--", lw=1, label="issue 16 v2 target")
+            ax.set_yscale("log")
+            ax.set_xlabel("queries per batch (Q, 3 keys each)")
+            ax.set_ylabel("queries/s")
+            ax.set_title(f"{pages:,} pages, one {gpu}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")

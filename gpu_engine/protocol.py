@@ -12,8 +12,7 @@ PAGE_BYTES = 4096  # section 1: a page
 ROW_BYTES = 256  # section 1: a row
 ROWS_PER_PAGE = PAGE_BYTES // ROW_BYTES  # 16
 KEYS_PER_QUERY = 3  # section 4: a query names three candidate pages, one key each
-MAX_BATCH_QUERIES = 32  # section 5: queries in one batch request, and in one launch
-MAX_BATCH_KEYS = MAX_BATCH_QUERIES * KEYS_PER_QUERY  # 96: the largest batch the device runs
+MAX_BATCH_QUERIES = 32  # section 5: queries in one batch request (a launch may merge several)
 BACKEND_NAMES = ("auto", "cpu", "cuda")  # MORPHO_ENGINE_BACKEND: auto = CUDA where present, else CPU
 # Section 3: the key formats, by the names /epoch advertises them under (section 5.1). "v1" gives
 # every page a 16-byte mask; "v2" stops the tree 7 levels early (section 3.1), a leaf selecting

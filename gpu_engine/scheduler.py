@@ -9,7 +9,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.costmodel import CostFit
-from gpu_engine.protocol import MAX_BATCH_KEYS, MAX_BATCH_QUERIES
+from gpu_engine.backends.cuda_plan import MAX_LAUNCH_KEYS, MAX_LAUNCH_QUERIES
+from gpu_engine.protocol import MAX_BATCH_QUERIES
 
 LANES = ("interactive", "bulk")  # in priority order
 MODES = ("latency", "throughput", "adaptive", "slo")
@@ -19,7 +20,7 @@ SLO_MAX_UTILISATION = 0.8
 # slo launches without planning until the cost model has seen this many launches.
 SLO_MIN_SAMPLES = 4
 # A LaneQueue needs no more head requests than a full batch can hold (each has >= 1 query).
-HEAD_REQUESTS = MAX_BATCH_QUERIES + 1
+HEAD_REQUESTS = MAX_LAUNCH_QUERIES + 1
 # queries per second under which a lane counts as idle: a lower lane's full batch may then start
 # behind a running one (overlaps), and its launches are not cut (yield_to_higher)
 QUIET_RATE = 1.0
@@ -29,10 +30,10 @@ QUIET_GAP_S = 0.5
 
 # field -> (lowest, highest, unit words used in every error message)
 POLICY_BOUNDS: Dict[str, Tuple[float, float, str]] = {
-    "max_batch": (1, MAX_BATCH_QUERIES, "queries"),
+    "max_batch": (1, MAX_LAUNCH_QUERIES, "queries"),
     "window_us": (0, 1_000_000, "µs"),
-    "adaptive_threshold": (1, MAX_BATCH_QUERIES, "queries"),
-    "micro_batch": (0, MAX_BATCH_KEYS, "keys"),
+    "adaptive_threshold": (1, MAX_LAUNCH_QUERIES, "queries"),
+    "micro_batch": (0, MAX_LAUNCH_KEYS, "keys"),
     "streams": (1, 8, "streams"),
     "p95_target_ms": (0.1, 60_000, "ms"),
     "safety_margin": (0.0, 0.9, "(fraction of the target)"),
@@ -109,7 +110,7 @@ class LanePolicy:
 
     name: str = "default"  # operator's label, shown in metrics and the admin
     mode: str = "latency"  # latency | throughput | adaptive | slo
-    max_batch: int = MAX_BATCH_QUERIES  # queries per launch (1..32)
+    max_batch: int = MAX_BATCH_QUERIES  # queries per launch (1..58: requests of up to 32 merged)
     # admission window (µs), counted from the oldest queued query's arrival: throughput and
     # adaptive hold a partial batch at most this long; slo picks a window no longer than this
     window_us: int = 2000

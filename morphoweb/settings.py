@@ -260,7 +260,7 @@ MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
 # The devices one engine owns, as ids "0,1,..." (GPUs for CUDA; simulated devices for the CPU
 # backend); unset = one device, the current one. Each epoch's placement says how pages go on them.
 MORPHO_ENGINE_DEVICES = _env("MORPHO_ENGINE_DEVICES", "").strip()
-# How the CUDA backend scans v2 keys: auto (the tensor cores from 24 keys a launch, where the GPU
+# How the CUDA backend scans v2 keys: auto (the tensor cores from 18 keys a launch, where the GPU
 # has 1-bit products; the ALU below), mma (always the tensor cores) or alu (never); answers are the
 # same bytes. The CPU backend has one scan and ignores it.
 MORPHO_V2_SCAN = _env("MORPHO_V2_SCAN", "auto").strip().lower()

@@ -11,7 +11,7 @@ from django.conf import settings
 
 from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
-from gpu_engine.protocol import KEYS_PER_QUERY, query_key_counts
+from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, query_key_counts
 from gpu_engine.scheduler import LanePolicy
 from queries.models import BulkChunk
 
@@ -22,6 +22,9 @@ LANE = "bulk"
 # waiting, so the device never idles between launches and no request waits long enough to pass
 # the lane's deadline.
 LAUNCHES_IN_FLIGHT = 2
+# a bulk request's size makes whole requests fill at least this fraction of a launch: requests
+# of 20 for launches of 41 (40 of them), never requests of 1 because 41 is prime
+MIN_LAUNCH_FILL = 0.9
 EPOCH_ATTEMPTS = 3  # an epoch switch mid-chunk: answer the whole chunk again, this many times
 
 
@@ -41,11 +44,13 @@ def bulk_policy(engine) -> LanePolicy:
 def request_plan(engine) -> tuple[int, int]:
     """(queries per request, requests kept in flight) on the bulk lane. Requests are no larger
     than the engine's launch cap: a bulk launch shrinks to it while interactive queries come
-    (the policy's yield_ms) and takes whole requests only. Their size divides max_batch, so
-    that alone the lane merges them into full launches again."""
+    (the policy's yield_ms) and takes whole requests only; nor than a request may be (32
+    queries), where max_batch is more (up to 58). The largest size whose whole requests fill
+    MIN_LAUNCH_FILL of max_batch, so that alone the lane merges them into (nearly) full launches
+    again: a divisor of max_batch where one fits."""
     max_batch = bulk_policy(engine).max_batch
-    cap = max(1, min(max_batch, engine.launch_cap(LANE)))
-    size = max(d for d in range(1, cap + 1) if max_batch % d == 0)
+    cap = max(1, min(max_batch, engine.launch_cap(LANE), MAX_BATCH_QUERIES))
+    size = max(s for s in range(1, cap + 1) if max_batch // s * s >= MIN_LAUNCH_FILL * max_batch)
     return size, LAUNCHES_IN_FLIGHT * max_batch // size
 
 

@@ -309,6 +309,9 @@ class _CappedEngine:
     (1, 32, (1, 64)),
     (40, 32, (32, 2)),  # never past max_batch
     (10, 7, (7, 2)),
+    (42, 42, (21, 4)),  # a launch of 42 merges two requests: one may hold 32 queries at most
+    (42, 41, (20, 4)),  # 41 is prime: requests of 20 fill 40 of a launch
+    (8, 31, (7, 8)),  # launches of at most 8 out of 31: requests of 7, 4 to 28 of a launch
 ])
 def test_bulk_requests_are_sized_by_the_engines_launch_cap(cap, max_batch, plan):
     assert request_plan(_CappedEngine(cap, max_batch)) == plan

@@ -401,7 +401,8 @@ def generated_answers(cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pages, keys", [(40000, 48), (40000, 72), (40000, 96), (2**20 + 17, 96)])
+@pytest.mark.parametrize("pages, keys", [(40000, 48), (40000, 72), (40000, 96), (40000, 128), (40000, 174),
+                                         (2**20 + 17, 96), (2**20 + 17, 174)])
 @pytest.mark.parametrize("run_chunks", [1, 3, None])  # None: the plan's (8 or 128 chunks a block)
 def test_mma_run_lengths_match_numpy(cuda, generated_answers, pages, keys, run_chunks):
     if not cuda.tensor_cores:
@@ -536,7 +537,8 @@ def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
 
 @pytest.mark.parametrize("num_keys, expect", [
     (1, (1, 1)), (3, (1, 1)), (16, (1, 1)), (17, (2, 1)), (36, (3, 1)), (96, (6, 1)),
-    (97, (4, 2)), (192, (6, 2)), (200, (5, 3))])
+    (97, (7, 1)), (128, (8, 1)), (129, (9, 1)), (176, (11, 1)), (177, (6, 2)), (200, (7, 2)),
+    (300, (10, 2)), (400, (9, 3))])
 def test_pick_mma_tiles(num_keys, expect):
     tiles, groups = cuda_plan.pick_mma_tiles(num_keys)
     assert (tiles, groups) == expect
@@ -663,7 +665,7 @@ def _simulate_scan_mma(plan, matrix, keys, rng):
 
 @pytest.mark.parametrize("pages, d, keys, run_chunks", [
     (1, 1, 2, None), (200, 8, 3, None), (1500, 11, 17, None),
-    (1100, 11, 100, 1)])  # two key groups of 4 tiles, two runs
+    (1100, 11, 200, 1)])  # two key groups of 7 tiles, two runs
 def test_the_mma_scan_as_planned_equals_numpy(pages, d, keys, run_chunks):
     # the kernel's index arithmetic and PTX's fragment layout, checked on the CPU; the GPU tests
     # check the kernel itself (test_matches_numpy and the rest with fmt V2_MMA)

@@ -55,7 +55,7 @@ def test_the_host_constants_are_the_compilers_d_options():
     defines = cuda_plan.kernel_defines()
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
-                            "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES"}
+                            "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -277,13 +277,18 @@ def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
     carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
     assert [name for name, _ in carving] == names and carving[0][1] == "smem"
     # each region starts where the one before it ends, sized as the host sizes it
-    words = {"raw": "2 * RAW_WORDS", "selsm": "2 * CHUNK_LEAVES * K", "bfrag": "KSTEPS * 2 * 32 * 32"}
+    words = {"raw": "2 * RAW_WORDS", "selsm": "sel_bufs * CHUNK_LEAVES * K", "bfrag": "frag_bufs * BFRAG_WORDS"}
+    assert "sel_bufs = pipelined ? 3 : 2, frag_bufs = pipelined ? 2 : 1;" in code
+    assert "constexpr bool pipelined = T >= MMA_PIPELINE_TILES;" in code
     for (prev, _), (_, expr) in zip(carving, carving[1:]):
         assert expr == f"{prev} + {words[prev]}", expr
     for tiles in cuda_plan.MMA_TILE_COUNTS:
         k = 16 * tiles
         raw = 2 * 4 * (cuda_plan.MMA_CHUNK_PAGES * 8 + cuda_plan.MMA_CHUNK_PAGES // 32 * 8)
-        sel = 2 * 16 * (cuda_plan.MMA_CHUNK_PAGES // 128) * k
-        frag = 4 * (cuda_plan.MMA_CHUNK_PAGES // 256) * 2 * 32 * 32
+        sel_bufs, frag_bufs = (3, 2) if tiles >= cuda_plan.MMA_PIPELINE_TILES else (2, 1)
+        sel = sel_bufs * 16 * (cuda_plan.MMA_CHUNK_PAGES // 128) * k
+        frag = frag_bufs * 4 * (cuda_plan.MMA_CHUNK_PAGES // 256) * 2 * 32 * 32
         assert cuda_plan.mma_shared_bytes(tiles) == raw + sel + frag + 4 * k * 8
         assert cuda_plan.mma_shared_bytes(tiles) <= cuda_plan.MAX_SHARED_BYTES
+        if tiles < cuda_plan.MMA_PIPELINE_TILES:  # two blocks an SM: 228 KiB, 1 KiB a block reserved
+            assert 2 * (cuda_plan.mma_shared_bytes(tiles) + 1024) <= 228 * 1024

@@ -25,13 +25,13 @@ from gpu_engine.backends.base import (
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
-from gpu_engine.protocol import MAX_BATCH_KEYS, MAX_BATCH_QUERIES
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
-# (batch size, dispatch, key format) entries whose buffers and graphs are kept: warm-up makes 32
-# per key format, the bulk lane one more (v1), and room is left for a second dispatch's few
-MAX_CACHED_SHAPES = 2 * MAX_BATCH_QUERIES + 16
+# (batch size, dispatch, key format) entries whose buffers and graphs are kept: warm-up makes one
+# per batch size (up to 58) and key format, the bulk lane one more (v1), and room is left for a
+# second dispatch's few
+MAX_CACHED_SHAPES = 2 * cuda_plan.MAX_LAUNCH_QUERIES + 16
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
 
@@ -307,11 +307,11 @@ class CudaBackend(Backend):
 
     def _allocate(self, num_pages: int, domain_bits: int):
         need = num_pages * PAGE_BYTES
-        # room for two of the largest batches (32 queries) of either key format beside the
+        # room for two of the largest launches (58 queries) of either key format beside the
         # matrix: the engine starts the next batch while one runs
         scans = [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
-            cuda_plan.plan_scan(num_pages, domain_bits, MAX_BATCH_KEYS, resident_blocks=self.resident_blocks,
+            cuda_plan.plan_scan(num_pages, domain_bits, cuda_plan.MAX_LAUNCH_KEYS, resident_blocks=self.resident_blocks,
                                 key_format=key_format, tensor_cores=tensor_cores))
             for key_format, tensor_cores in scans)
         free, total = runtime.memGetInfo()

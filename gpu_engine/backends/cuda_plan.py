@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, format_name, tree_depth
-from gpu_engine.protocol import LEAF_PAGE_BITS, LEAF_PAGES, PAGE_BYTES, ROW_BYTES
+from gpu_engine.protocol import KEYS_PER_QUERY, LEAF_PAGE_BITS, LEAF_PAGES, PAGE_BYTES, ROW_BYTES
 
 SCAN_THREADS = PAGE_BYTES // 16  # 256: one thread per 16-byte column of a page
 TOP_THREADS = 256
@@ -40,7 +40,12 @@ MMA_SLICE_WORDS = 8  # words of a page a block owns: 32 bytes
 MMA_SLICES = PAGE_WORDS // MMA_SLICE_WORDS  # 128 blocks cover a page's width
 MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32 KiB of its slice)
 MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
-MMA_TILE_COUNTS = (1, 2, 3, 4, 5, 6)  # dpf_scan_mma<T> instantiations: up to 96 keys a group
+MMA_TILE_COUNTS = tuple(range(1, 12))  # dpf_scan_mma<T> instantiations: up to 176 keys a group
+# the most queries one launch may hold: as many as one key group of the tensor-core scan multiplies
+# in one pass over the matrix (176 keys); requests stay at protocol.MAX_BATCH_QUERIES, the
+# scheduler merges them up to a policy's max_batch, which this bounds
+MAX_LAUNCH_QUERIES = 16 * max(MMA_TILE_COUNTS) // KEYS_PER_QUERY  # 58
+MAX_LAUNCH_KEYS = MAX_LAUNCH_QUERIES * KEYS_PER_QUERY  # 174
 MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or later
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
 # together (few tiles, where the scan waits on memory), long ones save atomics and prologues
@@ -49,9 +54,22 @@ MMA_SHORT_RUN_TILES = 3  # up to this many tiles a block: short runs
 MMA_SHORT_RUN_CHUNKS = 8
 MMA_LONG_RUN_CHUNKS = 128
 # keys from which v2 batches go to the tensor cores when the scan is "auto": below it the ALU
-# scan, which reads whole pages, wins (measured on the H100: docs/benchmarks/NOTES-cuda.md)
-MMA_MIN_KEYS = 24
+# scan, which reads whole pages, wins. Measured on the H100 at 65,536, 2^20 and mainnet pages
+# (docs/benchmarks/NOTES-cuda.md): the ALU scan ahead at 12 keys (4 queries) at all three, the
+# tensor cores at 18 (6 queries) at all three, so one threshold serves every size
+MMA_MIN_KEYS = 18
 V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, tensor cores, ALU
+
+
+# from this many key tiles a block (one block an SM) the tensor-core scan pipelines its chunks:
+# chunk i + 1 transposed while chunk i is multiplied; fewer tiles run two blocks an SM, which
+# the pipeline's buffers would not let fit (measured on the H100: NOTES-cuda.md)
+MMA_PIPELINE_TILES = MMA_SHORT_RUN_TILES + 1
+
+
+def mma_buffers(tiles: int) -> Tuple[int, int]:
+    """(selection-bit buffers, fragment buffers) of dpf_scan_mma<tiles>: (3, 2) pipelined, (2, 1) not."""
+    return (3, 2) if tiles >= MMA_PIPELINE_TILES else (2, 1)
 
 
 # dpf_scan_mma<T>'s dynamic shared memory, region by region in the order the kernel carves it:
@@ -59,10 +77,10 @@ V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, ten
 MMA_SHARED_REGIONS = (
     # two chunks' slices, u32, 8 words a page and 8 more after every 32 pages
     ("raw", lambda T: 2 * 4 * (MMA_CHUNK_PAGES + MMA_CHUNK_PAGES // 32) * MMA_SLICE_WORDS),
-    # two chunks' selection bits, uint4 [leaf][key]
-    ("selsm", lambda T: 2 * 16 * MMA_CHUNK_LEAVES * 16 * T),
-    # B fragments, u32 [k-step][half][n-block][lane]
-    ("bfrag", lambda T: 4 * (MMA_CHUNK_PAGES // 256) * 2 * 32 * 32),
+    # the selection bits of 2 or 3 chunks (copied, multiplied, between), uint4 [leaf][key]
+    ("selsm", lambda T: mma_buffers(T)[0] * 16 * MMA_CHUNK_LEAVES * 16 * T),
+    # the B fragments of 1 or 2 chunks (transposed, multiplied), u32 [k-step][half][n-block][lane]
+    ("bfrag", lambda T: mma_buffers(T)[1] * 4 * (MMA_CHUNK_PAGES // 256) * 2 * 32 * 32),
     # the slice's answer words, u32 [key][word]
     ("outsm", lambda T: 4 * 16 * T * MMA_SLICE_WORDS),
 )
@@ -104,6 +122,7 @@ def kernel_defines() -> Dict[str, int]:
         "MMA_THREADS": MMA_THREADS,
         "MMA_SLICE_WORDS": MMA_SLICE_WORDS,
         "MMA_CHUNK_PAGES": MMA_CHUNK_PAGES,
+        "MMA_PIPELINE_TILES": MMA_PIPELINE_TILES,
     }
 
 

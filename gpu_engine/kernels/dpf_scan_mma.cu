@@ -12,28 +12,34 @@
 // The matrix stays page-major, so the block transposes it on the way: a block owns a slice of
 // MMA_SLICE_WORDS (8) words of every page and a run of chunks of MMA_CHUNK_PAGES (1024) pages.
 // Per chunk, cp.async copies the chunk's slice (32 KiB) and its selection bits into shared memory
-// one chunk ahead; each thread transposes one 32 x 32 bit block (32 pages x one word) in registers,
-// which gives bit b of that word across 32 pages: a B-fragment register of n-block b, column w
-// (bit b of word w of the slice). Warp W owns n-blocks 4W .. 4W + 3 for every key tile, so its
+// two chunks ahead; each thread transposes one 32 x 32 bit block (32 pages x one word) in
+// registers one chunk ahead of the products, which gives bit b of that word across 32 pages: a
+// B-fragment register of n-block b, column w (bit b of word w of the slice). Warp W owns n-blocks 4W .. 4W + 3 for every key tile, so its
 // accumulators stay in registers for the whole run; they meet in global memory by XOR atomics
 // once per block.
 
 typedef unsigned int u32;
 
 // Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines): MMA_THREADS,
-// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, PAGE_WORDS, LEAF_PAGES. The selection bits come from
+// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, MMA_PIPELINE_TILES, PAGE_WORDS, LEAF_PAGES. The selection bits come from
 // dpf_leaf_bits in dpf_scan.cu, beside the ALU scan of v2 keys, which reads leaves the same way.
 
 #define MMA_K 256                                       // pages of one mma (k of m16n8k256)
 #define KSTEPS (MMA_CHUNK_PAGES / MMA_K)                // mma k-steps of a chunk
 #define CHUNK_LEAVES (MMA_CHUNK_PAGES / LEAF_PAGES)     // v2 leaves of a chunk
 #define RAW_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS + (MMA_CHUNK_PAGES / 32) * MMA_SLICE_WORDS)
+#define BFRAG_WORDS (KSTEPS * 2 * 32 * 32)              // one chunk's B fragments
 
 static_assert(MMA_SLICE_WORDS == 8, "a slice word is one column of the mma's n = 8");
 static_assert(MMA_THREADS == (MMA_CHUNK_PAGES / 32) * MMA_SLICE_WORDS,
               "a thread transposes 32 pages x 1 word");
 static_assert(MMA_THREADS / 32 * 4 == 32, "8 warps of 4 n-blocks cover the 32 bits of a word");
 static_assert(LEAF_PAGES == 128, "a leaf is half a k-step");
+
+// Warps 4..7 of a pipelined block multiply before they transpose (1) or after, like the rest (0).
+#ifndef MMA_STAGGER
+#define MMA_STAGGER 1
+#endif
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 a;
@@ -161,11 +167,16 @@ __global__ void __launch_bounds__(MMA_THREADS, 1)
 dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __restrict__ sel,
              long long padded_leaves, int num_groups, int chunks_per_block, u32* __restrict__ out) {
     constexpr int K = 16 * T;
+    // Few tiles: two blocks an SM, each staging, transposing and multiplying in turn (the other
+    // block fills the gaps). More tiles: one block an SM, pipelined (below), which needs a third
+    // selection-bit buffer and a second set of fragments.
+    constexpr bool pipelined = T >= MMA_PIPELINE_TILES;
+    constexpr int sel_bufs = pipelined ? 3 : 2, frag_bufs = pipelined ? 2 : 1;
     extern __shared__ uint4 smem[];
     u32* raw = (u32*)(smem);                               // [2][RAW_WORDS]: staged page slices
-    uint4* selsm = (uint4*)(raw + 2 * RAW_WORDS);          // [2][CHUNK_LEAVES][K]
-    u32* bfrag = (u32*)(selsm + 2 * CHUNK_LEAVES * K);     // [KSTEPS][2][32][32]
-    u32* outsm = (u32*)(bfrag + KSTEPS * 2 * 32 * 32);     // [K][MMA_SLICE_WORDS]
+    uint4* selsm = (uint4*)(raw + 2 * RAW_WORDS);          // [sel_bufs][CHUNK_LEAVES][K]
+    u32* bfrag = (u32*)(selsm + sel_bufs * CHUNK_LEAVES * K);  // [frag_bufs][BFRAG_WORDS]
+    u32* outsm = (u32*)(bfrag + frag_bufs * BFRAG_WORDS);  // [K][MMA_SLICE_WORDS]
 
     const int group = blockIdx.x % num_groups;
     const long long rest = blockIdx.x / num_groups;
@@ -174,25 +185,26 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
     const long long run = rest / slices;
     const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
     const long long chunk_begin = run * chunks_per_block;
-    const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
+    const int n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
     const int key0 = group * K;
 
     for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
 
-    // Pages past num_pages are never copied: their selection bits are 0 (dpf_leaf_bits), so
-    // whatever the buffer holds there adds nothing.
-    auto load_chunk = [&](long long chunk, int buf) {
-        const long long page0 = chunk * MMA_CHUNK_PAGES;
-        u32* dst = raw + buf * RAW_WORDS;
-        for (int i = threadIdx.x; i < MMA_CHUNK_PAGES * 2; i += MMA_THREADS) {
-            const int p = i >> 1, h = i & 1;
+    // Chunk i of the run: its slice into raw[i % 2], its selection bits into selsm[i % sel_bufs]. Pages
+    // past num_pages are never copied: their selection bits are 0 (dpf_leaf_bits), so whatever
+    // the buffer holds there adds nothing.
+    auto load_chunk = [&](int i) {
+        const long long chunk = chunk_begin + i, page0 = chunk * MMA_CHUNK_PAGES;
+        u32* dst = raw + (i & 1) * RAW_WORDS;
+        for (int j = threadIdx.x; j < MMA_CHUNK_PAGES * 2; j += MMA_THREADS) {
+            const int p = j >> 1, h = j & 1;
             if (page0 + p < num_pages)
                 cp_async16(dst + raw_index(p) + 4 * h,
                            pages + (page0 + p) * PAGE_WORDS + slice * MMA_SLICE_WORDS + 4 * h);
         }
-        uint4* sdst = selsm + buf * CHUNK_LEAVES * K;
-        for (int i = threadIdx.x; i < K * CHUNK_LEAVES; i += MMA_THREADS) {
-            const int key = i / CHUNK_LEAVES, leaf = i % CHUNK_LEAVES;
+        uint4* sdst = selsm + (i % sel_bufs) * CHUNK_LEAVES * K;
+        for (int j = threadIdx.x; j < K * CHUNK_LEAVES; j += MMA_THREADS) {
+            const int key = j / CHUNK_LEAVES, leaf = j % CHUNK_LEAVES;
             cp_async16(sdst + leaf * K + key,
                        sel + (key0 + key) * padded_leaves + chunk * CHUNK_LEAVES + leaf);
         }
@@ -205,20 +217,42 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0;
 
-    if (chunk_begin < chunk_end) load_chunk(chunk_begin, 0);
-    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        const int buf = (int)((chunk - chunk_begin) & 1);
-        if (chunk + 1 < chunk_end) {
-            load_chunk(chunk + 1, buf ^ 1);  // its buffers were last read before the previous barrier
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+    if constexpr (!pipelined) {
+        if (n > 0) load_chunk(0);
+        for (int i = 0; i < n; ++i) {
+            if (i + 1 < n) {
+                load_chunk(i + 1);  // its buffers were last read before the previous barrier
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            stage_fragments(raw + (i & 1) * RAW_WORDS, bfrag);
+            __syncthreads();
+            mma_chunk<T>((const u32*)(selsm + (i & 1) * CHUNK_LEAVES * K), bfrag, acc);
+            __syncthreads();  // the next chunk's fragments and loads overwrite what was read here
         }
+    } else {
+        // Three stages, one barrier a chunk: while chunk i + 2 is copied in, chunk i + 1 is
+        // transposed (ALU pipe) and chunk i multiplied (tensor pipe). With MMA_STAGGER, warps 4..7
+        // (one in each SM sub-partition) multiply first and the others transpose first, so both
+        // pipes have work. Each buffer is rewritten only after the barrier after its last reader.
+        const bool multiply_first = MMA_STAGGER && ((threadIdx.x >> 7) & 1);
+        if (n > 0) load_chunk(0);
+        if (n > 1) load_chunk(1);
+        if (n > 1) cp_async_wait<1>(); else cp_async_wait<0>();
         __syncthreads();
-        stage_fragments(raw + buf * RAW_WORDS, bfrag);
-        __syncthreads();
-        mma_chunk<T>((const u32*)(selsm + buf * CHUNK_LEAVES * K), bfrag, acc);
-        __syncthreads();  // the next chunk's fragments and loads overwrite what was read here
+        if (n > 0) stage_fragments(raw, bfrag);
+        for (int i = 0; i < n; ++i) {
+            cp_async_wait<0>();  // chunk i + 1's copies, the only ones in flight
+            __syncthreads();
+            if (i + 2 < n) load_chunk(i + 2);  // into raw[i % 2] and selsm[(i + 2) % 3]: read before
+            const u32* sel_i = (const u32*)(selsm + (i % 3) * CHUNK_LEAVES * K);
+            const u32* frag_i = bfrag + (i & 1) * BFRAG_WORDS;
+            if (multiply_first) mma_chunk<T>(sel_i, frag_i, acc);
+            if (i + 1 < n) stage_fragments(raw + ((i + 1) & 1) * RAW_WORDS, bfrag + ((i + 1) & 1) * BFRAG_WORDS);
+            if (!multiply_first) mma_chunk<T>(sel_i, frag_i, acc);
+        }
     }
 
     // accumulator (m, j, r) of lane (g, t): key 16m + g (+8 for r >= 2), word 2t + (r & 1) of
@@ -242,7 +276,8 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
     }
 }
 
-// The key tiles the host may pick (cuda_plan.MMA_TILE_COUNTS): up to 96 keys, one 32-query launch.
+// The key tiles the host may pick (cuda_plan.MMA_TILE_COUNTS): up to 176 keys a block (T = 11:
+// 246 registers, no spills under nvcc 13 for sm_90; T = 12 spills).
 #define INSTANTIATE_MMA(T)                                                                       \
     template __global__ void dpf_scan_mma<T>(const u32*, long long, const uint4*, long long, int, \
                                               int, u32*);
@@ -252,3 +287,8 @@ INSTANTIATE_MMA(3)
 INSTANTIATE_MMA(4)
 INSTANTIATE_MMA(5)
 INSTANTIATE_MMA(6)
+INSTANTIATE_MMA(7)
+INSTANTIATE_MMA(8)
+INSTANTIATE_MMA(9)
+INSTANTIATE_MMA(10)
+INSTANTIATE_MMA(11)
