@@ -267,7 +267,8 @@ class RemoteEngine:
 
     def _flush(self, dealer: zmq.Socket) -> None:
         """Send everything queued. Queries that arrived together on one lane, in one key format,
-        travel as one QUERY message (up to the lane's max_batch queries): the engine server then
+        travel as one QUERY message (up to 32 queries, what one request may hold, and no more
+        than the lane's launch cap): the engine server then
         parses, queues and answers them once, and its per-message cost is paid once per group,
         not per request."""
         groups: Dict[tuple, List[_Query]] = {}

@@ -413,6 +413,24 @@ def test_mma_run_lengths_match_numpy(cuda, generated_answers, pages, keys, run_c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_tiles", [1, 5])  # the fewest; what an sm_80 block's shared memory holds
+def test_fewer_tiles_a_block_give_the_same_answers(cuda, generated_answers, max_tiles):
+    if not cuda.tensor_cores:
+        pytest.skip(f"{cuda.device_name} has no 1-bit tensor-core products")
+    if cuda.compute_capability >= (9, 0):
+        assert cuda.mma_max_tiles == max(cuda_plan.MMA_TILE_COUNTS)
+    resident, batch, expect = generated_answers(40000, 174)
+    resident.v2_scan, resident.mma_chunks_per_block = "mma", None
+    held = cuda.mma_max_tiles
+    try:
+        cuda.mma_max_tiles = max_tiles
+        assert resident.plan(174, KEY_FORMAT_V2).group_keys <= 16 * max_tiles
+        assert np.array_equal(resident.answer(batch), expect)
+    finally:
+        cuda.mma_max_tiles = held
+
+
+@pytest.mark.gpu
 def test_generated_pages_follow_the_host_formula(cuda):
     from gpu_engine.backends.cuda_module import fill_reference
 
@@ -544,6 +562,23 @@ def test_pick_mma_tiles(num_keys, expect):
     assert (tiles, groups) == expect
     assert tiles in cuda_plan.MMA_TILE_COUNTS
     assert 16 * tiles * groups >= num_keys > 16 * tiles * (groups - 1) - 16
+
+
+def test_the_tiles_a_block_holds_follow_the_gpus_shared_memory():
+    # the opt-in limits of a block: sm_90 227 KiB, sm_80 163 KiB, sm_86/89 99 KiB
+    assert cuda_plan.mma_max_tiles(227 * 1024) == max(cuda_plan.MMA_TILE_COUNTS)
+    assert cuda_plan.mma_max_tiles(163 * 1024) == 5
+    assert cuda_plan.mma_max_tiles(99 * 1024) == 0  # not one tile: such a GPU scans v2 keys on the ALU
+    for limit in (163 * 1024, 227 * 1024):
+        tiles = cuda_plan.mma_max_tiles(limit)
+        assert cuda_plan.mma_shared_bytes(tiles) <= limit
+        plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, cuda_plan.MAX_LAUNCH_KEYS, key_format=KEY_FORMAT_V2,
+                                   tensor_cores=True, mma_max_tiles=tiles)
+        assert plan.group_keys <= 16 * tiles and plan.padded_keys >= cuda_plan.MAX_LAUNCH_KEYS
+        assert plan.shared_bytes <= limit
+    assert cuda_plan.pick_mma_tiles(174, 5) == (4, 3)
+    with pytest.raises(ValueError, match="max_tiles must be one of"):
+        cuda_plan.pick_mma_tiles(10, 0)
 
 
 @pytest.mark.parametrize("scan, keys, expect", [

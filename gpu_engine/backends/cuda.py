@@ -172,14 +172,15 @@ class CudaResident(ResidentMatrix):
         return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks, key_format,
                                 tensor_cores=cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys),
-                                mma_chunks_per_block=self.mma_chunks_per_block)
+                                mma_chunks_per_block=self.mma_chunks_per_block,
+                                mma_max_tiles=self._backend.mma_max_tiles)
 
     def _state(self, num_keys: int, dispatch: DispatchShape,
                key_format: int) -> Tuple[tuple, _DispatchState]:
         """The buffers (and graphs) of this batch shape that no started batch is using: a second
         set where the engine starts a batch while one of the same shape still runs."""
         shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format,
-                 self.v2_scan, self.mma_chunks_per_block)
+                 self.v2_scan, self.mma_chunks_per_block, self._backend.mma_max_tiles)
         key = shape + (1 if shape + (0,) in self._started else 0,)
         if key in self._started:
             raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
@@ -285,12 +286,18 @@ class CudaBackend(Backend):
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.sm_count = int(props["multiProcessorCount"])
         self.compute_capability = (int(props["major"]), int(props["minor"]))
-        self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY
+        # key tiles a block of the tensor-core scan may hold: what a block's shared memory fits
+        # (sm_80 fewer than sm_90: more key groups a launch; sm_86/89 not one tile)
+        shared_limit = int(props.get("sharedMemPerBlockOptin", cuda_plan.MAX_SHARED_BYTES))
+        self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit)
+        self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
         # the v2 scan of the matrices it loads from now on (cuda_plan.V2_SCANS)
         if v2_scan == "mma" and not self.tensor_cores:
             raise BackendUnavailable(
-                f"v2 keys on the tensor cores need 1-bit products (sm_80 or later); {self.device_name} is "
-                f"sm_{self.compute_capability[0]}{self.compute_capability[1]}: scan them as auto or alu")
+                f"v2 keys on the tensor cores need 1-bit products (sm_80 or later) and "
+                f"{cuda_plan.mma_shared_bytes(1)} bytes of shared memory a block; {self.device_name} is "
+                f"sm_{self.compute_capability[0]}{self.compute_capability[1]} with {shared_limit}: "
+                f"scan them as auto or alu")
         self.v2_scan = v2_scan if self.tensor_cores else "alu"
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
@@ -312,7 +319,7 @@ class CudaBackend(Backend):
         scans = [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, cuda_plan.MAX_LAUNCH_KEYS, resident_blocks=self.resident_blocks,
-                                key_format=key_format, tensor_cores=tensor_cores))
+                                key_format=key_format, tensor_cores=tensor_cores, mma_max_tiles=self.mma_max_tiles))
             for key_format, tensor_cores in scans)
         free, total = runtime.memGetInfo()
         if need + working > free:

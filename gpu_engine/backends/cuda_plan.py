@@ -54,9 +54,10 @@ MMA_SHORT_RUN_TILES = 3  # up to this many tiles a block: short runs
 MMA_SHORT_RUN_CHUNKS = 8
 MMA_LONG_RUN_CHUNKS = 128
 # keys from which v2 batches go to the tensor cores when the scan is "auto": below it the ALU
-# scan, which reads whole pages, wins. Measured on the H100 at 65,536, 2^20 and mainnet pages
-# (docs/benchmarks/NOTES-cuda.md): the ALU scan ahead at 12 keys (4 queries) at all three, the
-# tensor cores at 18 (6 queries) at all three, so one threshold serves every size
+# scan, which reads whole pages, wins. Measured on the H100 and the H200 at 65,536, 2^20 and
+# mainnet pages (docs/benchmarks/NOTES-cuda.md): the ALU scan ahead at 12 keys (4 queries) at all
+# three, the tensor cores at 18 keys (6 queries) at 65,536 and 2^20 pages and at 24 at mainnet
+# (18 not timed there), so one threshold serves every size
 MMA_MIN_KEYS = 18
 V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, tensor cores, ALU
 
@@ -211,12 +212,22 @@ def mma_shared_bytes(tiles: int) -> int:
     return sum(size(tiles) for _, size in MMA_SHARED_REGIONS)
 
 
-def pick_mma_tiles(num_keys: int) -> Tuple[int, int]:
+def mma_max_tiles(shared_limit: int) -> int:
+    """The most key tiles a block of the tensor-core scan may have on a GPU whose blocks may opt
+    in to shared_limit bytes of shared memory (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on
+    sm_86/89): 0 where not even one tile fits."""
+    return max((t for t in MMA_TILE_COUNTS if mma_shared_bytes(t) <= shared_limit), default=0)
+
+
+def pick_mma_tiles(num_keys: int, max_tiles: int = max(MMA_TILE_COUNTS)) -> Tuple[int, int]:
     """(key tiles of 16 a block, key groups) of the tensor-core scan: as few groups as the
-    compiled tile counts allow, each as even as 16-key tiles let it be (padding repeats a key)."""
+    compiled tile counts (up to max_tiles, what the GPU's shared memory holds) allow, each as
+    even as 16-key tiles let it be (padding repeats a key)."""
     if num_keys < 1:
         raise ValueError(f"num_keys must be >= 1, got {num_keys}")
-    most = 16 * max(MMA_TILE_COUNTS)
+    if max_tiles not in MMA_TILE_COUNTS:
+        raise ValueError(f"max_tiles must be one of {MMA_TILE_COUNTS}, got {max_tiles}")
+    most = 16 * max_tiles
     groups = -(-num_keys // most)
     tiles = -(-(-(-num_keys // groups)) // 16)
     return tiles, -(-num_keys // (16 * tiles))
@@ -313,7 +324,8 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
               max_group_keys: int = DEFAULT_MAX_GROUP_KEYS,
               chunk_levels: int = DEFAULT_CHUNK_LEVELS,
               resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1,
-              tensor_cores: bool = False, mma_chunks_per_block: Optional[int] = None) -> ScanPlan:
+              tensor_cores: bool = False, mma_chunks_per_block: Optional[int] = None,
+              mma_max_tiles: int = max(MMA_TILE_COUNTS)) -> ScanPlan:
     """Plan one launch of num_keys keys over num_pages pages of a domain of 2**domain_bits pages.
 
     v1 keys: top stages to depth d - c, then dpf_scan<G> expands chunks of 2**c leaves. v2 keys:
@@ -327,7 +339,8 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     if tensor_cores:
         if key_format != KEY_FORMAT_V2:
             raise ValueError("the tensor-core scan takes v2 keys only")
-        return _plan_mma(num_pages, domain_bits, num_keys, resident_blocks, mma_chunks_per_block)
+        return _plan_mma(num_pages, domain_bits, num_keys, resident_blocks, mma_chunks_per_block,
+                         mma_max_tiles)
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
@@ -359,10 +372,10 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
 
 
 def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: int,
-              chunks_per_block: Optional[int]) -> ScanPlan:
+              chunks_per_block: Optional[int], max_tiles: int) -> ScanPlan:
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
-    tiles, groups = pick_mma_tiles(num_keys)
+    tiles, groups = pick_mma_tiles(num_keys, max_tiles)
     depth, leaves = tree_depth(domain_bits, KEY_FORMAT_V2), live_nodes(num_pages, LEAF_PAGE_BITS)
     chunks = -(-num_pages // MMA_CHUNK_PAGES)
     # one block an SM counted (resident_blocks counts two; up to 3 tiles two fit): waves of them

@@ -12,8 +12,9 @@
 // The matrix stays page-major, so the block transposes it on the way: a block owns a slice of
 // MMA_SLICE_WORDS (8) words of every page and a run of chunks of MMA_CHUNK_PAGES (1024) pages.
 // Per chunk, cp.async copies the chunk's slice (32 KiB) and its selection bits into shared memory
-// two chunks ahead; each thread transposes one 32 x 32 bit block (32 pages x one word) in
-// registers one chunk ahead of the products, which gives bit b of that word across 32 pages: a
+// (from 4 key tiles a block, two chunks ahead, and the transposition runs one chunk ahead of the
+// products; below, one chunk ahead); each thread transposes one 32 x 32 bit block (32 pages x one
+// word) in registers, which gives bit b of that word across 32 pages: a
 // B-fragment register of n-block b, column w (bit b of word w of the slice). Warp W owns n-blocks 4W .. 4W + 3 for every key tile, so its
 // accumulators stay in registers for the whole run; they meet in global memory by XOR atomics
 // once per block.
@@ -67,13 +68,15 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global" CP_ASYNC_L2 " [%0], [%1], 16;"
-                 ::"r"(shared_address(dst)), "l"(src));
+                 ::"r"(shared_address(dst)), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// "memory": the compiler keeps shared-memory reads and writes on their side of these (a barrier
+// follows every wait as well, which is what makes other threads' copies visible)
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Word offset of page p's slice in a chunk's staging buffer: 8 words a page, and 8 more after
 // every 32 pages, so the 4 page groups a warp transposes fall in different banks.
