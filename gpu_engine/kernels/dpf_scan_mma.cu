@@ -14,16 +14,17 @@
 // Per chunk, cp.async copies the chunk's slice (32 KiB) and its selection bits into shared memory
 // (from 4 key tiles a block, two chunks ahead, and the transposition runs one chunk ahead of the
 // products; below, one chunk ahead); each thread transposes one 32 x 32 bit block (32 pages x one
-// word) in registers, which gives bit b of that word across 32 pages: a
-// B-fragment register of n-block b, column w (bit b of word w of the slice). Warp W owns n-blocks 4W .. 4W + 3 for every key tile, so its
-// accumulators stay in registers for the whole run; they meet in global memory by XOR atomics
-// once per block.
+// word) in registers, which gives bit b of that word across 32 pages: a B-fragment register of
+// n-block b, column w (bit b of word w of the slice). Warp W owns n-blocks 4W .. 4W + 3 for every
+// key tile, so its accumulators stay in registers for the whole run; they meet in global memory by
+// XOR atomics once per block.
 
 typedef unsigned int u32;
 
 // Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines): MMA_THREADS,
-// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, MMA_PIPELINE_TILES, PAGE_WORDS, LEAF_PAGES. The selection bits come from
-// dpf_leaf_bits in dpf_scan.cu, beside the ALU scan of v2 keys, which reads leaves the same way.
+// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, MMA_PIPELINE_TILES, PAGE_WORDS, LEAF_PAGES. The selection bits
+// come from dpf_leaf_bits in dpf_scan.cu, beside the ALU scan of v2 keys, which reads leaves the
+// same way.
 
 #define MMA_K 256                                       // pages of one mma (k of m16n8k256)
 #define KSTEPS (MMA_CHUNK_PAGES / MMA_K)                // mma k-steps of a chunk
@@ -193,19 +194,23 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
 
     for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
 
-    // Chunk i of the run: its slice into raw[i % 2], its selection bits into selsm[i % sel_bufs]. Pages
-    // past num_pages are never copied: their selection bits are 0 (dpf_leaf_bits), so whatever
-    // the buffer holds there adds nothing.
+    // The buffers of chunk i of the run: its staged slice, its selection bits, its fragments.
+    auto raw_of = [&](int i) { return raw + (i % 2) * RAW_WORDS; };
+    auto sel_of = [&](int i) { return selsm + (i % sel_bufs) * CHUNK_LEAVES * K; };
+    auto frag_of = [&](int i) { return bfrag + (i % frag_bufs) * BFRAG_WORDS; };
+
+    // Pages past num_pages are never copied: their selection bits are 0 (dpf_leaf_bits), so
+    // whatever the buffer holds there adds nothing.
     auto load_chunk = [&](int i) {
         const long long chunk = chunk_begin + i, page0 = chunk * MMA_CHUNK_PAGES;
-        u32* dst = raw + (i & 1) * RAW_WORDS;
+        u32* dst = raw_of(i);
         for (int j = threadIdx.x; j < MMA_CHUNK_PAGES * 2; j += MMA_THREADS) {
             const int p = j >> 1, h = j & 1;
             if (page0 + p < num_pages)
                 cp_async16(dst + raw_index(p) + 4 * h,
                            pages + (page0 + p) * PAGE_WORDS + slice * MMA_SLICE_WORDS + 4 * h);
         }
-        uint4* sdst = selsm + (i % sel_bufs) * CHUNK_LEAVES * K;
+        uint4* sdst = sel_of(i);
         for (int j = threadIdx.x; j < K * CHUNK_LEAVES; j += MMA_THREADS) {
             const int key = j / CHUNK_LEAVES, leaf = j % CHUNK_LEAVES;
             cp_async16(sdst + leaf * K + key,
@@ -230,9 +235,9 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
                 cp_async_wait<0>();
             }
             __syncthreads();
-            stage_fragments(raw + (i & 1) * RAW_WORDS, bfrag);
+            stage_fragments(raw_of(i), frag_of(i));
             __syncthreads();
-            mma_chunk<T>((const u32*)(selsm + (i & 1) * CHUNK_LEAVES * K), bfrag, acc);
+            mma_chunk<T>((const u32*)sel_of(i), frag_of(i), acc);
             __syncthreads();  // the next chunk's fragments and loads overwrite what was read here
         }
     } else {
@@ -245,16 +250,14 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
         if (n > 1) load_chunk(1);
         if (n > 1) cp_async_wait<1>(); else cp_async_wait<0>();
         __syncthreads();
-        if (n > 0) stage_fragments(raw, bfrag);
+        if (n > 0) stage_fragments(raw_of(0), frag_of(0));
         for (int i = 0; i < n; ++i) {
             cp_async_wait<0>();  // chunk i + 1's copies, the only ones in flight
             __syncthreads();
-            if (i + 2 < n) load_chunk(i + 2);  // into raw[i % 2] and selsm[(i + 2) % 3]: read before
-            const u32* sel_i = (const u32*)(selsm + (i % 3) * CHUNK_LEAVES * K);
-            const u32* frag_i = bfrag + (i & 1) * BFRAG_WORDS;
-            if (multiply_first) mma_chunk<T>(sel_i, frag_i, acc);
-            if (i + 1 < n) stage_fragments(raw + ((i + 1) & 1) * RAW_WORDS, bfrag + ((i + 1) & 1) * BFRAG_WORDS);
-            if (!multiply_first) mma_chunk<T>(sel_i, frag_i, acc);
+            if (i + 2 < n) load_chunk(i + 2);  // into chunk i's slice and chunk i - 1's selection bits
+            if (multiply_first) mma_chunk<T>((const u32*)sel_of(i), frag_of(i), acc);
+            if (i + 1 < n) stage_fragments(raw_of(i + 1), frag_of(i + 1));
+            if (!multiply_first) mma_chunk<T>((const u32*)sel_of(i), frag_of(i), acc);
         }
     }
 
