@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.backends.cuda_plan import V2_SCANS  # noqa: E402
+from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS  # noqa: E402
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for, random_matrix  # noqa: E402
 from gpu_engine.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
@@ -133,8 +133,11 @@ def make_resident(backend, pages: int, domain_bits: int, seed: int, on_device: b
     """(resident, page_of): a seeded random matrix, generated in GPU memory when on_device."""
     t0 = time.perf_counter()
     if on_device:
+        from gpu_engine.backends.cuda_module import fill_reference
+
         resident = backend.generate(pages, seed, domain_bits)
-        page_of = resident.read_page
+        # the host formula of the generated words: a check that reads nothing back from the GPU
+        page_of = lambda page: fill_reference(page * 512, 512, seed).astype("<u4").tobytes()  # noqa: E731
     else:
         matrix = random_matrix(pages, seed, domain_bits)
         resident = backend.load(matrix)
@@ -173,6 +176,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--v2-scan", choices=V2_SCANS, default=None,
                     help="cuda, v2 keys: by batch size (the default where the GPU has tensor cores), "
                          "tensor cores, or the ALU")
+    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages",
+                    help="cuda: how the matrix is stored (fragments: v2 keys on the tensor cores only)")
     ap.add_argument("--mma-chunks", type=int, default=None,
                     help="cuda, v2 on the tensor cores: chunks of 1024 pages a block (default: the plan's)")
     ap.add_argument("--define", action="append", default=[],
@@ -189,7 +194,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from gpu_engine.backends import cuda_module
 
         cuda_module.NVRTC_OPTIONS += tuple(f"-D{define}" for define in args.define)
-    backend = create_backend(args.backend)
+    backend = create_backend(args.backend, layout=args.layout)
     if args.gpu_matrix and args.backend != "cuda":
         ap.error("--gpu-matrix needs --backend cuda")
     resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, log)
@@ -202,6 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra.append(f"chunk_levels={args.chunk_levels}")
     key_format = format_by_name(args.key_format)
     extra.append(f"keys={args.key_format}")
+    if args.layout != "pages":
+        extra.append(f"layout={args.layout}")
     if key_format == KEY_FORMAT_V2 and args.backend == "cuda":
         if args.v2_scan:
             resident.v2_scan = args.v2_scan

@@ -2,7 +2,8 @@
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
-#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|all   (CSVs and logs under $OUT)
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|all   (CSVs and logs under $OUT)
+# (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts)
 set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-all}
@@ -17,15 +18,15 @@ fi
 [ "$stage" = tests ] && exit 0
 if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for keys in 96 3; do
+    for keys in ${NCU_KEYS:-96 3}; do
         timeout 200 "$NCU" --clock-control none -k regex:dpf_scan_mma --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             --section Occupancy --section WarpStateStats --section LaunchStats \
             --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active \
             python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format v2 \
-            --v2-scan mma > "$OUT/ncu-mma-k$keys.log" 2>&1
+            --v2-scan mma --layout ${LAYOUT:-pages} > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" 2>&1
         grep -E "Duration|Throughput|Pipe|Busy|Hit Rate|Occupancy|Registers|Shared Memory Config|dram__|lts__|alu|Stall|Warp Cycles|Eligible|Issued" \
-            "$OUT/ncu-mma-k$keys.log" | head -60
+            "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" | head -60
     done
     exit 0
 fi
@@ -41,6 +42,16 @@ bench() {  # bench NAME ARGS...
     timeout 300 python3 benchmarks/backend_batch.py --backend cuda --out "$OUT/$1.csv" "${@:2}" 2>&1 | tee "$OUT/$1.log"
 }
 G1=--dispatch=micro_batch=0,streams=1,graph=1
+if [ "$stage" = layout ]; then  # v2 keys over the fragments layout against the pages layout (layout_*.csv)
+    bench layout_mainnet_fragments --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --layout fragments \
+        --q 1,2,8,16,32,42,58 --repeat 3 $G1
+    bench layout_mainnet_pages --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --q 8,32,58 --repeat 3 $G1
+    for layout in fragments pages; do
+        bench layout_65536_$layout --pages 65536 --domain-bits 16 --key-format v2 --layout $layout \
+            --q 1,8,16,32,42,58 --repeat 9 $G1
+    done
+    exit 0
+fi
 Q=1,2,4,8,12,16,24,32,42,48,58
 SMALL=1,2,3,4,6,8
 bench v2mma_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --v2-scan mma --q $Q --repeat 3 $G1

@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.backends.cuda_plan import V2_SCANS, describe_plan  # noqa: E402
+from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS, describe_plan  # noqa: E402
 from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
 from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
@@ -34,10 +34,11 @@ def main() -> None:
     ap.add_argument("--chunk-levels", type=int, default=None)
     ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1")
     ap.add_argument("--v2-scan", choices=V2_SCANS, default=None)
+    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages")
     args = ap.parse_args()
 
     d = domain_bits_for(args.pages, args.domain_bits)
-    resident = create_backend("cuda").generate(args.pages, seed=5, domain_bits=d)
+    resident = create_backend("cuda", layout=args.layout).generate(args.pages, seed=5, domain_bits=d)
     if args.max_group_keys:
         resident.max_group_keys = args.max_group_keys
     if args.chunk_levels:

@@ -127,9 +127,10 @@ def _build_engine():
         )
     requested = config.backend
     if config.devices:
-        backend = create_device_group(requested, config.devices, v2_scan=config.v2_scan)
+        backend = create_device_group(requested, config.devices, v2_scan=config.v2_scan,
+                                      layout=config.matrix_layout)
     else:  # looked up here: tests put a device in its place
-        backend = backends.create_backend(requested, v2_scan=config.v2_scan)
+        backend = backends.create_backend(requested, v2_scan=config.v2_scan, layout=config.matrix_layout)
     if backend.fallback_reason:
         log.warning(
             "engine backend %s (requested %s; fell back because: %s)",

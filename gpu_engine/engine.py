@@ -16,7 +16,7 @@ import numpy as np
 from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
 from gpu_engine.choices import LabelledChoice
 from gpu_engine.costmodel import CostModel, RateMeter
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, random_keys
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, format_name, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import ServedEpoch
 from gpu_engine.placement import DeviceFailed, check_placeable, describe_placement, load_placed
@@ -164,11 +164,13 @@ def key_formats_of(engine) -> Tuple[int, ...]:
 class Engine:
     """One per process and device; thread-safe. Views and tasks submit, never launch."""
 
-    key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)  # both backends answer both
+    key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)  # both, unless its backend answers one alone
 
     def __init__(self, backend: Backend, epoch: ServedEpoch,
                  policy: Optional[PolicySource] = None) -> None:
         self.backend = backend
+        if tuple(backend.key_formats) != (KEY_FORMAT_V1, KEY_FORMAT_V2):  # CUDA's fragments layout: v2
+            self.key_formats = tuple(backend.key_formats)
         self._policy = policy or static_policy(LanePolicy())
         self._last_policies: Dict[str, LanePolicy] = {lane: LanePolicy() for lane in LANES}
         self._epoch = epoch
@@ -291,6 +293,9 @@ class Engine:
         if keys.domain_bits != self._epoch.matrix.domain_bits:
             raise ValueError(f"keys have domain_bits {keys.domain_bits}, the epoch has "
                              f"{self._epoch.matrix.domain_bits}")
+        if keys.key_format not in self.key_formats:
+            raise ValueError(f"this engine answers {' and '.join(format_name(f) for f in self.key_formats)} "
+                             f"keys only, got {format_name(keys.key_format)} keys")
         if self.held:
             self.stats.refuse(lane, "held", len(query_keys))
             raise EngineUnavailable(self.held, retry_after=5)
@@ -405,7 +410,8 @@ class Engine:
         cost model, and full batches twice at once (the second set of buffers a batch started
         behind another one uses); elsewhere one small launch pages the matrix in. v2 keys (their
         own kernels and buffers) run once per shape too, untimed: the cost model plans with v1
-        launches, the dearer ones. Runs between launches."""
+        launches, the dearer ones (with v2 launches where the backend answers v2 alone). Runs
+        between launches."""
         sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
 
         def warm() -> None:
@@ -414,18 +420,20 @@ class Engine:
             dispatches = {policy.dispatch for policy in self.policies().values()}
             for dispatch in dispatches:
                 for queries in sizes:
-                    keys = random_keys(queries * KEYS_PER_QUERY, self._epoch.matrix.domain_bits, rng)
-                    v2 = random_keys(queries * KEYS_PER_QUERY, keys.domain_bits, rng, KEY_FORMAT_V2)
+                    # one batch of each format answered, the first (v1 where answered) timed
+                    batches = [random_keys(queries * KEYS_PER_QUERY, self._epoch.matrix.domain_bits, rng, fmt)
+                               for fmt in self.key_formats]
                     copies = self._resident.each_copy()  # every replica's device
                     for copy in copies:
-                        copy.answer(keys, dispatch)
+                        copy.answer(batches[0], dispatch)
                     timed = time.perf_counter()
-                    self._resident.answer(keys, dispatch)
+                    self._resident.answer(batches[0], dispatch)
                     self.cost.observe(queries, time.perf_counter() - timed)
                     for copy in copies:
-                        copy.answer(v2, dispatch)
+                        for other in batches[1:]:
+                            copy.answer(other, dispatch)
                         if queries == max_batch:  # a full batch may start while another runs
-                            for full in (keys, v2):
+                            for full in batches:
                                 for pending in [copy.start(full, dispatch) for _ in range(2)]:
                                     pending.result()
             log.info("warm-up: %d batch sizes x %d dispatch shapes in %.1f s", len(sizes),

@@ -401,6 +401,7 @@ class DeviceGroup(Backend):
         self.devices, self.names = list(devices), list(names)
         self.name = devices[0].name
         self.warm_all_shapes = devices[0].warm_all_shapes
+        self.key_formats = devices[0].key_formats
         self.fallback_reason = devices[0].fallback_reason
 
     def plan(self, matrix: PageMatrix, placement: str = Placement.AUTO,
@@ -481,7 +482,8 @@ def parse_devices(text: str) -> List[int]:
     return ids
 
 
-def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "auto") -> DeviceGroup:
+def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "auto",
+                        layout: str = "pages") -> DeviceGroup:
     """One backend per device id as a DeviceGroup: GPUs cuda:ID for CUDA; for the CPU backend,
     as many simulated devices (the host's scan threads shared among them), so the placement
     logic runs, and is tested, where there is no GPU."""
@@ -490,11 +492,12 @@ def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "a
 
     if not ids:
         raise ValueError("a device group needs at least one device id")
-    first = create_backend(backend_name, device=ids[0], v2_scan=v2_scan)
+    first = create_backend(backend_name, device=ids[0], v2_scan=v2_scan, layout=layout)
     if first.name == "cpu":
         workers = max(1, default_workers() // len(ids))
         devices: List[Backend] = [NumpyBackend(workers) for _ in ids]
         devices[0].fallback_reason = first.fallback_reason
     else:
-        devices = [first] + [create_backend("cuda", device=i, v2_scan=v2_scan) for i in ids[1:]]
+        devices = [first] + [create_backend("cuda", device=i, v2_scan=v2_scan, layout=layout)
+                              for i in ids[1:]]
     return DeviceGroup(devices, [f"{first.name}:{i}" for i in ids])

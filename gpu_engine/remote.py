@@ -53,7 +53,8 @@ class RemoteEngine:
         self.url = url
         self.deadline_s = deadline_s
         self.backend_name = "remote"
-        # the key formats the engine server's wire carries (QUERY keys are sized by their format)
+        # the key formats the engine server answers (its PONGs say; QUERY keys are sized by their
+        # format): both until it has answered
         self.key_formats = (KEY_FORMAT_V1, KEY_FORMAT_V2)
         self._context = context or zmq.Context()
         self._ids = itertools.count(1)
@@ -352,6 +353,7 @@ class RemoteEngine:
             if self._status is None or status["epoch"] != self._status["epoch"]:
                 self._epoch = epoch_from_description(status["epoch"])
             self._policies = wire.policies_from_json(status["policies"])
+            self.key_formats = tuple(status.get("key_formats", self.key_formats))
             if self._down_reason is not None:
                 if self._status is None:
                     log.info("connected to engine server %s", self.url)

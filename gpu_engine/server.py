@@ -108,7 +108,8 @@ class EngineServer:
                 "running": engine.running, "held": engine.held,
                 "failure": engine.failure, "warming": self.warming,
                 "policies": wire.policies_to_json(engine.policies()),
-                "launch_caps": {lane: engine.launch_cap(lane) for lane in LANES}}
+                "launch_caps": {lane: engine.launch_cap(lane) for lane in LANES},
+                "key_formats": list(engine.key_formats)}
 
     # -- replies from other threads ---------------------------------------------------------
     def _post(self, frames: List[Any]) -> None:

@@ -320,11 +320,17 @@ class PirClient:
         return self.fetch_rows([row], batch=False)[0]
 
     def key_format_for(self, info: EpochInfo) -> str:
-        """"v1" or "v2": the forced format, else v2 where both parties' /epoch list it (the two
-        keys of a pair share their format)."""
+        """"v1" or "v2": the forced format, else v2 where both parties' /epoch list it, else v1
+        (the two keys of a pair share their format); ServerError where the parties share none
+        (a party that stores its matrix for v2 keys alone beside one that takes v1 alone)."""
         if self.key_format != "auto":
             return self.key_format
-        return "v2" if all("v2" in formats for formats in self._key_formats) else "v1"
+        for name in ("v2", "v1"):
+            if all(name in formats for formats in self._key_formats):
+                return name
+        offers = "; ".join(f"{label} ({url}) takes {' and '.join(formats)} keys"
+                           for label, url, formats in zip("AB", self.servers, self._key_formats))
+        raise ServerError(f"the two servers take no key format in common: {offers}")
 
     def _fetch(self, rows: list[int], info: EpochInfo, batch: bool) -> list[bytes]:
         out = []

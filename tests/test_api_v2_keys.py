@@ -161,3 +161,19 @@ def test_an_engine_that_takes_v1_keys_only_is_advertised_and_guarded_as_such(api
     assert errors[0][:2] == ("body", "key_format")
     monkeypatch.delattr(Engine, "key_formats")
     assert api.get("/epoch").json()["key_formats"] == ["v1"]
+
+
+@pytest.mark.django_db
+def test_an_engine_of_v2_keys_alone_is_advertised_so_and_refuses_v1_and_bulk_jobs(bulk, monkeypatch):
+    # MORPHO_MATRIX_LAYOUT=fragments: the backend answers v2 keys alone (key_formats (2,)), so the
+    # engine does; /epoch says so, v1 keys get a 400 naming the key, and bulk jobs (v1 keys) are
+    # refused up front
+    from gpu_engine.backends.cpu import NumpyBackend
+
+    monkeypatch.setattr(NumpyBackend, "key_formats", (2,))
+    assert bulk.get("/epoch").json()["key_formats"] == ["v2"]
+    errors = _errors(post_json(bulk, SINGLE, {"keys": [KEY0_HEX] * 3}))
+    assert errors[0][:2] == ("keys[0]", "key_format") and "a v1 key, expected v2" in errors[0][2]
+    body = {"queries": [{"keys": [KEY0_HEX] * 3}]}
+    errors = _errors(bulk.generic("POST", "/bulk/jobs", json.dumps(body), content_type="application/json"))
+    assert errors[0][0] == "queries" and "answers v2 keys only" in errors[0][2]

@@ -279,9 +279,15 @@ def test_the_key_format_is_v2_only_where_both_parties_offer_it():
         EpochInfo.from_json({**body, "key_formats": "v2"}, "http://x")
     with PirClient("http://a", "http://b") as client:
         assert client.key_format_for(new) == "v1"  # nothing advertised yet
-        for formats, chosen in [((new, new), "v2"), ((new, old), "v1"), ((old, new), "v1")]:
+        v2_only = EpochInfo.from_json({**body, "key_formats": ["v2"]}, "http://x")  # fragments layout
+        for formats, chosen in [((new, new), "v2"), ((new, old), "v1"), ((old, new), "v1"),
+                                ((v2_only, new), "v2"), ((v2_only, v2_only), "v2")]:
             client._key_formats = tuple(info.key_formats for info in formats)
             assert client.key_format_for(new) == chosen
+        client._key_formats = (v2_only.key_formats, old.key_formats)
+        with pytest.raises(ServerError, match=r"no key format in common: A \(http://a\) takes v2 keys; "
+                                              r"B \(http://b\) takes v1 keys"):
+            client.key_format_for(new)
     for forced in ("v1", "v2"):
         with PirClient("http://a", "http://b", key_format=forced) as client:
             client._key_formats = (("v1",), ("v1",))

@@ -17,13 +17,16 @@ from tests.protocol_vectors import (
 MAINNET_PAGES = 16_817_159
 V2_MMA = "v2-mma"  # v2 keys on the tensor-core scan whatever the batch size
 V2_ALU = "v2-alu"  # v2 keys on the ALU scan whatever the batch size (GPUs before sm_80)
+V2_FRAG = "v2-fragments"  # v2 keys over a matrix in the fragments layout (always the tensor cores)
 # every GPU answer test runs for v1 keys, v2 keys as the engine scans them (the ALU below
-# cuda_plan.MMA_MIN_KEYS keys, the tensor cores from there), and v2 keys on either scan alone
+# cuda_plan.MMA_MIN_KEYS keys, the tensor cores from there), and v2 keys on either scan alone;
+# those that take `backend` also over the fragments layout
 FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MMA, V2_ALU]
+LAYOUT_FORMATS = FORMATS + [V2_FRAG]
 
 
 def _key_format(fmt):
-    return KEY_FORMAT_V2 if fmt in (V2_MMA, V2_ALU) else fmt
+    return KEY_FORMAT_V2 if fmt in (V2_MMA, V2_ALU, V2_FRAG) else fmt
 
 
 def _v2_scan(fmt):
@@ -261,6 +264,23 @@ def cuda():
     return CudaBackend()
 
 
+@pytest.fixture(scope="module")
+def cuda_fragments(cuda):
+    """The same GPU storing its matrices in the fragments layout (v2 keys, tensor cores)."""
+    from gpu_engine.backends.cuda import CudaBackend
+
+    if not cuda.tensor_cores:
+        pytest.skip(f"{cuda.device_name} has no 1-bit tensor-core products")
+    return CudaBackend(layout="fragments")
+
+
+@pytest.fixture
+def backend(request, cuda):
+    """`cuda`, or for fmt V2_FRAG the backend of the fragments layout."""
+    fmt = getattr(getattr(request.node, "callspec", None), "params", {}).get("fmt")
+    return request.getfixturevalue("cuda_fragments") if fmt == V2_FRAG else cuda
+
+
 def _reference(matrix, keys):
     from gpu_engine.backends.cpu import NumpyBackend
 
@@ -272,10 +292,11 @@ def _reference(matrix, keys):
     (KEY_FORMAT_V1, (KEY0_HEX, KEY1_HEX), (ANSWER0_SHA256, ANSWER1_SHA256)),
     (KEY_FORMAT_V2, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),  # section 7
     (V2_MMA, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),
+    (V2_FRAG, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),
 ])
-def test_protocol_vectors_on_gpu(cuda, fmt, key_hex, sha256):
+def test_protocol_vectors_on_gpu(backend, fmt, key_hex, sha256):
     keys = KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(h)) for h in key_hex])
-    answers = cuda.load(vector_matrix()).answer(keys)
+    answers = backend.load(vector_matrix()).answer(keys)
     assert hashlib.sha256(answers[0].tobytes()).hexdigest() == sha256[0]
     assert hashlib.sha256(answers[1].tobytes()).hexdigest() == sha256[1]
     assert (answers[0] ^ answers[1]).tobytes() == vector_pages()[42].tobytes()
@@ -288,21 +309,21 @@ _SHAPES = [(1, d) for d in (1, 2, 5, 13, 25)] + [(2, 1), (2, 3), (3, 2), (3, 9),
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", LAYOUT_FORMATS)
 @pytest.mark.parametrize("pages, d", _SHAPES)
-def test_matches_numpy(cuda, pages, d, fmt):
+def test_matches_numpy(backend, pages, d, fmt):
     matrix = random_matrix(pages, seed=pages + d, domain_bits=d)
     keys = _keys(7, pages, d, seed=d, fmt=fmt)
-    assert np.array_equal(cuda.load(matrix).answer(keys), _reference(matrix, keys))
+    assert np.array_equal(backend.load(matrix).answer(keys), _reference(matrix, keys))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", LAYOUT_FORMATS)
 @pytest.mark.parametrize("queries", list(range(1, 33)))
-def test_batch_sizes_match_numpy(cuda, queries, fmt):
+def test_batch_sizes_match_numpy(backend, queries, fmt):
     matrix = random_matrix(4097, seed=queries)
     keys = _keys(3 * queries, 4097, matrix.domain_bits, seed=100 + queries, fmt=fmt)
-    assert np.array_equal(cuda.load(matrix).answer(keys), _reference(matrix, keys))
+    assert np.array_equal(backend.load(matrix).answer(keys), _reference(matrix, keys))
 
 
 @pytest.fixture(scope="module")
@@ -332,28 +353,33 @@ def test_dispatch_shapes_and_groups_match_numpy(shared_65536, dispatch, max_grou
         resident.max_group_keys, resident.v2_scan = cuda_plan.DEFAULT_MAX_GROUP_KEYS, "auto"
 
 
+def _poison(resident):
+    """Garbage in every device and pinned buffer a launch of `resident` writes."""
+    import cupy
+
+    for state in resident._states.values():
+        state.out_host.view(np.uint8)[...] = 0x5A
+        for item in state.micro_batches:
+            item.out.fill(0xDEADBEEF)
+            for seed, t in item.nodes:
+                seed.fill(0xFFFFFFFF)
+                t.fill(1)
+            if item.sel is not None:
+                item.sel.fill(0xFFFFFFFF)
+    cupy.cuda.Device().synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dispatch", [DispatchShape(), DispatchShape(micro_batch=12, streams=4, graph=True)])
 def test_poisoned_buffers_never_reach_the_answers(shared_65536, dispatch):
     # every device and pinned buffer a launch writes is filled with garbage between batches of
     # both formats: each answer must still be the NumPy one (the kernels clear and overwrite it all)
-    import cupy
-
     resident, batches = shared_65536
     for _ in range(2):
         for fmt in FORMATS:
             resident.v2_scan = _v2_scan(fmt)
             for keys, expect in batches[fmt]:
-                for state in resident._states.values():
-                    state.out_host.view(np.uint8)[...] = 0x5A
-                    for item in state.micro_batches:
-                        item.out.fill(0xDEADBEEF)
-                        for seed, t in item.nodes:
-                            seed.fill(0xFFFFFFFF)
-                            t.fill(1)
-                        if item.sel is not None:
-                            item.sel.fill(0xFFFFFFFF)
-                cupy.cuda.Device().synchronize()
+                _poison(resident)
                 assert np.array_equal(resident.answer(keys, dispatch), expect)
     resident.v2_scan = "auto"
 
@@ -431,29 +457,35 @@ def test_fewer_tiles_a_block_give_the_same_answers(cuda, generated_answers, max_
 
 
 @pytest.mark.gpu
-def test_generated_pages_follow_the_host_formula(cuda):
+@pytest.mark.parametrize("fmt", [KEY_FORMAT_V1, V2_FRAG])  # the pages layout, the fragments layout
+@pytest.mark.parametrize("pages", [300, 16384 + 1500])  # one piece of the upload, two
+def test_generated_pages_follow_the_host_formula(backend, fmt, pages):
     from gpu_engine.backends.cuda_module import fill_reference
 
-    resident = cuda.generate(300, seed=77)
-    for page in (0, 1, 299):
+    resident = backend.generate(pages, seed=77)
+    for page in sorted({0, 1, 299, min(1023, pages - 1), pages - 1}):
         expect = fill_reference(page * 512, 512, 77).astype("<u4").tobytes()
         assert resident.read_page(page) == expect
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_write_rows_reach_the_answers(cuda, fmt):
-    matrix = random_matrix(600, seed=8)
-    resident = cuda.load(matrix)
+@pytest.mark.parametrize("fmt", LAYOUT_FORMATS)
+@pytest.mark.parametrize("pages", [600, 2500])  # one chunk of the fragments layout, three
+def test_write_rows_reach_the_answers(backend, fmt, pages):
+    matrix = random_matrix(pages, seed=8)
+    resident = backend.load(matrix)
     rng = np.random.default_rng(8)
-    rows = {int(r): rng.bytes(256) for r in rng.choice(600 * 16, size=40, replace=False)}
+    rows = {int(r): rng.bytes(256) for r in rng.choice(pages * 16, size=40, replace=False)}
+    rows[pages * 16 - 1] = rng.bytes(256)  # the last row of the last (padded) chunk
     resident.write_rows(rows)
     for r, data in rows.items():
         matrix.write_row(r, data)
-    keys = _keys(12, 600, matrix.domain_bits, seed=9, fmt=fmt)
+    keys = _keys(12, pages, matrix.domain_bits, seed=9, fmt=fmt)
     assert np.array_equal(resident.answer(keys), _reference(matrix, keys))
+    for page in {r // 16 for r in rows}:  # read back through the layout
+        assert resident.read_page(page) == matrix.page(page)
     with pytest.raises(ValueError, match="outside"):
-        resident.write_rows({600 * 16: bytes(256)})
+        resident.write_rows({pages * 16: bytes(256)})
 
 
 @pytest.mark.gpu
@@ -486,9 +518,9 @@ def test_too_large_matrix_is_refused_naming_both_sizes(cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_bad_keys_raise_before_launch(cuda, fmt):
-    resident = cuda.load(random_matrix(10, seed=1))  # 10 pages: domain_bits 4
+@pytest.mark.parametrize("fmt", LAYOUT_FORMATS)
+def test_bad_keys_raise_before_launch(backend, fmt):
+    resident = backend.load(random_matrix(10, seed=1))  # 10 pages: domain_bits 4
     keys = _keys(2, 10, 5, seed=1, fmt=fmt)
     with pytest.raises(ValueError, match="domain_bits"):
         resident.answer(keys)
@@ -519,15 +551,15 @@ def test_batch_buffers_are_rebuilt_after_out_of_memory(cuda, monkeypatch, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_engine_answers_and_writes_rows_on_the_gpu(cuda, fmt):
+@pytest.mark.parametrize("fmt", LAYOUT_FORMATS)
+def test_engine_answers_and_writes_rows_on_the_gpu(backend, fmt):
     from concurrent.futures import ThreadPoolExecutor
 
     from gpu_engine.engine import Engine
     from gpu_engine.matrix import ServedEpoch
 
     matrix = random_matrix(5000, seed=12)
-    engine = Engine(cuda, ServedEpoch(epoch_id=3, matrix=matrix)).start()
+    engine = Engine(backend, ServedEpoch(epoch_id=3, matrix=matrix)).start()
     try:
         rng = np.random.default_rng(12)
         targets = [[int(t) for t in rng.integers(0, 5000, size=3)] for _ in range(12)]
@@ -744,3 +776,114 @@ def test_the_backends_v2_scan_reaches_the_matrices_it_loads(scan):
     assert resident.plan(30, KEY_FORMAT_V2).tensor_cores is (backend.tensor_cores and scan != "alu")
     assert np.array_equal(resident.answer(keys), _reference(random_matrix(300, seed=3), keys))
     resident.release()
+
+
+# --- the fragments layout (cuda_plan.MATRIX_LAYOUTS): its plan, pure code, run in CI -------------
+
+
+def test_a_fragments_layout_is_scanned_by_v2_keys_on_the_tensor_cores_alone():
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 96, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               layout="fragments")
+    assert plan.scan_kernel == ("dpf_scan_mma.cu", "dpf_scan_mma_frag<6>")
+    assert plan.shared_bytes == cuda_plan.mma_shared_bytes(6, "fragments") == 3 * 32768 + 3 * 16 * 8 * 96 + 4 * 96 * 8
+    for key_format, tensor_cores in ((KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)):
+        with pytest.raises(ValueError, match="fragments layout is scanned with v2 keys on the tensor cores only"):
+            cuda_plan.plan_scan(300, 9, 3, key_format=key_format, tensor_cores=tensor_cores, layout="fragments")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cuda_plan.plan_scan(300, 9, 3, layout="tiles")
+
+
+@pytest.mark.parametrize("shared_kib, pages_tiles, fragments_tiles", [
+    (227, 11, 11), (163, 5, 10), (99, 0, 0)])  # sm_90, sm_80, sm_86/89
+def test_the_fragments_layout_fits_more_tiles_where_shared_memory_is_short(shared_kib, pages_tiles, fragments_tiles):
+    # no staging of page-major slices: three chunks of fragments and selection bits instead
+    assert cuda_plan.mma_max_tiles(shared_kib * 1024) == pages_tiles
+    assert cuda_plan.mma_max_tiles(shared_kib * 1024, "fragments") == fragments_tiles
+
+
+def test_the_fragments_layout_holds_whole_chunks():
+    assert [cuda_plan.fragment_chunks(n) for n in (1, 1024, 1025, MAINNET_PAGES)] == [1, 1, 2, 16424]
+    assert cuda_plan.MMA_FRAGMENT_WORDS * 4 * cuda_plan.MMA_SLICES == cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES
+
+
+def test_the_layout_is_checked_when_a_backend_is_made():
+    from gpu_engine.backends import create_backend
+
+    with pytest.raises(ValueError, match="unknown matrix layout 'tiles', expected one of pages, fragments"):
+        create_backend("cpu", layout="tiles")
+    assert create_backend("cpu", layout="fragments").key_formats == (KEY_FORMAT_V1, KEY_FORMAT_V2)  # ignored
+
+
+# --- the fragments layout (cuda_plan.MATRIX_LAYOUTS) on the GPU ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def generated_fragments(cuda, cuda_fragments):
+    """pages -> (the fragments-layout resident, its pages on the host), both generated with one
+    seed: the host copy from the pages layout, which the tests above hold to the host formula."""
+    import cupy
+
+    made = {}
+
+    def get(pages):
+        if pages not in made:
+            plain = cuda.generate(pages, seed=pages)
+            host = PageMatrix(cupy.asnumpy(plain._pages))
+            plain.release()
+            made[pages] = (cuda_fragments.generate(pages, seed=pages), host)
+        return made[pages]
+
+    yield get
+    for resident, _ in made.values():
+        resident.release()
+
+
+_FRAGMENT_RUNS = [(40000, keys, run) for keys in (3, 48, 96, 174) for run in (1, 3, None)] + [(2**20 + 17, 9, None)]
+
+
+@pytest.mark.gpu
+def test_fragments_layout_answers_every_run_length_and_tile_count(generated_fragments):
+    # one tile (two blocks an SM) to 11 (176 keys), runs of 1 and 3 chunks and the plan's, and a
+    # page count past 2**20 that leaves the last chunk nearly empty; one NumPy answer per batch
+    for pages, keys in dict.fromkeys((p, k) for p, k, _ in _FRAGMENT_RUNS):
+        resident, host = generated_fragments(pages)
+        batch = _keys(keys, pages, host.domain_bits, seed=keys, fmt=KEY_FORMAT_V2)
+        expect = _reference(host, batch)
+        for run in [r for p, k, r in _FRAGMENT_RUNS if (p, k) == (pages, keys)]:
+            resident.mma_chunks_per_block = run
+            try:
+                assert resident.plan(keys, KEY_FORMAT_V2).scan_kernel[1].startswith("dpf_scan_mma_frag<")
+                assert np.array_equal(resident.answer(batch), expect), (pages, keys, run)
+            finally:
+                resident.mma_chunks_per_block = None
+
+
+@pytest.mark.gpu
+def test_fragments_layout_reads_back_every_page_and_holds_whole_chunks(generated_fragments):
+    pages = 2**20 + 17
+    resident, host = generated_fragments(pages)
+    assert resident.nbytes == -(-pages // 1024) * 1024 * PAGE_BYTES  # the last chunk padded
+    for page in (0, 1, 31, 32, 1023, 1024, 2**20 - 1, 2**20, pages - 1):
+        assert resident.read_page(page) == host.page(page)
+    with pytest.raises(ValueError, match="outside"):
+        resident.read_page(pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatch", [DispatchShape(), DispatchShape(micro_batch=24, streams=2, graph=True)])
+def test_fragments_layout_poisoned_buffers_never_reach_the_answers(cuda_fragments, dispatch):
+    matrix = random_matrix(5000, seed=21)
+    resident = cuda_fragments.load(matrix)
+    for seed in (1, 2, 3):
+        keys = _keys(96, 5000, matrix.domain_bits, seed=seed, fmt=KEY_FORMAT_V2)
+        _poison(resident)
+        assert np.array_equal(resident.answer(keys, dispatch), _reference(matrix, keys))
+
+
+@pytest.mark.gpu
+def test_fragments_layout_refuses_v1_keys_naming_the_layout(cuda_fragments):
+    assert cuda_fragments.key_formats == (KEY_FORMAT_V2,)
+    resident = cuda_fragments.load(random_matrix(300, seed=5))
+    keys = _keys(3, 300, resident.domain_bits, seed=5, fmt=KEY_FORMAT_V1)
+    with pytest.raises(ValueError, match="fragments layout answers v2 keys only, got v1 keys"):
+        resident.answer(keys)

@@ -65,3 +65,31 @@ def test_requests_of_both_formats_sent_together_get_their_own_answers(remote):
     for keys, future in zip(batches, futures):
         answers = future.result(30).answers
         assert [a.tobytes() for a in answers] == [a.tobytes() for a in protocol_answers(matrix, keys)]
+
+
+def test_an_engine_of_v2_keys_alone_says_so_to_its_clients(tmp_path):
+    # a backend that answers v2 keys alone (CUDA's fragments layout): the engine takes them alone,
+    # warms up with them, and its server's PONGs tell each RemoteEngine, which the web tier asks
+    backend = NumpyBackend(workers=1)
+    backend.key_formats = (KEY_FORMAT_V2,)
+    engine = Engine(backend, ServedEpoch(1, random_matrix(PAGES, seed=5))).start()
+    url = f"ipc://{tmp_path}/engine.sock"
+    server = EngineServer(engine, url, {}).start()
+    server.mark_ready()
+    client = RemoteEngine(url, deadline_s=2.0)
+    try:
+        engine.warm_up(max_batch=2).result(30)
+        assert key_formats_of(engine) == (KEY_FORMAT_V2,)
+        d = engine.epoch.matrix.domain_bits
+        with pytest.raises(ValueError, match="this engine answers v2 keys only, got v1 keys"):
+            engine.answer([[gen_keys(t, d)[0] for t in (0, 1, 2)]], timeout=30)
+        assert client.wait_connected(5)
+        assert key_formats_of(client) == (KEY_FORMAT_V2,)
+        side0, side1 = _v2_query(d)
+        a, b = client.answer(side0, timeout=30), client.answer(side1, timeout=30)
+        matrix = random_matrix(PAGES, seed=5)
+        assert bytes(x ^ y for x, y in zip(a.pages[0][2], b.pages[0][2])) == matrix.page(PAGES - 1)
+    finally:
+        client.stop()
+        server.stop()
+        engine.stop()

@@ -55,7 +55,8 @@ def test_the_host_constants_are_the_compilers_d_options():
     defines = cuda_plan.kernel_defines()
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
-                            "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES"}
+                            "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
+                            "MMA_FRAG_STAGES"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -272,7 +273,8 @@ def test_nvrtc_module_has_every_kernel_with_its_launch_bounds(name):
 
 def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
     code = _code("dpf_scan_mma.cu")
-    body = code[code.index("extern __shared__ uint4 smem[];"):]
+    kernel = code[code.index("dpf_scan_mma(const u32*"):code.index("dpf_scan_mma_frag(const u32*")]
+    body = kernel[kernel.index("extern __shared__ uint4 smem[];"):]
     names = [name for name, _ in cuda_plan.MMA_SHARED_REGIONS]
     carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
     assert [name for name, _ in carving] == names and carving[0][1] == "smem"
@@ -292,3 +294,19 @@ def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
         assert cuda_plan.mma_shared_bytes(tiles) <= cuda_plan.MAX_SHARED_BYTES
         if tiles < cuda_plan.MMA_PIPELINE_TILES:  # two blocks an SM: 228 KiB, 1 KiB a block reserved
             assert 2 * (cuda_plan.mma_shared_bytes(tiles) + 1024) <= 228 * 1024
+
+
+def test_the_fragments_scan_carves_shared_memory_as_the_host_sizes_it():
+    code = _code("dpf_scan_mma.cu")
+    kernel = code[code.index("dpf_scan_mma_frag(const u32*"):]
+    body = kernel[kernel.index("extern __shared__ uint4 smem[];"):kernel.index("const int group")]
+    carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
+    assert [name for name, _ in carving] == [name for name, _ in cuda_plan.MMA_FRAG_SHARED_REGIONS]
+    assert carving[0][1] == "smem" and "constexpr int stages = MMA_FRAG_STAGES;" in kernel
+    words = {"bfrag": "stages * BFRAG_WORDS", "selsm": "stages * CHUNK_LEAVES * K"}
+    for (prev, _), (_, expr) in zip(carving, carving[1:]):
+        assert expr == f"{prev} + {words[prev]}", expr
+    for tiles in cuda_plan.MMA_TILE_COUNTS:
+        k = 16 * tiles
+        expect = 3 * 4 * cuda_plan.MMA_CHUNK_PAGES * 8 + 3 * 16 * (cuda_plan.MMA_CHUNK_PAGES // 128) * k + 4 * k * 8
+        assert cuda_plan.mma_shared_bytes(tiles, "fragments") == expect <= cuda_plan.MAX_SHARED_BYTES

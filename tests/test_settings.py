@@ -20,6 +20,7 @@ def check(**env) -> subprocess.CompletedProcess:
     ({"MORPHO_MAX_BATCH": "many"}, "MORPHO_MAX_BATCH: expected an integer, got 'many'"),
     ({"MORPHO_ENGINE_BACKEND": "tpu"}, "MORPHO_ENGINE_BACKEND: expected auto, cpu or cuda, got 'tpu'"),
     ({"MORPHO_V2_SCAN": "fast"}, "MORPHO_V2_SCAN: expected auto, mma or alu, got 'fast'"),
+    ({"MORPHO_MATRIX_LAYOUT": "tiles"}, "MORPHO_MATRIX_LAYOUT: expected pages or fragments, got 'tiles'"),
     ({"DEBUG": "maybe"}, "DEBUG: expected true/false"),
     ({"MORPHO_QUERY_TIMEOUT": "-1"}, "MORPHO_QUERY_TIMEOUT: expected a number >= 0.001, got -1.0"),
 ])
@@ -46,18 +47,18 @@ def test_every_environment_variable_is_documented_in_the_readme():
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("scan", ["alu", "mma"])
-def test_the_v2_scan_setting_reaches_the_backend_the_engine_makes(serve_matrix, vector_matrix_path,
-                                                                 monkeypatch, scan):
+@pytest.mark.parametrize("scan, layout", [("alu", "pages"), ("mma", "fragments")])
+def test_the_v2_scan_and_layout_settings_reach_the_backend_the_engine_makes(serve_matrix, vector_matrix_path,
+                                                                            monkeypatch, scan, layout):
     from engine.holder import get_engine
     from gpu_engine import backends
 
     made, real = [], backends.create_backend
 
-    def spy(name="auto", device=None, v2_scan="auto"):
-        made.append(v2_scan)
-        return real("cpu", v2_scan=v2_scan)
+    def spy(name="auto", device=None, v2_scan="auto", layout="pages"):
+        made.append((v2_scan, layout))
+        return real("cpu", v2_scan=v2_scan, layout=layout)
 
     monkeypatch.setattr("gpu_engine.backends.create_backend", spy)
-    serve_matrix(vector_matrix_path, MORPHO_V2_SCAN=scan)
-    assert get_engine() is not None and made == [scan]
+    serve_matrix(vector_matrix_path, MORPHO_V2_SCAN=scan, MORPHO_MATRIX_LAYOUT=layout)
+    assert get_engine() is not None and made == [(scan, layout)]

@@ -9,34 +9,38 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
     DispatchShape,
     ResidentMatrix,
 )
-from gpu_engine.backends.cuda_plan import V2_SCANS
+from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS
 from gpu_engine.protocol import BACKEND_NAMES
 
 
-def _cuda_backend(device: Optional[int], v2_scan: str) -> Backend:
+def _cuda_backend(device: Optional[int], v2_scan: str, layout: str) -> Backend:
     try:
         from gpu_engine.backends.cuda import CudaBackend
     except ImportError as exc:  # its message already says that the CUDA backend needs CuPy
         raise BackendUnavailable(str(exc)) from exc
-    return CudaBackend(device, v2_scan)
+    return CudaBackend(device, v2_scan, layout)
 
 
-def create_backend(name: str = "auto", device: Optional[int] = None, v2_scan: str = "auto") -> Backend:
+def create_backend(name: str = "auto", device: Optional[int] = None, v2_scan: str = "auto",
+                   layout: str = "pages") -> Backend:
     """The backend called `name` (on GPU `device`, else the current one); raises
     BackendUnavailable if `cuda` cannot run here. v2_scan: how CUDA scans v2 keys (auto, mma or
-    alu; cuda_plan.use_tensor_cores); the CPU backend has one scan."""
+    alu; cuda_plan.use_tensor_cores); layout: how CUDA stores a matrix (cuda_plan.MATRIX_LAYOUTS);
+    the CPU backend has one scan and one layout."""
     from gpu_engine.backends.cpu import NumpyBackend
 
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}, expected one of {', '.join(BACKEND_NAMES)}")
     if v2_scan not in V2_SCANS:
         raise ValueError(f"unknown v2 scan {v2_scan!r}, expected one of {', '.join(V2_SCANS)}")
+    if layout not in MATRIX_LAYOUTS:
+        raise ValueError(f"unknown matrix layout {layout!r}, expected one of {', '.join(MATRIX_LAYOUTS)}")
     if name == "cpu":
         return NumpyBackend()
     if name == "cuda":
-        return _cuda_backend(device, v2_scan)
+        return _cuda_backend(device, v2_scan, layout)
     try:
-        return _cuda_backend(device, v2_scan)
+        return _cuda_backend(device, v2_scan, layout)
     except BackendUnavailable as exc:
         backend = NumpyBackend()
         # Only the cause: `backend` already says cpu, and the caller logs the fallback once.

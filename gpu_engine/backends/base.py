@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.dpf import KeyBatch
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from gpu_engine.matrix import PageMatrix
 
 # progress(done_bytes, total_bytes) while a matrix is made resident
@@ -119,6 +119,9 @@ class Backend(ABC):
     # True where the first launch of each batch shape compiles kernels or captures graphs, so an
     # engine warms every shape up before it serves (Engine.warm_up)
     warm_all_shapes: bool = False
+    # the key formats its matrices answer (docs/PROTOCOL.md section 3): both, unless its layout
+    # is read with one alone (CudaBackend's fragments layout: v2)
+    key_formats: Tuple[int, ...] = (KEY_FORMAT_V1, KEY_FORMAT_V2)
 
     def __init__(self) -> None:
         # Why this backend was chosen when another was asked for (auto fallback), else None.

@@ -23,7 +23,7 @@ from gpu_engine.backends.base import (
     ResidentMatrix,
 )
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_name
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
@@ -141,7 +141,9 @@ class _Started(PendingAnswer):
 
 
 class CudaResident(ResidentMatrix):
-    """One epoch's pages in GPU memory as a (num_pages, 1024) u32 array."""
+    """One epoch's pages in GPU memory: a (num_pages, 1024) u32 array in the "pages" layout; in
+    the "fragments" layout (cuda_plan.MATRIX_LAYOUTS) a (chunks * slices, fragment words) one,
+    which v2 keys on the tensor cores read as it is."""
 
     def __init__(self, backend: "CudaBackend", pages, num_pages: int, domain_bits: int) -> None:
         self.num_pages = num_pages
@@ -158,6 +160,7 @@ class CudaResident(ResidentMatrix):
         # v2 keys: "auto" (tensor cores from MMA_MIN_KEYS keys), "mma" or "alu" (cuda_plan.V2_SCANS)
         self.v2_scan = backend.v2_scan
         self.mma_chunks_per_block: Optional[int] = None  # None: the plan's (by key tiles)
+        self.layout = backend.layout
 
     @property
     def nbytes(self) -> int:
@@ -169,11 +172,22 @@ class CudaResident(ResidentMatrix):
         return self._pages
 
     def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> cuda_plan.ScanPlan:
+        fragments = self.layout == "fragments"  # read by the tensor-core scan alone
+        tensor_cores = fragments or cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys)
         return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks, key_format,
-                                tensor_cores=cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys),
-                                mma_chunks_per_block=self.mma_chunks_per_block,
-                                mma_max_tiles=self._backend.mma_max_tiles)
+                                tensor_cores=tensor_cores, mma_chunks_per_block=self.mma_chunks_per_block,
+                                mma_max_tiles=self._backend.mma_max_tiles, layout=self.layout)
+
+    def check_keys(self, keys: KeyBatch) -> None:
+        super().check_keys(keys)
+        self._check_format(keys)
+
+    def _check_format(self, keys: KeyBatch) -> None:
+        if keys.key_format not in self._backend.key_formats:
+            raise ValueError(f"a matrix in the {self.layout} layout answers "
+                             f"{' and '.join(format_name(f) for f in self._backend.key_formats)} keys only, "
+                             f"got {format_name(keys.key_format)} keys")
 
     def _state(self, num_keys: int, dispatch: DispatchShape,
                key_format: int) -> Tuple[tuple, _DispatchState]:
@@ -210,6 +224,7 @@ class CudaResident(ResidentMatrix):
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> "_Started":
         """Queue the batch on its streams and return without waiting for the device."""
         cuda_plan.check_key_batch(keys, self.domain_bits)  # check_keys' checks, then the arrays'
+        self._check_format(keys)
         records = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock, self._backend.on_device():
             pages = self._live()
@@ -240,18 +255,43 @@ class CudaResident(ResidentMatrix):
         if not len(idx):
             return
         with self._lock, self._backend.on_device():
-            by_row = self._live().reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)
             stream = self._streams[0]
             with stream:  # answers run on these streams; finishing here orders the write before them
-                by_row[cupy.asarray(idx)] = cupy.asarray(data)
+                if self.layout == "pages":
+                    by_row = self._live().reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)
+                    by_row[cupy.asarray(idx)] = cupy.asarray(data)
+                else:  # each chunk a row falls in: back to pages, the rows written, to fragments
+                    chunk_rows = cuda_plan.MMA_CHUNK_PAGES * ROWS_PER_PAGE
+                    chunk_of = idx // chunk_rows
+                    for chunk in np.unique(chunk_of):
+                        mine = chunk_of == chunk
+                        pages = self._chunk_pages(int(chunk))
+                        pages.reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)[
+                            cupy.asarray(idx[mine] - int(chunk) * chunk_rows)] = cupy.asarray(data[mine])
+                        self._backend.to_fragments(pages, self._live(), int(chunk),
+                                                   self.num_pages - int(chunk) * cuda_plan.MMA_CHUNK_PAGES)
             stream.synchronize()
+
+    def _chunk_pages(self, chunk: int):
+        """Chunk `chunk` of a matrix in the fragments layout as (MMA_CHUNK_PAGES, 1024) u32 pages,
+        on the current stream (the pages past num_pages are zeros)."""
+        pages = cupy.empty((cuda_plan.MMA_CHUNK_PAGES, WORDS_PER_PAGE), dtype=np.uint32)
+        frags = self._live()[chunk * cuda_plan.MMA_SLICES:]
+        get_kernel("dpf_scan_mma.cu", "fragments_to_pages")((cuda_plan.MMA_SLICES,), (cuda_plan.MMA_THREADS,),
+                                                             (frags, pages))
+        return pages
 
     def read_page(self, index: int) -> bytes:
         """Page `index` as it is in GPU memory (row writes included)."""
         if not 0 <= index < self.num_pages:
             raise ValueError(f"page {index} is outside [0, {self.num_pages})")
         with self._backend.on_device():
-            return cupy.asnumpy(self._live()[index]).astype("<u4").tobytes()
+            if self.layout == "pages":
+                page = self._live()[index]
+            else:
+                with self._lock:
+                    page = self._chunk_pages(index // cuda_plan.MMA_CHUNK_PAGES)[index % cuda_plan.MMA_CHUNK_PAGES]
+            return cupy.asnumpy(page).astype("<u4").tobytes()
 
     def release(self) -> None:
         with self._lock, self._backend.on_device():
@@ -269,8 +309,9 @@ class CudaBackend(Backend):
     name = "cuda"
     warm_all_shapes = True
 
-    def __init__(self, device: Optional[int] = None, v2_scan: str = "auto") -> None:
+    def __init__(self, device: Optional[int] = None, v2_scan: str = "auto", layout: str = "pages") -> None:
         super().__init__()
+        cuda_plan.check_layout(layout)
         try:
             count = runtime.getDeviceCount()
         except Exception as exc:  # CuPy present, driver or GPU missing
@@ -289,8 +330,18 @@ class CudaBackend(Backend):
         # key tiles a block of the tensor-core scan may hold: what a block's shared memory fits
         # (sm_80 fewer than sm_90: more key groups a launch; sm_86/89 not one tile)
         shared_limit = int(props.get("sharedMemPerBlockOptin", cuda_plan.MAX_SHARED_BYTES))
-        self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit)
+        self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
+        # the layout of the matrices it loads from now on: "fragments" answers v2 keys alone
+        self.layout = layout
+        if layout == "fragments":
+            if not self.tensor_cores:
+                raise BackendUnavailable(
+                    f"the fragments layout is read by the tensor cores (1-bit products, sm_80 or later, and "
+                    f"{cuda_plan.mma_shared_bytes(1, layout)} bytes of shared memory a block); {self.device_name} "
+                    f"is sm_{self.compute_capability[0]}{self.compute_capability[1]} with {shared_limit}: "
+                    f"use the pages layout")
+            self.key_formats = (KEY_FORMAT_V2,)
         # the v2 scan of the matrices it loads from now on (cuda_plan.V2_SCANS)
         if v2_scan == "mma" and not self.tensor_cores:
             raise BackendUnavailable(
@@ -313,14 +364,20 @@ class CudaBackend(Backend):
                 "used_bytes": int(total - free), "total_bytes": int(total)}
 
     def _allocate(self, num_pages: int, domain_bits: int):
-        need = num_pages * PAGE_BYTES
+        fragments = self.layout == "fragments"
+        chunks = cuda_plan.fragment_chunks(num_pages)
+        # fragments: whole chunks (under 4 MiB more), and a device buffer the upload goes through
+        need = chunks * cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES if fragments else num_pages * PAGE_BYTES
         # room for two of the largest launches (58 queries) of either key format beside the
         # matrix: the engine starts the next batch while one runs
         scans = [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores
+        if fragments:
+            scans = [(KEY_FORMAT_V2, True)]
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, cuda_plan.MAX_LAUNCH_KEYS, resident_blocks=self.resident_blocks,
-                                key_format=key_format, tensor_cores=tensor_cores, mma_max_tiles=self.mma_max_tiles))
-            for key_format, tensor_cores in scans)
+                                key_format=key_format, tensor_cores=tensor_cores, mma_max_tiles=self.mma_max_tiles,
+                                layout=self.layout))
+            for key_format, tensor_cores in scans) + fragments * UPLOAD_CHUNK_PAGES * PAGE_BYTES
         free, total = runtime.memGetInfo()
         if need + working > free:
             raise BackendUnavailable(
@@ -329,6 +386,8 @@ class CudaBackend(Backend):
                 f"of {cuda_plan.sizes_text(total)}"
             )
         try:
+            if fragments:
+                return cupy.empty((chunks * cuda_plan.MMA_SLICES, cuda_plan.MMA_FRAGMENT_WORDS), dtype=np.uint32)
             return cupy.empty((num_pages, WORDS_PER_PAGE), dtype=np.uint32)
         except cupy.cuda.memory.OutOfMemoryError as exc:
             raise BackendUnavailable(f"the matrix needs {cuda_plan.sizes_text(need)}: {exc}") from exc
@@ -343,6 +402,8 @@ class CudaBackend(Backend):
         pages = self._allocate(matrix.num_pages, matrix.domain_bits)
         stream = cupy.cuda.Stream(non_blocking=True)
         staging = [cupy.cuda.alloc_pinned_memory(UPLOAD_CHUNK_PAGES * PAGE_BYTES) for _ in range(2)]
+        # fragments: each piece lands here, then is transposed into place (on the same stream)
+        piece = self._piece_buffer()
         done_events = [None, None]
         total = matrix.nbytes
         for n, (first, block) in enumerate(matrix.iter_blocks(UPLOAD_CHUNK_PAGES)):
@@ -351,7 +412,12 @@ class CudaBackend(Backend):
                 done_events[slot].synchronize()
             view = np.frombuffer(staging[slot], np.uint32, block.size).reshape(block.shape)
             np.copyto(view, block)
-            runtime.memcpyAsync(pages[first:].data.ptr, view.ctypes.data, block.nbytes, _H2D, stream.ptr)
+            if piece is None:
+                runtime.memcpyAsync(pages[first:].data.ptr, view.ctypes.data, block.nbytes, _H2D, stream.ptr)
+            else:
+                runtime.memcpyAsync(piece.data.ptr, view.ctypes.data, block.nbytes, _H2D, stream.ptr)
+                with stream:
+                    self.to_fragments(piece, pages, first // cuda_plan.MMA_CHUNK_PAGES, block.shape[0])
             done_events[slot] = stream.record()
             if progress:
                 progress(min(total, (first + block.shape[0]) * PAGE_BYTES), total)
@@ -370,12 +436,35 @@ class CudaBackend(Backend):
         d = domain_bits_for(num_pages, domain_bits)
         pages = self._allocate(num_pages, d)
         fill = get_kernel("matrix_fill.cu", "fill_pages")
-        pairs = pages.reshape(-1).view(np.uint64)
-        step = 1 << 30  # 8 GiB per launch, so progress moves
-        for first in range(0, pairs.size, step):
-            count = min(step, pairs.size - first)
-            fill((self.sm_count * 8,), (256,), (pairs[first:], np.uint64(first), np.uint64(count), np.uint64(seed)))
+        piece = self._piece_buffer()
+        # fragments: pieces of UPLOAD_CHUNK_PAGES pages filled, then transposed into place
+        target = pages if piece is None else piece
+        pairs = target.reshape(-1).view(np.uint64)
+        total = num_pages * WORDS_PER_PAGE // 2
+        step = (1 << 30) if piece is None else pairs.size  # 8 GiB per launch, so progress moves
+        for first in range(0, total, step):
+            count = min(step, total - first)
+            out = pairs[first:] if piece is None else pairs
+            fill((self.sm_count * 8,), (256,), (out, np.uint64(first), np.uint64(count), np.uint64(seed)))
+            if piece is not None:
+                first_page = first * 2 // WORDS_PER_PAGE
+                self.to_fragments(piece, pages, first_page // cuda_plan.MMA_CHUNK_PAGES, count * 2 // WORDS_PER_PAGE)
             cupy.cuda.Device().synchronize()
             if progress:
                 progress((first + count) * 8, num_pages * PAGE_BYTES)
         return CudaResident(self, pages, num_pages, d)
+
+    def _piece_buffer(self):
+        """The device buffer pages go through on their way into the fragments layout (None in the
+        pages layout, where they are copied into place)."""
+        if self.layout == "pages":
+            return None
+        return cupy.empty((UPLOAD_CHUNK_PAGES, WORDS_PER_PAGE), dtype=np.uint32)
+
+    def to_fragments(self, pages, frags, first_chunk: int, valid_pages: int) -> None:
+        """Transpose `pages` (whole chunks of page-major pages, the first valid_pages of them real)
+        into the fragments layout `frags` from chunk first_chunk on, on the current stream."""
+        chunks = min(pages.shape[0] // cuda_plan.MMA_CHUNK_PAGES, frags.shape[0] // cuda_plan.MMA_SLICES - first_chunk)
+        get_kernel("dpf_scan_mma.cu", "pages_to_fragments")(
+            (chunks * cuda_plan.MMA_SLICES,), (cuda_plan.MMA_THREADS,),
+            (pages, np.int64(valid_pages), frags[first_chunk * cuda_plan.MMA_SLICES:]))

@@ -20,7 +20,9 @@ NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
 KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
     "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
                     *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES), "dpf_leaf_bits"),
-    "dpf_scan_mma.cu": tuple(f"dpf_scan_mma<{t}>" for t in MMA_TILE_COUNTS),
+    "dpf_scan_mma.cu": (*(f"dpf_scan_mma<{t}>" for t in MMA_TILE_COUNTS),
+                        *(f"dpf_scan_mma_frag<{t}>" for t in MMA_TILE_COUNTS),
+                        "pages_to_fragments", "fragments_to_pages"),
     "matrix_fill.cu": ("fill_pages",),
 }
 KERNEL_FILES = tuple(KERNEL_NAMES)

@@ -60,6 +60,13 @@ MMA_LONG_RUN_CHUNKS = 128
 # (18 not timed there), so one threshold serves every size
 MMA_MIN_KEYS = 18
 V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, tensor cores, ALU
+# How a resident matrix is stored: "pages" row-major, (num_pages, PAGE_WORDS) u32, which every
+# scan reads; "fragments" as the tensor-core scan's B fragments, whole chunks of MMA_CHUNK_PAGES
+# pages, chunk c's slice s at (c * MMA_SLICES + s) * MMA_FRAGMENT_WORDS (dpf_scan_mma.cu,
+# fragment_offset), which only dpf_scan_mma_frag reads: v2 keys, on the tensor cores.
+MATRIX_LAYOUTS = ("pages", "fragments")
+MMA_FRAGMENT_WORDS = MMA_CHUNK_PAGES * MMA_SLICE_WORDS  # one (chunk, slice) of the layout: 32 KiB
+MMA_FRAG_STAGES = 3  # dpf_scan_mma_frag's buffers: chunk i + 2 copied while chunk i is multiplied
 
 
 # from this many key tiles a block (one block an SM) the tensor-core scan pipelines its chunks:
@@ -84,6 +91,12 @@ MMA_SHARED_REGIONS = (
     ("bfrag", lambda T: mma_buffers(T)[1] * 4 * (MMA_CHUNK_PAGES // 256) * 2 * 32 * 32),
     # the slice's answer words, u32 [key][word]
     ("outsm", lambda T: 4 * 16 * T * MMA_SLICE_WORDS),
+)
+# dpf_scan_mma_frag<T>'s, likewise
+MMA_FRAG_SHARED_REGIONS = (
+    ("bfrag", lambda T: MMA_FRAG_STAGES * 4 * MMA_FRAGMENT_WORDS),  # u32 [stage][fragment words]
+    ("selsm", lambda T: MMA_FRAG_STAGES * 16 * MMA_CHUNK_LEAVES * 16 * T),  # uint4 [stage][leaf][key]
+    ("outsm", lambda T: 4 * 16 * T * MMA_SLICE_WORDS),  # u32 [key][word]
 )
 # dpf_scan<G>'s dynamic shared memory for chunks of L = 2**c leaves, region by region in the
 # order the kernel carves it: (region, bytes an entry, entries a key given L and c)
@@ -124,6 +137,7 @@ def kernel_defines() -> Dict[str, int]:
         "MMA_SLICE_WORDS": MMA_SLICE_WORDS,
         "MMA_CHUNK_PAGES": MMA_CHUNK_PAGES,
         "MMA_PIPELINE_TILES": MMA_PIPELINE_TILES,
+        "MMA_FRAG_STAGES": MMA_FRAG_STAGES,
     }
 
 
@@ -207,16 +221,30 @@ def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
                             for _, size, count in SCAN_SHARED_REGIONS)
 
 
-def mma_shared_bytes(tiles: int) -> int:
-    """Dynamic shared memory of dpf_scan_mma<tiles>: the regions of MMA_SHARED_REGIONS."""
-    return sum(size(tiles) for _, size in MMA_SHARED_REGIONS)
+def check_layout(layout: str) -> None:
+    if layout not in MATRIX_LAYOUTS:
+        raise ValueError(f"layout must be one of {MATRIX_LAYOUTS}, got {layout!r}")
 
 
-def mma_max_tiles(shared_limit: int) -> int:
+def mma_shared_bytes(tiles: int, layout: str = "pages") -> int:
+    """Dynamic shared memory of dpf_scan_mma<tiles> (the regions of MMA_SHARED_REGIONS) or, over
+    the fragments layout, of dpf_scan_mma_frag<tiles> (MMA_FRAG_SHARED_REGIONS)."""
+    check_layout(layout)
+    regions = MMA_SHARED_REGIONS if layout == "pages" else MMA_FRAG_SHARED_REGIONS
+    return sum(size(tiles) for _, size in regions)
+
+
+def mma_max_tiles(shared_limit: int, layout: str = "pages") -> int:
     """The most key tiles a block of the tensor-core scan may have on a GPU whose blocks may opt
     in to shared_limit bytes of shared memory (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on
     sm_86/89): 0 where not even one tile fits."""
-    return max((t for t in MMA_TILE_COUNTS if mma_shared_bytes(t) <= shared_limit), default=0)
+    return max((t for t in MMA_TILE_COUNTS if mma_shared_bytes(t, layout) <= shared_limit), default=0)
+
+
+def fragment_chunks(num_pages: int) -> int:
+    """Chunks of MMA_CHUNK_PAGES pages the fragments layout stores for num_pages pages (the last
+    one padded with zero pages)."""
+    return -(-num_pages // MMA_CHUNK_PAGES)
 
 
 def pick_mma_tiles(num_keys: int, max_tiles: int = max(MMA_TILE_COUNTS)) -> Tuple[int, int]:
@@ -272,6 +300,7 @@ class ScanPlan:
     stages: Tuple[TopStage, ...]
     key_format: int = KEY_FORMAT_V1
     tensor_cores: bool = False  # v2 keys: dpf_scan_mma (chunks of MMA_CHUNK_PAGES pages)
+    layout: str = "pages"  # of the matrix it scans (MATRIX_LAYOUTS): fragments, dpf_scan_mma_frag
 
     @property
     def padded_keys(self) -> int:
@@ -295,14 +324,14 @@ class ScanPlan:
         """The scan's template: dpf_scan (v1), dpf_scan_bits (v2) of G keys in dpf_scan.cu;
         dpf_scan_mma (v2 on the tensor cores) of G / 16 key tiles in dpf_scan_mma.cu."""
         if self.tensor_cores:
-            return "dpf_scan_mma"
+            return "dpf_scan_mma" if self.layout == "pages" else "dpf_scan_mma_frag"
         return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
 
     @property
     def scan_kernel(self) -> Tuple[str, str]:
         """(kernel file, name expression) of the scan."""
         if self.tensor_cores:
-            return "dpf_scan_mma.cu", f"dpf_scan_mma<{self.group_keys // 16}>"
+            return "dpf_scan_mma.cu", f"{self.scan_template}<{self.group_keys // 16}>"
         return "dpf_scan.cu", f"{self.scan_template}<{self.group_keys}>"
 
     @property
@@ -325,7 +354,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
               chunk_levels: int = DEFAULT_CHUNK_LEVELS,
               resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1,
               tensor_cores: bool = False, mma_chunks_per_block: Optional[int] = None,
-              mma_max_tiles: int = max(MMA_TILE_COUNTS)) -> ScanPlan:
+              mma_max_tiles: int = max(MMA_TILE_COUNTS), layout: str = "pages") -> ScanPlan:
     """Plan one launch of num_keys keys over num_pages pages of a domain of 2**domain_bits pages.
 
     v1 keys: top stages to depth d - c, then dpf_scan<G> expands chunks of 2**c leaves. v2 keys:
@@ -334,13 +363,17 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     Blocks of one chunk run and consecutive key groups are adjacent (block = run * groups +
     group), so a run's pages are read from memory once and from L2 by the other groups.
     tensor_cores (v2 keys only): dpf_leaf_bits then dpf_scan_mma, whose blocks are (run of
-    chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one or two blocks an SM.
+    chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one or two blocks an SM. A
+    matrix in the fragments layout is scanned by dpf_scan_mma_frag alone: v2 keys, tensor_cores.
     """
+    check_layout(layout)
+    if layout == "fragments" and not (tensor_cores and key_format == KEY_FORMAT_V2):
+        raise ValueError("a matrix in the fragments layout is scanned with v2 keys on the tensor cores only")
     if tensor_cores:
         if key_format != KEY_FORMAT_V2:
             raise ValueError("the tensor-core scan takes v2 keys only")
         return _plan_mma(num_pages, domain_bits, num_keys, resident_blocks, mma_chunks_per_block,
-                         mma_max_tiles)
+                         mma_max_tiles, layout)
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
@@ -372,7 +405,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
 
 
 def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: int,
-              chunks_per_block: Optional[int], max_tiles: int) -> ScanPlan:
+              chunks_per_block: Optional[int], max_tiles: int, layout: str) -> ScanPlan:
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     tiles, groups = pick_mma_tiles(num_keys, max_tiles)
@@ -389,8 +422,8 @@ def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: 
         for a, b in top_stages(depth)
     )
     return ScanPlan(num_pages, domain_bits, num_keys, 16 * tiles, groups, 0, chunks, per_block,
-                    runs * MMA_SLICES * groups, mma_shared_bytes(tiles), stages, KEY_FORMAT_V2,
-                    tensor_cores=True)
+                    runs * MMA_SLICES * groups, mma_shared_bytes(tiles, layout), stages, KEY_FORMAT_V2,
+                    tensor_cores=True, layout=layout)
 
 
 def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
@@ -433,7 +466,7 @@ def leaf_bits_grid(plan: ScanPlan) -> int:
 
 
 def mma_scan_args(plan: ScanPlan, pages, sel, out) -> Tuple[Any, ...]:
-    """dpf_scan_mma<T>'s arguments, in its order."""
+    """dpf_scan_mma<T>'s (or dpf_scan_mma_frag<T>'s) arguments, in its order."""
     return (pages, np.int64(plan.num_pages), sel, np.int64(plan.padded_leaves),
             np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
 
@@ -469,7 +502,7 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
-    scan = "mma " if plan.tensor_cores else ""
+    scan = ("mma " if plan.layout == "pages" else "mma-frag ") if plan.tensor_cores else ""
     return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
             f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "
@@ -483,6 +516,7 @@ def sizes_text(nbytes: int) -> str:
 __all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
     "kernel_defines", "top_args", "scan_args", "pick_mma_tiles", "mma_shared_bytes",
+    "check_layout", "fragment_chunks", "mma_max_tiles",
     "leaf_bits_args", "leaf_bits_grid", "mma_scan_args", "use_tensor_cores",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
     "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",

@@ -22,7 +22,7 @@
 typedef unsigned int u32;
 
 // Set by the host as -D options (gpu_engine/backends/cuda_plan.py, kernel_defines): MMA_THREADS,
-// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, MMA_PIPELINE_TILES, PAGE_WORDS, LEAF_PAGES. The selection bits
+// MMA_SLICE_WORDS, MMA_CHUNK_PAGES, MMA_PIPELINE_TILES, MMA_FRAG_STAGES, PAGE_WORDS, LEAF_PAGES. The selection bits
 // come from dpf_leaf_bits in dpf_scan.cu, beside the ALU scan of v2 keys, which reads leaves the
 // same way.
 
@@ -112,10 +112,18 @@ __device__ __forceinline__ void transpose32(u32 (&x)[32]) {
 #undef SWAP_STAGE
 }
 
-// One chunk's staged slice -> B fragments in bfrag[kstep][half][n-block][lane]: thread (page
-// group pg, word w) transposes pages 32pg .. 32pg + 31 of word w; register b is n-block b's
-// fragment word of lane (g = w, t = pg % 4), half pg / 4 % 2 (b0: pages 0..127 of the k-step,
-// b1: 128..255), k-step pg / 8.
+// Where thread (page group pg, word w) of a block puts its 32 fragment words in one chunk's B
+// fragments, bfrag[kstep][half][n-block][lane] (register b at + 32 b): they hold bit b of word w
+// of pages 32pg .. 32pg + 31 of the chunk, n-block b's fragment word of lane (g = w, t = pg % 4),
+// half pg / 4 % 2 (b0: pages 0..127 of the k-step, b1: 128..255), k-step pg / 8. The resident
+// "fragments" layout stores each (chunk, slice) in this order (pages_to_fragments, below).
+__device__ __forceinline__ int fragment_offset(int pg, int w) {
+    const int ks = pg >> 3, half = (pg >> 2) & 1, t = pg & 3;
+    return (ks * 2 + half) * 32 * 32 + w * 4 + t;
+}
+
+// One chunk's staged slice -> its B fragments: thread (pg, w) transposes pages 32pg .. 32pg + 31
+// of word w.
 __device__ __forceinline__ void stage_fragments(const u32* raw, u32* bfrag) {
     const int pg = threadIdx.x / MMA_SLICE_WORDS, w = threadIdx.x % MMA_SLICE_WORDS;
     u32 x[32];
@@ -123,8 +131,7 @@ __device__ __forceinline__ void stage_fragments(const u32* raw, u32* bfrag) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) x[i] = src[i * MMA_SLICE_WORDS];
     transpose32(x);
-    const int ks = pg >> 3, half = (pg >> 2) & 1, t = pg & 3;
-    u32* dst = bfrag + (ks * 2 + half) * 32 * 32 + w * 4 + t;
+    u32* dst = bfrag + fragment_offset(pg, w);
 #pragma unroll
     for (int b = 0; b < 32; ++b) dst[b * 32] = x[b];
 }
@@ -160,6 +167,42 @@ __device__ __forceinline__ void mma_chunk(const u32* selw, const u32* bfrag, int
 #pragma unroll
             for (int j = 0; j < 4; ++j) mma_and_popc(acc[m][j], a0, a1, a2, a3, b0[j], b1[j]);
         }
+    }
+}
+
+// Copies (cp.async) the selection bits of chunk `chunk` of keys key0 .. key0 + K - 1 into sdst,
+// [leaf][key]: the A fragments' source.
+template <int K>
+__device__ __forceinline__ void copy_selection(uint4* sdst, const uint4* sel, int key0, long long padded_leaves,
+                                               long long chunk) {
+    for (int j = threadIdx.x; j < K * CHUNK_LEAVES; j += MMA_THREADS) {
+        const int key = j / CHUNK_LEAVES, leaf = j % CHUNK_LEAVES;
+        cp_async16(sdst + leaf * K + key, sel + (key0 + key) * padded_leaves + chunk * CHUNK_LEAVES + leaf);
+    }
+}
+
+// The block's answer bits, once per block: accumulator (m, j, r) of lane (g, t) is key 16m + g
+// (+8 for r >= 2), word 2t + (r & 1) of the slice, bit 4 * warp + j. The warps' bits meet in
+// outsm (zeroed by the block at its start), then in out by XOR atomics.
+template <int T>
+__device__ __forceinline__ void flush_slice(const int (&acc)[T][4][4], u32* outsm, u32* out, int key0, int slice) {
+    constexpr int K = 16 * T;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < T; ++m) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            u32 bits = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) bits |= ((u32)acc[m][j][r] & 1u) << (4 * warp + j);
+            if (bits) atomicOr(&outsm[(16 * m + g + (r >> 1) * 8) * MMA_SLICE_WORDS + 2 * t + (r & 1)], bits);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) {
+        const u32 v = outsm[i];
+        const long long word = (long long)(key0 + i / MMA_SLICE_WORDS) * PAGE_WORDS + slice * MMA_SLICE_WORDS;
+        if (v) atomicXor(&out[word + i % MMA_SLICE_WORDS], v);
     }
 }
 
@@ -210,12 +253,7 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
                 cp_async16(dst + raw_index(p) + 4 * h,
                            pages + (page0 + p) * PAGE_WORDS + slice * MMA_SLICE_WORDS + 4 * h);
         }
-        uint4* sdst = sel_of(i);
-        for (int j = threadIdx.x; j < K * CHUNK_LEAVES; j += MMA_THREADS) {
-            const int key = j / CHUNK_LEAVES, leaf = j % CHUNK_LEAVES;
-            cp_async16(sdst + leaf * K + key,
-                       sel + (key0 + key) * padded_leaves + chunk * CHUNK_LEAVES + leaf);
-        }
+        copy_selection<K>(sel_of(i), sel, key0, padded_leaves, chunk);
         cp_async_commit();
     };
 
@@ -261,32 +299,111 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
         }
     }
 
-    // accumulator (m, j, r) of lane (g, t): key 16m + g (+8 for r >= 2), word 2t + (r & 1) of
-    // the slice, bit 4 * warp + j: the warps' bits meet in shared memory, then once in out
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    flush_slice<T>(acc, outsm, out, key0, slice);
+}
+
+// The same product over a matrix resident in the "fragments" layout (cuda_plan.MATRIX_LAYOUTS):
+// chunk c's slice s is BFRAG_WORDS words at (c * slices + s) * BFRAG_WORDS, already the B
+// fragments stage_fragments would make, so a chunk is one contiguous 32 KiB copy and nothing is
+// transposed. Three buffers, one barrier a chunk: chunk i + 2 is copied in while chunk i is
+// multiplied. The layout holds whole chunks (the host zeroes pages past num_pages, whose selection
+// bits are 0 anyway). Blocks, arguments and out as dpf_scan_mma.
+template <int T>
+__global__ void __launch_bounds__(MMA_THREADS, 1)
+dpf_scan_mma_frag(const u32* __restrict__ frags, long long num_pages, const uint4* __restrict__ sel,
+                  long long padded_leaves, int num_groups, int chunks_per_block, u32* __restrict__ out) {
+    constexpr int K = 16 * T;
+    constexpr int stages = MMA_FRAG_STAGES;
+    extern __shared__ uint4 smem[];
+    u32* bfrag = (u32*)(smem);                              // [stages][BFRAG_WORDS]
+    uint4* selsm = (uint4*)(bfrag + stages * BFRAG_WORDS);  // [stages][CHUNK_LEAVES][K]
+    u32* outsm = (u32*)(selsm + stages * CHUNK_LEAVES * K); // [K][MMA_SLICE_WORDS]
+
+    const int group = blockIdx.x % num_groups;
+    const long long rest = blockIdx.x / num_groups;
+    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
+    const int slice = (int)(rest % slices);
+    const long long run = rest / slices;
+    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
+    const long long chunk_begin = run * chunks_per_block;
+    const int n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
+    const int key0 = group * K;
+
+    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
+
+    auto frag_of = [&](int i) { return bfrag + (i % stages) * BFRAG_WORDS; };
+    auto sel_of = [&](int i) { return selsm + (i % stages) * CHUNK_LEAVES * K; };
+    auto load_chunk = [&](int i) {
+        const long long chunk = chunk_begin + i;
+        const u32* src = frags + (chunk * slices + slice) * (long long)BFRAG_WORDS;
+        u32* dst = frag_of(i);
+        for (int j = threadIdx.x; j < BFRAG_WORDS / 4; j += MMA_THREADS) cp_async16(dst + 4 * j, src + 4 * j);
+        copy_selection<K>(sel_of(i), sel, key0, padded_leaves, chunk);
+        cp_async_commit();
+    };
+
+    int acc[T][4][4];
 #pragma unroll
-    for (int m = 0; m < T; ++m) {
+    for (int m = 0; m < T; ++m)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            u32 bits = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) bits |= ((u32)acc[m][j][r] & 1u) << (4 * warp + j);
-            if (bits) atomicOr(&outsm[(16 * m + g + (r >> 1) * 8) * MMA_SLICE_WORDS + 2 * t + (r & 1)], bits);
-        }
+        for (int j = 0; j < 4; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0;
+
+    if (n > 0) load_chunk(0);
+    if (n > 1) load_chunk(1);
+    for (int i = 0; i < n; ++i) {
+        if (i + 1 < n) cp_async_wait<1>(); else cp_async_wait<0>();  // chunk i's copies are in
+        __syncthreads();
+        // into the buffers of chunk i - 1, whose products every thread finished before the barrier
+        if (i + 2 < n) load_chunk(i + 2);
+        mma_chunk<T>((const u32*)sel_of(i), frag_of(i), acc);
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) {
-        const u32 v = outsm[i];
-        const long long word = (long long)(key0 + i / MMA_SLICE_WORDS) * PAGE_WORDS + slice * MMA_SLICE_WORDS;
-        if (v) atomicXor(&out[word + i % MMA_SLICE_WORDS], v);
-    }
+    flush_slice<T>(acc, outsm, out, key0, slice);
+}
+
+// The "fragments" layout from page-major pages and back, whole chunks: block (chunk, slice) of
+// a grid of num_chunks * slices, thread (pg, w) as in stage_fragments. pages: the chunks' pages,
+// row-major; pages_to_fragments reads those below valid_pages and zeroes the rest. A 32 x 32 bit
+// transpose is its own inverse, so fragments_to_pages runs the same steps the other way round.
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+pages_to_fragments(const u32* __restrict__ pages, long long valid_pages, u32* __restrict__ frags) {
+    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
+    const long long chunk = blockIdx.x / slices;
+    const int slice = blockIdx.x % slices;
+    const int pg = threadIdx.x / MMA_SLICE_WORDS, w = threadIdx.x % MMA_SLICE_WORDS;
+    const long long page0 = chunk * MMA_CHUNK_PAGES + 32 * pg;
+    u32 x[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        x[i] = page0 + i < valid_pages ? pages[(page0 + i) * PAGE_WORDS + slice * MMA_SLICE_WORDS + w] : 0u;
+    transpose32(x);
+    u32* dst = frags + (long long)blockIdx.x * BFRAG_WORDS + fragment_offset(pg, w);
+#pragma unroll
+    for (int b = 0; b < 32; ++b) dst[b * 32] = x[b];
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS)
+fragments_to_pages(const u32* __restrict__ frags, u32* __restrict__ pages) {
+    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
+    const long long chunk = blockIdx.x / slices;
+    const int slice = blockIdx.x % slices;
+    const int pg = threadIdx.x / MMA_SLICE_WORDS, w = threadIdx.x % MMA_SLICE_WORDS;
+    const long long page0 = chunk * MMA_CHUNK_PAGES + 32 * pg;
+    u32 x[32];
+    const u32* src = frags + (long long)blockIdx.x * BFRAG_WORDS + fragment_offset(pg, w);
+#pragma unroll
+    for (int b = 0; b < 32; ++b) x[b] = src[b * 32];
+    transpose32(x);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) pages[(page0 + i) * PAGE_WORDS + slice * MMA_SLICE_WORDS + w] = x[i];
 }
 
 // The key tiles the host may pick (cuda_plan.MMA_TILE_COUNTS): up to 176 keys a block (T = 11:
 // 246 registers, no spills under nvcc 13 for sm_90; T = 12 spills).
-#define INSTANTIATE_MMA(T)                                                                       \
-    template __global__ void dpf_scan_mma<T>(const u32*, long long, const uint4*, long long, int, \
-                                              int, u32*);
+#define INSTANTIATE_MMA(T)                                                                            \
+    template __global__ void dpf_scan_mma<T>(const u32*, long long, const uint4*, long long, int,      \
+                                              int, u32*);                                              \
+    template __global__ void dpf_scan_mma_frag<T>(const u32*, long long, const uint4*, long long, int, \
+                                                   int, u32*);
 INSTANTIATE_MMA(1)
 INSTANTIATE_MMA(2)
 INSTANTIATE_MMA(3)

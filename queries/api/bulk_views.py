@@ -17,6 +17,8 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
 from engine.holder import get_engine
+from gpu_engine.dpf import KEY_FORMAT_V1
+from gpu_engine.engine import key_formats_of
 from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries import bulk
 from queries.api.binary import (
@@ -210,6 +212,10 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
                 )
             data = {"queries": NDJSONSource(upload, name=upload.name)}
         engine = get_engine()
+        if KEY_FORMAT_V1 not in key_formats_of(engine):  # bulk jobs store and run v1 keys (5.5)
+            raise exceptions.ValidationError({"queries": [
+                "bulk jobs take v1 keys and this server answers v2 keys only "
+                "(MORPHO_MATRIX_LAYOUT=fragments): send these queries as batch queries with v2 keys"]})
         context = {
             "domain_bits": engine.epoch.matrix.domain_bits,
             "owner": request.user,
