@@ -461,6 +461,12 @@ class PirClient:
             state.check_resumes(self.servers, rows, path)
         if state is None or None in state.jobs:
             info = self.epoch()
+            # bulk jobs take v1 keys (PROTOCOL 5.5): a party that takes v2 keys alone would refuse
+            # its half after the other party had started a job nobody reads
+            v2_only = [url for url, formats in zip(self.servers, self._key_formats) if "v1" not in formats]
+            if v2_only:
+                raise ServerError(f"bulk jobs take v1 keys and {' and '.join(v2_only)} takes v2 keys only; "
+                                  f"fetch these rows as batch queries instead")
             for row in rows:
                 if not 0 <= row < info.num_rows:
                     raise ValueError(f"row {row} is outside [0, {info.num_rows})")

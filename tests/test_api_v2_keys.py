@@ -176,4 +176,6 @@ def test_an_engine_of_v2_keys_alone_is_advertised_so_and_refuses_v1_and_bulk_job
     assert errors[0][:2] == ("keys[0]", "key_format") and "a v1 key, expected v2" in errors[0][2]
     body = {"queries": [{"keys": [KEY0_HEX] * 3}]}
     errors = _errors(bulk.generic("POST", "/bulk/jobs", json.dumps(body), content_type="application/json"))
-    assert errors[0][0] == "queries" and "answers v2 keys only" in errors[0][2]
+    assert errors[0][:2] == ("queries", "key_format") and "answers v2 keys only" in errors[0][2]
+    errors = _errors(bulk.generic("POST", "/bulk/jobs", bytes.fromhex(KEY0_HEX) * 3, content_type=BIN))
+    assert errors[0][:2] == ("queries", "key_format")

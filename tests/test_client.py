@@ -296,6 +296,27 @@ def test_the_key_format_is_v2_only_where_both_parties_offer_it():
         PirClient("http://a", "http://b", key_format="v3")
 
 
+def test_a_bulk_fetch_is_refused_before_any_job_where_a_party_takes_v2_keys_alone(monkeypatch):
+    # bulk jobs take v1 keys: a party with MORPHO_MATRIX_LAYOUT=fragments would refuse its half
+    # after the other party had started a job, so nothing is posted to either
+    body = {"epoch_id": 1, "num_rows": 32, "seeds": [1, 2, 3], "block_number": 0,
+            "state_root": "0x" + "00" * 32, "key_formats": ["v1", "v2"],
+            "page_pir": {"domain_bits": 1, "rows_per_page": 16, "num_pages": 2, "page_size_bytes": 4096}}
+    info = EpochInfo.from_json(body, "http://a")
+    with PirClient("http://a", "http://b") as client:
+        def epoch():
+            client._key_formats = (("v1", "v2"), ("v2",))
+            return info
+
+        def no_job(*args):
+            raise AssertionError("a job was posted")
+
+        monkeypatch.setattr(client, "epoch", epoch)
+        monkeypatch.setattr(client, "_bulk_submit", no_job)
+        with pytest.raises(ServerError, match="bulk jobs take v1 keys and http://b takes v2 keys only"):
+            list(client.iter_rows_bulk([0, 17], tokens=("ta", "tb")))
+
+
 def test_a_server_that_lists_no_encodings_speaks_json():
     body = {"epoch_id": 1, "num_rows": 32, "seeds": [1, 2, 3], "block_number": 0,
             "state_root": "0x" + "00" * 32,

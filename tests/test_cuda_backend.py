@@ -814,6 +814,30 @@ def test_the_layout_is_checked_when_a_backend_is_made():
     assert create_backend("cpu", layout="fragments").key_formats == (KEY_FORMAT_V1, KEY_FORMAT_V2)  # ignored
 
 
+def test_auto_falls_back_to_the_pages_layout_where_the_gpu_cannot_hold_fragments(monkeypatch):
+    # an sm_86/89 GPU (99 KiB of shared memory a block) or one before sm_80: CUDA in the pages
+    # layout, saying why, rather than the CPU; MORPHO_ENGINE_BACKEND=cuda refuses
+    from gpu_engine import backends
+
+    class Gpu:
+        fallback_reason = None
+
+        def __init__(self, layout):
+            self.name, self.layout = "cuda", layout
+
+    def cuda(device, v2_scan, layout):
+        if layout == "fragments":
+            raise BackendUnavailable("the fragments layout is read by the tensor cores")
+        return Gpu(layout)
+
+    monkeypatch.setattr(backends, "_cuda_backend", cuda)
+    backend = backends.create_backend("auto", layout="fragments")
+    assert (backend.name, backend.layout) == ("cuda", "pages")
+    assert backend.fallback_reason == "the fragments layout is read by the tensor cores"
+    with pytest.raises(BackendUnavailable, match="read by the tensor cores"):
+        backends.create_backend("cuda", layout="fragments")
+
+
 # --- the fragments layout (cuda_plan.MATRIX_LAYOUTS) on the GPU ----------------------------------
 
 

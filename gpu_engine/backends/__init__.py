@@ -26,7 +26,8 @@ def create_backend(name: str = "auto", device: Optional[int] = None, v2_scan: st
     """The backend called `name` (on GPU `device`, else the current one); raises
     BackendUnavailable if `cuda` cannot run here. v2_scan: how CUDA scans v2 keys (auto, mma or
     alu; cuda_plan.use_tensor_cores); layout: how CUDA stores a matrix (cuda_plan.MATRIX_LAYOUTS);
-    the CPU backend has one scan and one layout."""
+    the CPU backend has one scan and one layout. `auto` falls back to CUDA's pages layout where
+    the GPU cannot hold the one asked for, then to the CPU; `cuda` refuses."""
     from gpu_engine.backends.cpu import NumpyBackend
 
     if name not in BACKEND_NAMES:
@@ -42,6 +43,13 @@ def create_backend(name: str = "auto", device: Optional[int] = None, v2_scan: st
     try:
         return _cuda_backend(device, v2_scan, layout)
     except BackendUnavailable as exc:
+        if layout != "pages":  # a GPU that cannot hold this layout still beats the CPU in pages
+            try:
+                backend = _cuda_backend(device, v2_scan, "pages")
+                backend.fallback_reason = str(exc)
+                return backend
+            except BackendUnavailable:
+                pass
         backend = NumpyBackend()
         # Only the cause: `backend` already says cpu, and the caller logs the fallback once.
         backend.fallback_reason = str(exc)

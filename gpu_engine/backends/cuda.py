@@ -262,14 +262,15 @@ class CudaResident(ResidentMatrix):
                     by_row[cupy.asarray(idx)] = cupy.asarray(data)
                 else:  # each chunk a row falls in: back to pages, the rows written, to fragments
                     chunk_rows = cuda_plan.MMA_CHUNK_PAGES * ROWS_PER_PAGE
-                    chunk_of = idx // chunk_rows
-                    for chunk in np.unique(chunk_of):
-                        mine = chunk_of == chunk
-                        pages = self._chunk_pages(int(chunk))
+                    order = np.argsort(idx, kind="stable")  # rows grouped by chunk, in one sort
+                    idx, data = idx[order], data[order]
+                    chunks, starts = np.unique(idx // chunk_rows, return_index=True)
+                    for chunk, start, stop in zip(chunks.tolist(), starts, [*starts[1:], len(idx)]):
+                        pages = self._chunk_pages(chunk)
                         pages.reshape(-1, WORDS_PER_PAGE // ROWS_PER_PAGE)[
-                            cupy.asarray(idx[mine] - int(chunk) * chunk_rows)] = cupy.asarray(data[mine])
-                        self._backend.to_fragments(pages, self._live(), int(chunk),
-                                                   self.num_pages - int(chunk) * cuda_plan.MMA_CHUNK_PAGES)
+                            cupy.asarray(idx[start:stop] - chunk * chunk_rows)] = cupy.asarray(data[start:stop])
+                        self._backend.to_fragments(pages, self._live(), chunk,
+                                                   self.num_pages - chunk * cuda_plan.MMA_CHUNK_PAGES)
             stream.synchronize()
 
     def _chunk_pages(self, chunk: int):
@@ -287,11 +288,10 @@ class CudaResident(ResidentMatrix):
             raise ValueError(f"page {index} is outside [0, {self.num_pages})")
         with self._backend.on_device():
             if self.layout == "pages":
-                page = self._live()[index]
-            else:
-                with self._lock:
-                    page = self._chunk_pages(index // cuda_plan.MMA_CHUNK_PAGES)[index % cuda_plan.MMA_CHUNK_PAGES]
-            return cupy.asnumpy(page).astype("<u4").tobytes()
+                return cupy.asnumpy(self._live()[index]).astype("<u4").tobytes()
+            with self._lock:  # a row write waits until the chunk is read back whole
+                page = self._chunk_pages(index // cuda_plan.MMA_CHUNK_PAGES)[index % cuda_plan.MMA_CHUNK_PAGES]
+                return cupy.asnumpy(page).astype("<u4").tobytes()
 
     def release(self) -> None:
         with self._lock, self._backend.on_device():

@@ -11,6 +11,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import exceptions, mixins, status, viewsets
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.decorators import action
+from rest_framework.exceptions import ErrorDetail
 from rest_framework.parsers import BaseParser, MultiPartParser
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.renderers import JSONRenderer
@@ -201,6 +202,13 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
         return super().finalize_response(request, response, *args, **kwargs)
 
     def _create(self, request):
+        engine = get_engine()
+        if KEY_FORMAT_V1 not in key_formats_of(engine):  # bulk jobs store and run v1 keys (5.5)
+            # before the body is parsed: none of it could be taken
+            raise exceptions.ValidationError({"queries": [ErrorDetail(
+                "bulk jobs take v1 keys and this server answers v2 keys only "
+                "(MORPHO_MATRIX_LAYOUT=fragments): send these queries as batch queries with v2 keys",
+                code="key_format")]})
         data = request.data
         if isinstance(data, list):  # a bare JSON array of queries
             data = {"queries": data}
@@ -211,11 +219,6 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
                     {"file": ['expected an NDJSON file in the form field "file", got none']}
                 )
             data = {"queries": NDJSONSource(upload, name=upload.name)}
-        engine = get_engine()
-        if KEY_FORMAT_V1 not in key_formats_of(engine):  # bulk jobs store and run v1 keys (5.5)
-            raise exceptions.ValidationError({"queries": [
-                "bulk jobs take v1 keys and this server answers v2 keys only "
-                "(MORPHO_MATRIX_LAYOUT=fragments): send these queries as batch queries with v2 keys"]})
         context = {
             "domain_bits": engine.epoch.matrix.domain_bits,
             "owner": request.user,
