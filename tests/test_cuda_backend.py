@@ -802,7 +802,7 @@ def test_the_fragments_layout_fits_more_tiles_where_shared_memory_is_short(share
 
 
 def test_the_fragments_layout_holds_whole_chunks():
-    assert [cuda_plan.fragment_chunks(n) for n in (1, 1024, 1025, MAINNET_PAGES)] == [1, 1, 2, 16424]
+    assert [cuda_plan.mma_chunks(n) for n in (1, 1024, 1025, MAINNET_PAGES)] == [1, 1, 2, 16424]
     assert cuda_plan.MMA_FRAGMENT_WORDS * 4 * cuda_plan.MMA_SLICES == cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES
 
 

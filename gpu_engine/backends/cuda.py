@@ -365,14 +365,13 @@ class CudaBackend(Backend):
 
     def _allocate(self, num_pages: int, domain_bits: int):
         fragments = self.layout == "fragments"
-        chunks = cuda_plan.fragment_chunks(num_pages)
+        chunks = cuda_plan.mma_chunks(num_pages)
         # fragments: whole chunks (under 4 MiB more), and a device buffer the upload goes through
         need = chunks * cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES if fragments else num_pages * PAGE_BYTES
         # room for two of the largest launches (58 queries) of either key format beside the
         # matrix: the engine starts the next batch while one runs
-        scans = [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores
-        if fragments:
-            scans = [(KEY_FORMAT_V2, True)]
+        scans = [(KEY_FORMAT_V2, True)] if fragments else (
+            [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores)
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, cuda_plan.MAX_LAUNCH_KEYS, resident_blocks=self.resident_blocks,
                                 key_format=key_format, tensor_cores=tensor_cores, mma_max_tiles=self.mma_max_tiles,

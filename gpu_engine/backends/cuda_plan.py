@@ -241,9 +241,9 @@ def mma_max_tiles(shared_limit: int, layout: str = "pages") -> int:
     return max((t for t in MMA_TILE_COUNTS if mma_shared_bytes(t, layout) <= shared_limit), default=0)
 
 
-def fragment_chunks(num_pages: int) -> int:
-    """Chunks of MMA_CHUNK_PAGES pages the fragments layout stores for num_pages pages (the last
-    one padded with zero pages)."""
+def mma_chunks(num_pages: int) -> int:
+    """Chunks of MMA_CHUNK_PAGES pages that cover num_pages pages: what the tensor-core scans run
+    through, and what the fragments layout stores (the last chunk padded with zero pages)."""
     return -(-num_pages // MMA_CHUNK_PAGES)
 
 
@@ -410,7 +410,7 @@ def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: 
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     tiles, groups = pick_mma_tiles(num_keys, max_tiles)
     depth, leaves = tree_depth(domain_bits, KEY_FORMAT_V2), live_nodes(num_pages, LEAF_PAGE_BITS)
-    chunks = -(-num_pages // MMA_CHUNK_PAGES)
+    chunks = mma_chunks(num_pages)
     # one block an SM counted (resident_blocks counts two; up to 3 tiles two fit): waves of them
     target_runs = max(1, -(-(resident_blocks // 2) * WAVES_PER_LAUNCH // (MMA_SLICES * groups)))
     runs = min(chunks, target_runs)
@@ -516,7 +516,7 @@ def sizes_text(nbytes: int) -> str:
 __all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
     "kernel_defines", "top_args", "scan_args", "pick_mma_tiles", "mma_shared_bytes",
-    "check_layout", "fragment_chunks", "mma_max_tiles",
+    "check_layout", "mma_chunks", "mma_max_tiles",
     "leaf_bits_args", "leaf_bits_grid", "mma_scan_args", "use_tensor_cores",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
     "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",

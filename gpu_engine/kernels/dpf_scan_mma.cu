@@ -206,6 +206,29 @@ __device__ __forceinline__ void flush_slice(const int (&acc)[T][4][4], u32* outs
     }
 }
 
+// What block blockIdx.x of either tensor-core scan works on: grid = (run of chunks, slice, key
+// group), the key group fastest; chunks chunk_begin .. chunk_begin + n - 1 (n is 0 for a block
+// past the last chunk) of slice `slice`, keys key0 .. key0 + K - 1.
+struct MmaBlock {
+    int slice, n, key0;
+    long long chunk_begin;
+};
+
+__device__ __forceinline__ MmaBlock mma_block(long long num_pages, int num_groups, int chunks_per_block, int K) {
+    const int group = blockIdx.x % num_groups;
+    const long long rest = blockIdx.x / num_groups;
+    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
+    const long long run = rest / slices;
+    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
+    const long long chunk_begin = run * chunks_per_block;
+    MmaBlock b;
+    b.slice = (int)(rest % slices);
+    b.n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
+    b.key0 = group * K;
+    b.chunk_begin = chunk_begin;
+    return b;
+}
+
 // Block = (run of chunks, slice, key group), the key group fastest: the groups of one slice run
 // together and read its pages once from memory. T key tiles of 16 keys (num_groups * 16 * T
 // keys: the host pads the last group). out: (keys, PAGE_WORDS) u32, zeroed by the host.
@@ -225,15 +248,9 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
     u32* bfrag = (u32*)(selsm + sel_bufs * CHUNK_LEAVES * K);  // [frag_bufs][BFRAG_WORDS]
     u32* outsm = (u32*)(bfrag + frag_bufs * BFRAG_WORDS);  // [K][MMA_SLICE_WORDS]
 
-    const int group = blockIdx.x % num_groups;
-    const long long rest = blockIdx.x / num_groups;
-    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
-    const int slice = (int)(rest % slices);
-    const long long run = rest / slices;
-    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
-    const long long chunk_begin = run * chunks_per_block;
-    const int n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
-    const int key0 = group * K;
+    const MmaBlock blk = mma_block(num_pages, num_groups, chunks_per_block, K);
+    const int slice = blk.slice, n = blk.n, key0 = blk.key0;
+    const long long chunk_begin = blk.chunk_begin;
 
     for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
 
@@ -319,15 +336,10 @@ dpf_scan_mma_frag(const u32* __restrict__ frags, long long num_pages, const uint
     uint4* selsm = (uint4*)(bfrag + stages * BFRAG_WORDS);  // [stages][CHUNK_LEAVES][K]
     u32* outsm = (u32*)(selsm + stages * CHUNK_LEAVES * K); // [K][MMA_SLICE_WORDS]
 
-    const int group = blockIdx.x % num_groups;
-    const long long rest = blockIdx.x / num_groups;
     const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
-    const int slice = (int)(rest % slices);
-    const long long run = rest / slices;
-    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
-    const long long chunk_begin = run * chunks_per_block;
-    const int n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
-    const int key0 = group * K;
+    const MmaBlock blk = mma_block(num_pages, num_groups, chunks_per_block, K);
+    const int slice = blk.slice, n = blk.n, key0 = blk.key0;
+    const long long chunk_begin = blk.chunk_begin;
 
     for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
 
