@@ -299,7 +299,7 @@ def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
 def test_the_fragments_scan_carves_shared_memory_as_the_host_sizes_it():
     code = _code("dpf_scan_mma.cu")
     kernel = code[code.index("dpf_scan_mma_frag(const u32*"):]
-    body = kernel[kernel.index("extern __shared__ uint4 smem[];"):kernel.index("const int group")]
+    body = kernel[kernel.index("extern __shared__ uint4 smem[];"):kernel.index("const MmaBlock blk")]
     carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
     assert [name for name, _ in carving] == [name for name, _ in cuda_plan.MMA_FRAG_SHARED_REGIONS]
     assert carving[0][1] == "smem" and "constexpr int stages = MMA_FRAG_STAGES;" in kernel
