@@ -178,6 +178,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "tensor cores, or the ALU")
     ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages",
                     help="cuda: how the matrix is stored (fragments: v2 keys on the tensor cores only)")
+    ap.add_argument("--wgmma", choices=("auto", "on", "off"), default="auto",
+                    help="cuda, fragments layout: Hopper's warpgroup products (auto: on sm_90) or mma.sync")
     ap.add_argument("--mma-chunks", type=int, default=None,
                     help="cuda, v2 on the tensor cores: chunks of 1024 pages a block (default: the plan's)")
     ap.add_argument("--define", action="append", default=[],
@@ -194,7 +196,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from gpu_engine.backends import cuda_module
 
         cuda_module.NVRTC_OPTIONS += tuple(f"-D{define}" for define in args.define)
-    backend = create_backend(args.backend, layout=args.layout)
+    if args.wgmma == "auto":
+        backend = create_backend(args.backend, layout=args.layout)
+    else:
+        from gpu_engine.backends.cuda import CudaBackend
+
+        backend = CudaBackend(layout=args.layout, wgmma=args.wgmma == "on")
     if args.gpu_matrix and args.backend != "cuda":
         ap.error("--gpu-matrix needs --backend cuda")
     resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, log)
@@ -209,6 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra.append(f"keys={args.key_format}")
     if args.layout != "pages":
         extra.append(f"layout={args.layout}")
+    if getattr(backend, "wgmma", False):
+        extra.append("wgmma")
     if key_format == KEY_FORMAT_V2 and args.backend == "cuda":
         if args.v2_scan:
             resident.v2_scan = args.v2_scan

@@ -2,7 +2,7 @@
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
-#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|all   (CSVs and logs under $OUT)
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts)
 set -u
 export PYTHONUNBUFFERED=1
@@ -19,7 +19,7 @@ fi
 if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for keys in ${NCU_KEYS:-96 3}; do
-        timeout 200 "$NCU" --clock-control none -k regex:dpf_scan_mma --launch-skip 1 --launch-count 1 \
+        timeout 200 "$NCU" --clock-control none -k "regex:dpf_scan_(wg)?mma" --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             --section Occupancy --section WarpStateStats --section LaunchStats \
             --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active \
@@ -42,13 +42,19 @@ bench() {  # bench NAME ARGS...
     timeout 300 python3 benchmarks/backend_batch.py --backend cuda --out "$OUT/$1.csv" "${@:2}" 2>&1 | tee "$OUT/$1.log"
 }
 G1=--dispatch=micro_batch=0,streams=1,graph=1
-if [ "$stage" = layout ]; then  # v2 keys over the fragments layout against the pages layout (layout_*.csv)
-    bench layout_mainnet_fragments --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --layout fragments \
-        --q 1,2,8,16,32,42,58 --repeat 3 $G1
+if [ "$stage" = layout ]; then  # v2 keys over the pages layout, the fragments layout's baseline (layout_*_pages.csv)
     bench layout_mainnet_pages --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --q 8,32,58 --repeat 3 $G1
-    for layout in fragments pages; do
-        bench layout_65536_$layout --pages 65536 --domain-bits 16 --key-format v2 --layout $layout \
-            --q 1,8,16,32,42,58 --repeat 9 $G1
+    bench layout_65536_pages --pages 65536 --domain-bits 16 --key-format v2 --q 1,8,16,32,42,58 --repeat 9 $G1
+    exit 0
+fi
+if [ "$stage" = wgmma ]; then  # Hopper's warpgroup products against mma.sync, fragments layout (wgmma_*.csv)
+    bench wgmma_mainnet_on --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --layout fragments \
+        --wgmma on --q ${WGMMA_Q:-1,8,16,32,42,58,64,74} --repeat 3 $G1
+    bench wgmma_mainnet_off --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --layout fragments \
+        --wgmma off --q ${WGMMA_OFF_Q:-8,32,58} --repeat 3 $G1
+    for w in on off; do
+        bench wgmma_65536_$w --pages 65536 --domain-bits 16 --key-format v2 --layout fragments --wgmma $w \
+            --q 1,8,16,32,42,58,74 --repeat 9 $G1
     done
     exit 0
 fi

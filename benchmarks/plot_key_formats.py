@@ -1,9 +1,10 @@
 """Plots batch queries/s against Q for v1 keys, v2 keys on the ALU and v2 keys on the tensor cores.
 
     python3 benchmarks/plot_key_formats.py --out docs/benchmarks/keyformats_qps.png \
-        docs/benchmarks/keyformats_*.csv docs/benchmarks/layout_*_fragments.csv
+        docs/benchmarks/keyformats_*.csv docs/benchmarks/wgmma_*.csv
 
-v2 keys over a matrix in the fragments layout (layout_*_fragments.csv) are a series of their own.
+v2 keys over a matrix in the fragments layout (wgmma_*.csv) are two series of their own: on
+Hopper's warpgroup products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv).
 
 One panel per GPU and shape, with the memory floor (one read of the matrix per batch at the GPU's
 measured streaming read, docs/benchmarks/NOTES-cuda.md) and issue 16's v2 target drawn.
@@ -29,17 +30,17 @@ V2_TARGET = {16817159: 2500.0, 65536: 150000.0}
 
 def label(header: dict) -> str:
     """The series of a backend_batch.py CSV, from its dispatch line: v1 keys, or v2 keys on the ALU,
-    on the tensor cores, or on the tensor cores over the fragments layout."""
+    on the tensor cores, or on the tensor cores over the fragments layout (wgmma or mma.sync)."""
     dispatch = header.get("dispatch", "")
     if "keys=v2" not in dispatch:
         return "v1 keys (ALU)"
     if "layout=fragments" in dispatch:
-        return "v2 keys, fragments layout"
+        return "v2 keys, fragments, wgmma" if "wgmma" in dispatch else "v2 keys, fragments, mma.sync"
     return "v2 keys, tensor cores" if "scan=mma" in dispatch else "v2 keys, ALU"
 
 
 COLORS = {"v1 keys (ALU)": "tab:blue", "v2 keys, ALU": "tab:orange", "v2 keys, tensor cores": "tab:green",
-          "v2 keys, fragments layout": "tab:purple"}
+          "v2 keys, fragments, mma.sync": "tab:purple", "v2 keys, fragments, wgmma": "tab:brown"}
 
 
 def gpu_model(header: dict) -> str:

@@ -801,6 +801,31 @@ def test_the_fragments_layout_fits_more_tiles_where_shared_memory_is_short(share
     assert cuda_plan.mma_max_tiles(shared_kib * 1024, "fragments") == fragments_tiles
 
 
+def test_the_wgmma_scan_reads_the_fragments_layout_with_up_to_224_keys_a_block():
+    assert cuda_plan.mma_max_tiles(227 * 1024, "fragments", wgmma=True) == 14
+    assert cuda_plan.mma_shared_bytes(14, "fragments") == 3 * 32768 + 3 * 16 * 8 * 224 + 4 * 224 * 8
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 222, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               layout="fragments", mma_max_tiles=14, wgmma=True)
+    assert (plan.scan_kernel, plan.num_groups) == (("dpf_scan_mma.cu", "dpf_scan_wgmma_frag<14>"), 1)
+    assert "wgmma-frag" in cuda_plan.describe_plan(plan)
+    # mma.sync over the same layout: 11 tiles at most, so two groups (two passes) for 222 keys
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 222, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               layout="fragments")
+    assert (plan.scan_kernel[1], plan.num_groups) == ("dpf_scan_mma_frag<7>", 2)
+    with pytest.raises(ValueError, match="wgmma scan reads the fragments layout only"):
+        cuda_plan.plan_scan(MAINNET_PAGES, 25, 96, key_format=KEY_FORMAT_V2, tensor_cores=True, wgmma=True)
+    with pytest.raises(ValueError, match="mma_max_tiles above 11 needs the wgmma scan"):
+        cuda_plan.plan_scan(MAINNET_PAGES, 25, 96, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                            layout="fragments", mma_max_tiles=14)
+
+
+def test_nvrtc_targets_sm_90a_on_hopper_alone():
+    from gpu_engine.backends.cuda_module import arch_options
+
+    assert arch_options((9, 0)) == ("-arch=sm_90a",)
+    assert arch_options((8, 0)) == arch_options((8, 9)) == arch_options((10, 0)) == ()
+
+
 def test_the_fragments_layout_holds_whole_chunks():
     assert [cuda_plan.mma_chunks(n) for n in (1, 1024, 1025, MAINNET_PAGES)] == [1, 1, 2, 16424]
     assert cuda_plan.MMA_FRAGMENT_WORDS * 4 * cuda_plan.MMA_SLICES == cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES
@@ -862,24 +887,36 @@ def generated_fragments(cuda, cuda_fragments):
         resident.release()
 
 
-_FRAGMENT_RUNS = [(40000, keys, run) for keys in (3, 48, 96, 174) for run in (1, 3, None)] + [(2**20 + 17, 9, None)]
+_FRAGMENT_RUNS = [(40000, keys, run) for keys in (3, 48, 96, 174, 192, 222) for run in (1, 3, None)] + [
+    (2**20 + 17, 9, None)]
 
 
 @pytest.mark.gpu
-def test_fragments_layout_answers_every_run_length_and_tile_count(generated_fragments):
-    # one tile (two blocks an SM) to 11 (176 keys), runs of 1 and 3 chunks and the plan's, and a
-    # page count past 2**20 that leaves the last chunk nearly empty; one NumPy answer per batch
-    for pages, keys in dict.fromkeys((p, k) for p, k, _ in _FRAGMENT_RUNS):
-        resident, host = generated_fragments(pages)
-        batch = _keys(keys, pages, host.domain_bits, seed=keys, fmt=KEY_FORMAT_V2)
-        expect = _reference(host, batch)
-        for run in [r for p, k, r in _FRAGMENT_RUNS if (p, k) == (pages, keys)]:
-            resident.mma_chunks_per_block = run
-            try:
-                assert resident.plan(keys, KEY_FORMAT_V2).scan_kernel[1].startswith("dpf_scan_mma_frag<")
-                assert np.array_equal(resident.answer(batch), expect), (pages, keys, run)
-            finally:
-                resident.mma_chunks_per_block = None
+@pytest.mark.parametrize("wgmma", [True, False])  # Hopper's warpgroup products, mma.sync
+def test_fragments_layout_answers_every_run_length_and_tile_count(cuda_fragments, generated_fragments, wgmma):
+    # one tile (two blocks an SM) to 14 (224 keys: wgmma; mma.sync splits them in two groups), runs
+    # of 1 and 3 chunks and the plan's, and a page count past 2**20 that leaves the last chunk
+    # nearly empty; one NumPy answer per batch
+    if wgmma and not cuda_fragments.wgmma:
+        pytest.skip(f"{cuda_fragments.device_name} has no warpgroup products (sm_90a)")
+    held = cuda_fragments.wgmma, cuda_fragments.mma_max_tiles
+    cuda_fragments.wgmma = wgmma
+    cuda_fragments.mma_max_tiles = max(cuda_plan.WGMMA_TILE_COUNTS if wgmma else cuda_plan.MMA_TILE_COUNTS)
+    kernel = "dpf_scan_wgmma_frag<" if wgmma else "dpf_scan_mma_frag<"
+    try:
+        for pages, keys in dict.fromkeys((p, k) for p, k, _ in _FRAGMENT_RUNS):
+            resident, host = generated_fragments(pages)
+            batch = _keys(keys, pages, host.domain_bits, seed=keys, fmt=KEY_FORMAT_V2)
+            expect = _reference(host, batch)
+            for run in [r for p, k, r in _FRAGMENT_RUNS if (p, k) == (pages, keys)]:
+                resident.mma_chunks_per_block = run
+                try:
+                    assert resident.plan(keys, KEY_FORMAT_V2).scan_kernel[1].startswith(kernel)
+                    assert np.array_equal(resident.answer(batch), expect), (pages, keys, run)
+                finally:
+                    resident.mma_chunks_per_block = None
+    finally:
+        cuda_fragments.wgmma, cuda_fragments.mma_max_tiles = held
 
 
 @pytest.mark.gpu

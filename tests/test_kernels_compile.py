@@ -1,4 +1,4 @@
-"""Kernel text against the host (constants, shared memory, arguments) and an nvcc build for sm_90."""
+"""Kernel text against the host (constants, shared memory, arguments) and an nvcc build for sm_90a."""
 import re
 import shutil
 import subprocess
@@ -13,6 +13,7 @@ from gpu_engine.backends.cuda_plan import (
     MMA_THREADS,
     MMA_TILE_COUNTS,
     SCAN_GROUP_SIZES,
+    WGMMA_TILE_COUNTS,
     SCAN_THREADS,
     TOP_THREADS,
 )
@@ -32,7 +33,9 @@ LAUNCH_THREADS = {"dpf_expand_top": TOP_THREADS,
                   **{f"dpf_scan<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
                   **{f"dpf_scan_bits<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
                   "dpf_leaf_bits": MMA_THREADS,
-                  **{f"dpf_scan_mma<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS}}
+                  **{f"dpf_scan_mma<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS},
+                  **{f"dpf_scan_mma_frag<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS},
+                  **{f"dpf_scan_wgmma_frag<{t}>": MMA_THREADS for t in WGMMA_TILE_COUNTS}}
 
 
 def test_every_cu_file_is_loaded_by_the_backend():
@@ -182,7 +185,9 @@ class Compiled:
 def _compile(name, tmp_path):
     src = tmp_path / name
     src.write_text(kernel_source(name))
-    cmd = [NVCC, "-arch=sm_90", "--cubin", *NVRTC_OPTIONS, "-Xptxas", "-v", "--keep", "--keep-dir",
+    # sm_90a, as NVRTC compiles for an H100 or H200 (cuda_module.arch_options): the wgmma scan
+    # is compiled only for it
+    cmd = [NVCC, "-arch=sm_90a", "--cubin", *NVRTC_OPTIONS, "-Xptxas", "-v", "--keep", "--keep-dir",
            str(tmp_path), "-o", str(tmp_path / "out.cubin"), str(src)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
@@ -216,12 +221,14 @@ def _loader_name(symbol):
 
 @needs_nvcc
 @pytest.mark.parametrize("name", KERNEL_FILES)
-def test_compiles_for_sm90(name, compiled):
+def test_compiles_for_sm90a(name, compiled):
     report = compiled(name).report
     assert "error" not in report.lower()
-    # ptxas compiled, for sm_90, exactly the kernels the loader may ask this file for
+    # the warpgroup products run as issued: nothing in between reads their accumulators
+    assert "serialized" not in report
+    # ptxas compiled, for sm_90a, exactly the kernels the loader may ask this file for
     entries = re.findall(r"Compiling entry function '(\w+)' for '(\w+)'", report)
-    assert {arch for _, arch in entries} == {"sm_90"}
+    assert {arch for _, arch in entries} == {"sm_90a"}
     assert sorted(_loader_name(symbol) for symbol, _ in entries) == sorted(KERNEL_NAMES[name])
 
 
@@ -229,7 +236,7 @@ def test_compiles_for_sm90(name, compiled):
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_ptx_entry_points_take_the_blocks_the_host_launches(name, compiled):
     ptx = compiled(name).ptx
-    assert re.search(r"^\.target sm_90\b", ptx, re.M)
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
     # .visible .entry SYMBOL(params) then the directives (.maxntid from __launch_bounds__) before {
     entries = {_loader_name(symbol): directives
                for symbol, directives in re.findall(r"\.visible \.entry (\w+)\(.*?\)(.*?)\{", ptx, re.DOTALL)}
@@ -253,6 +260,8 @@ def test_scan_instantiations_match_the_host_and_do_not_spill(compiled):
     mma_entries = re.findall(r"Compiling entry function '(\w+)'", mma)
     tiles = sorted(int(m) for e in mma_entries for m in re.findall(r"dpf_scan_mmaILi(\d+)E", e))
     assert tiles == sorted(MMA_TILE_COUNTS)
+    wgmma_tiles = sorted(int(m) for e in mma_entries for m in re.findall(r"dpf_scan_wgmma_fragILi(\d+)E", e))
+    assert wgmma_tiles == sorted(WGMMA_TILE_COUNTS)
     # registers capped by __launch_bounds__ must not push accumulators to local memory
     for block in (report + mma).split("Compiling entry function")[1:]:
         name = re.search(r"'(\w+)'", block).group(1)
@@ -296,9 +305,11 @@ def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
             assert 2 * (cuda_plan.mma_shared_bytes(tiles) + 1024) <= 228 * 1024
 
 
-def test_the_fragments_scan_carves_shared_memory_as_the_host_sizes_it():
+@pytest.mark.parametrize("kernel_name, tile_counts", [("dpf_scan_mma_frag", MMA_TILE_COUNTS),
+                                                      ("dpf_scan_wgmma_frag", WGMMA_TILE_COUNTS)])
+def test_the_fragments_scans_carve_shared_memory_as_the_host_sizes_it(kernel_name, tile_counts):
     code = _code("dpf_scan_mma.cu")
-    kernel = code[code.index("dpf_scan_mma_frag(const u32*"):]
+    kernel = code[code.index(f"{kernel_name}(const u32*"):]
     body = kernel[kernel.index("extern __shared__ uint4 smem[];"):kernel.index("const MmaBlock blk")]
     carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
     assert [name for name, _ in carving] == [name for name, _ in cuda_plan.MMA_FRAG_SHARED_REGIONS]
@@ -306,7 +317,7 @@ def test_the_fragments_scan_carves_shared_memory_as_the_host_sizes_it():
     words = {"bfrag": "stages * BFRAG_WORDS", "selsm": "stages * CHUNK_LEAVES * K"}
     for (prev, _), (_, expr) in zip(carving, carving[1:]):
         assert expr == f"{prev} + {words[prev]}", expr
-    for tiles in cuda_plan.MMA_TILE_COUNTS:
+    for tiles in tile_counts:
         k = 16 * tiles
         expect = 3 * 4 * cuda_plan.MMA_CHUNK_PAGES * 8 + 3 * 16 * (cuda_plan.MMA_CHUNK_PAGES // 128) * k + 4 * k * 8
         assert cuda_plan.mma_shared_bytes(tiles, "fragments") == expect <= cuda_plan.MAX_SHARED_BYTES

@@ -177,7 +177,8 @@ class CudaResident(ResidentMatrix):
         return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks, key_format,
                                 tensor_cores=tensor_cores, mma_chunks_per_block=self.mma_chunks_per_block,
-                                mma_max_tiles=self._backend.mma_max_tiles, layout=self.layout)
+                                mma_max_tiles=self._backend.mma_max_tiles, layout=self.layout,
+                                wgmma=self._backend.wgmma)
 
     def check_keys(self, keys: KeyBatch) -> None:
         super().check_keys(keys)
@@ -194,7 +195,7 @@ class CudaResident(ResidentMatrix):
         """The buffers (and graphs) of this batch shape that no started batch is using: a second
         set where the engine starts a batch while one of the same shape still runs."""
         shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format,
-                 self.v2_scan, self.mma_chunks_per_block, self._backend.mma_max_tiles)
+                 self.v2_scan, self.mma_chunks_per_block, self._backend.mma_max_tiles, self._backend.wgmma)
         key = shape + (1 if shape + (0,) in self._started else 0,)
         if key in self._started:
             raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
@@ -309,7 +310,8 @@ class CudaBackend(Backend):
     name = "cuda"
     warm_all_shapes = True
 
-    def __init__(self, device: Optional[int] = None, v2_scan: str = "auto", layout: str = "pages") -> None:
+    def __init__(self, device: Optional[int] = None, v2_scan: str = "auto", layout: str = "pages",
+                 wgmma: Optional[bool] = None) -> None:
         super().__init__()
         cuda_plan.check_layout(layout)
         try:
@@ -330,7 +332,14 @@ class CudaBackend(Backend):
         # key tiles a block of the tensor-core scan may hold: what a block's shared memory fits
         # (sm_80 fewer than sm_90: more key groups a launch; sm_86/89 not one tile)
         shared_limit = int(props.get("sharedMemPerBlockOptin", cuda_plan.MAX_SHARED_BYTES))
-        self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout)
+        # the fragments layout on sm_90: Hopper's warpgroup products (dpf_scan_wgmma_frag, 1.55x
+        # mma.sync's rate, up to 224 keys a block); wgmma=False keeps mma.sync (for comparison)
+        can_wgmma = layout == "fragments" and self.compute_capability == cuda_plan.WGMMA_CAPABILITY
+        if wgmma and not can_wgmma:
+            raise BackendUnavailable(f"the wgmma scan needs the fragments layout on sm_90 (sm_90a); "
+                                     f"{self.device_name} is sm_{self.compute_capability[0]}{self.compute_capability[1]}")
+        self.wgmma = can_wgmma if wgmma is None else bool(wgmma)
+        self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout, self.wgmma)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
         # the layout of the matrices it loads from now on: "fragments" answers v2 keys alone
         self.layout = layout
@@ -375,7 +384,7 @@ class CudaBackend(Backend):
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, cuda_plan.MAX_LAUNCH_KEYS, resident_blocks=self.resident_blocks,
                                 key_format=key_format, tensor_cores=tensor_cores, mma_max_tiles=self.mma_max_tiles,
-                                layout=self.layout))
+                                layout=self.layout, wgmma=self.wgmma))
             for key_format, tensor_cores in scans) + fragments * UPLOAD_CHUNK_PAGES * PAGE_BYTES
         free, total = runtime.memGetInfo()
         if need + working > free:

@@ -8,7 +8,13 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from gpu_engine.backends.cuda_plan import MMA_TILE_COUNTS, SCAN_GROUP_SIZES, kernel_defines
+from gpu_engine.backends.cuda_plan import (
+    MMA_TILE_COUNTS,
+    SCAN_GROUP_SIZES,
+    WGMMA_CAPABILITY,
+    WGMMA_TILE_COUNTS,
+    kernel_defines,
+)
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets;
@@ -22,6 +28,7 @@ KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
                     *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES), "dpf_leaf_bits"),
     "dpf_scan_mma.cu": (*(f"dpf_scan_mma<{t}>" for t in MMA_TILE_COUNTS),
                         *(f"dpf_scan_mma_frag<{t}>" for t in MMA_TILE_COUNTS),
+                        *(f"dpf_scan_wgmma_frag<{t}>" for t in WGMMA_TILE_COUNTS),
                         "pages_to_fragments", "fragments_to_pages"),
     "matrix_fill.cu": ("fill_pages",),
 }
@@ -39,21 +46,32 @@ def kernel_source(name: str) -> str:
     return (KERNEL_DIR / name).read_text()
 
 
+def arch_options(compute_capability: Tuple[int, int]) -> Tuple[str, ...]:
+    """NVRTC's target for a GPU: sm_90a on sm_90 (the wgmma scan's instructions exist only
+    there), else CuPy's choice for the device."""
+    return ("-arch=sm_90a",) if tuple(compute_capability) == WGMMA_CAPABILITY else ()
+
+
 @functools.lru_cache(maxsize=None)
-def _module(name: str):
+def _module(name: str, compute_capability: Tuple[int, int]):
     import cupy
 
     return cupy.RawModule(
-        code=kernel_source(name), options=NVRTC_OPTIONS, name_expressions=_NAME_EXPRESSIONS[name] or None
+        code=kernel_source(name), options=NVRTC_OPTIONS + arch_options(compute_capability),
+        name_expressions=_NAME_EXPRESSIONS[name] or None
     )
 
 
 def get_kernel(file_name: str, kernel_name: str):
-    """A RawKernel of kernels/<file_name>, compiled on first use and cached for the process."""
+    """A RawKernel of kernels/<file_name> for the current device's architecture, compiled on
+    first use and cached for the process."""
+    import cupy
+
     if kernel_name not in KERNEL_NAMES.get(file_name, ()):
         raise ValueError(f"kernels/{file_name} has no kernel {kernel_name!r} in KERNEL_NAMES")
+    cc = cupy.cuda.Device().compute_capability  # "90"
     with _lock:  # one compile per file even when two threads start at once
-        module = _module(file_name)
+        module = _module(file_name, (int(cc[:-1]), int(cc[-1])))
         return _kernel(module, kernel_name)
 
 

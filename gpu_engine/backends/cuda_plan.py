@@ -41,6 +41,10 @@ MMA_SLICES = PAGE_WORDS // MMA_SLICE_WORDS  # 128 blocks cover a page's width
 MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32 KiB of its slice)
 MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
 MMA_TILE_COUNTS = tuple(range(1, 12))  # dpf_scan_mma<T> instantiations: up to 176 keys a group
+# dpf_scan_wgmma_frag<T>'s (Hopper's warpgroup products, sm_90a, over the fragments layout): up to
+# 224 keys a group, 2 x 8T accumulators a thread (252 registers at T = 14, no spills)
+WGMMA_TILE_COUNTS = tuple(range(1, 15))
+WGMMA_CAPABILITY = (9, 0)  # wgmma ... b1 AND.POPC: sm_90a, the H100 and H200
 # the most queries one launch may hold: as many as one key group of the tensor-core scan multiplies
 # in one pass over the matrix (176 keys); requests stay at protocol.MAX_BATCH_QUERIES, the
 # scheduler merges them up to a policy's max_batch, which this bounds
@@ -234,11 +238,12 @@ def mma_shared_bytes(tiles: int, layout: str = "pages") -> int:
     return sum(size(tiles) for _, size in regions)
 
 
-def mma_max_tiles(shared_limit: int, layout: str = "pages") -> int:
-    """The most key tiles a block of the tensor-core scan may have on a GPU whose blocks may opt
-    in to shared_limit bytes of shared memory (227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on
-    sm_86/89): 0 where not even one tile fits."""
-    return max((t for t in MMA_TILE_COUNTS if mma_shared_bytes(t, layout) <= shared_limit), default=0)
+def mma_max_tiles(shared_limit: int, layout: str = "pages", wgmma: bool = False) -> int:
+    """The most key tiles a block of the tensor-core scan (with wgmma, of dpf_scan_wgmma_frag) may
+    have on a GPU whose blocks may opt in to shared_limit bytes of shared memory (227 KiB on
+    sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89): 0 where not even one tile fits."""
+    counts = WGMMA_TILE_COUNTS if wgmma else MMA_TILE_COUNTS
+    return max((t for t in counts if mma_shared_bytes(t, layout) <= shared_limit), default=0)
 
 
 def mma_chunks(num_pages: int) -> int:
@@ -253,8 +258,8 @@ def pick_mma_tiles(num_keys: int, max_tiles: int = max(MMA_TILE_COUNTS)) -> Tupl
     even as 16-key tiles let it be (padding repeats a key)."""
     if num_keys < 1:
         raise ValueError(f"num_keys must be >= 1, got {num_keys}")
-    if max_tiles not in MMA_TILE_COUNTS:
-        raise ValueError(f"max_tiles must be one of {MMA_TILE_COUNTS}, got {max_tiles}")
+    if max_tiles not in WGMMA_TILE_COUNTS:  # MMA_TILE_COUNTS and more
+        raise ValueError(f"max_tiles must be one of {WGMMA_TILE_COUNTS}, got {max_tiles}")
     most = 16 * max_tiles
     groups = -(-num_keys // most)
     tiles = -(-(-(-num_keys // groups)) // 16)
@@ -301,6 +306,7 @@ class ScanPlan:
     key_format: int = KEY_FORMAT_V1
     tensor_cores: bool = False  # v2 keys: dpf_scan_mma (chunks of MMA_CHUNK_PAGES pages)
     layout: str = "pages"  # of the matrix it scans (MATRIX_LAYOUTS): fragments, dpf_scan_mma_frag
+    wgmma: bool = False  # fragments only: dpf_scan_wgmma_frag (sm_90a) instead of dpf_scan_mma_frag
 
     @property
     def padded_keys(self) -> int:
@@ -324,7 +330,9 @@ class ScanPlan:
         """The scan's template: dpf_scan (v1), dpf_scan_bits (v2) of G keys in dpf_scan.cu;
         dpf_scan_mma (v2 on the tensor cores) of G / 16 key tiles in dpf_scan_mma.cu."""
         if self.tensor_cores:
-            return "dpf_scan_mma" if self.layout == "pages" else "dpf_scan_mma_frag"
+            if self.layout == "pages":
+                return "dpf_scan_mma"
+            return "dpf_scan_wgmma_frag" if self.wgmma else "dpf_scan_mma_frag"
         return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
 
     @property
@@ -354,7 +362,8 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
               chunk_levels: int = DEFAULT_CHUNK_LEVELS,
               resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1,
               tensor_cores: bool = False, mma_chunks_per_block: Optional[int] = None,
-              mma_max_tiles: int = max(MMA_TILE_COUNTS), layout: str = "pages") -> ScanPlan:
+              mma_max_tiles: int = max(MMA_TILE_COUNTS), layout: str = "pages",
+              wgmma: bool = False) -> ScanPlan:
     """Plan one launch of num_keys keys over num_pages pages of a domain of 2**domain_bits pages.
 
     v1 keys: top stages to depth d - c, then dpf_scan<G> expands chunks of 2**c leaves. v2 keys:
@@ -364,16 +373,21 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     group), so a run's pages are read from memory once and from L2 by the other groups.
     tensor_cores (v2 keys only): dpf_leaf_bits then dpf_scan_mma, whose blocks are (run of
     chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one or two blocks an SM. A
-    matrix in the fragments layout is scanned by dpf_scan_mma_frag alone: v2 keys, tensor_cores.
+    matrix in the fragments layout is scanned by dpf_scan_mma_frag alone (wgmma: by
+    dpf_scan_wgmma_frag, up to max(WGMMA_TILE_COUNTS) tiles a block): v2 keys, tensor_cores.
     """
     check_layout(layout)
     if layout == "fragments" and not (tensor_cores and key_format == KEY_FORMAT_V2):
         raise ValueError("a matrix in the fragments layout is scanned with v2 keys on the tensor cores only")
+    if wgmma and layout != "fragments":
+        raise ValueError("the wgmma scan reads the fragments layout only")
+    if not wgmma and mma_max_tiles > max(MMA_TILE_COUNTS):
+        raise ValueError(f"mma_max_tiles above {max(MMA_TILE_COUNTS)} needs the wgmma scan")
     if tensor_cores:
         if key_format != KEY_FORMAT_V2:
             raise ValueError("the tensor-core scan takes v2 keys only")
         return _plan_mma(num_pages, domain_bits, num_keys, resident_blocks, mma_chunks_per_block,
-                         mma_max_tiles, layout)
+                         mma_max_tiles, layout, wgmma)
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
@@ -405,7 +419,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
 
 
 def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: int,
-              chunks_per_block: Optional[int], max_tiles: int, layout: str) -> ScanPlan:
+              chunks_per_block: Optional[int], max_tiles: int, layout: str, wgmma: bool) -> ScanPlan:
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     tiles, groups = pick_mma_tiles(num_keys, max_tiles)
@@ -423,7 +437,7 @@ def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: 
     )
     return ScanPlan(num_pages, domain_bits, num_keys, 16 * tiles, groups, 0, chunks, per_block,
                     runs * MMA_SLICES * groups, mma_shared_bytes(tiles, layout), stages, KEY_FORMAT_V2,
-                    tensor_cores=True, layout=layout)
+                    tensor_cores=True, layout=layout, wgmma=wgmma)
 
 
 def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
@@ -502,7 +516,8 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
-    scan = ("mma " if plan.layout == "pages" else "mma-frag ") if plan.tensor_cores else ""
+    scan = ("mma " if plan.layout == "pages" else "wgmma-frag " if plan.wgmma else "mma-frag ") \
+        if plan.tensor_cores else ""
     return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
             f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "

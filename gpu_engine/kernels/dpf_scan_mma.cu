@@ -181,6 +181,16 @@ __device__ __forceinline__ void copy_selection(uint4* sdst, const uint4* sel, in
     }
 }
 
+// The block's answer words in outsm ([key][word], every thread's bits in) to out, by XOR atomics.
+template <int K>
+__device__ __forceinline__ void flush_outsm(const u32* outsm, u32* out, int key0, int slice) {
+    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) {
+        const u32 v = outsm[i];
+        const long long word = (long long)(key0 + i / MMA_SLICE_WORDS) * PAGE_WORDS + slice * MMA_SLICE_WORDS;
+        if (v) atomicXor(&out[word + i % MMA_SLICE_WORDS], v);
+    }
+}
+
 // The block's answer bits, once per block: accumulator (m, j, r) of lane (g, t) is key 16m + g
 // (+8 for r >= 2), word 2t + (r & 1) of the slice, bit 4 * warp + j. The warps' bits meet in
 // outsm (zeroed by the block at its start), then in out by XOR atomics.
@@ -199,11 +209,7 @@ __device__ __forceinline__ void flush_slice(const int (&acc)[T][4][4], u32* outs
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) {
-        const u32 v = outsm[i];
-        const long long word = (long long)(key0 + i / MMA_SLICE_WORDS) * PAGE_WORDS + slice * MMA_SLICE_WORDS;
-        if (v) atomicXor(&out[word + i % MMA_SLICE_WORDS], v);
-    }
+    flush_outsm<K>(outsm, out, key0, slice);
 }
 
 // What block blockIdx.x of either tensor-core scan works on: grid = (run of chunks, slice, key
@@ -372,6 +378,179 @@ dpf_scan_mma_frag(const u32* __restrict__ frags, long long num_pages, const uint
     flush_slice<T>(acc, outsm, out, key0, slice);
 }
 
+// The fragments layout on Hopper's warpgroup products (sm_90a: wgmma .b1 AND + POPC, 1.55x the
+// rate of mma.sync m16n8k256 on the H100, NOTES-cuda.md). The fragments layout is already what a
+// wgmma shared-memory descriptor reads without swizzle: in one (k-step, half) of a chunk's slice,
+// row r = 8 b + w (bit b of slice word w) holds 128 pages in 16 contiguous bytes, 8 rows a 128-byte
+// core matrix, the two halves 4 KiB apart; the staged selection bits ([leaf][key], 16 bytes a
+// (leaf, key)) are the same for keys. So D (64 rows x K keys, s32) += A (64 rows x 256 pages of
+// the fragments) . B (K keys x 256 pages of selection bits)^T, both read from shared memory by the
+// tensor cores, nothing through registers. Warpgroup g (threads 128g ..) owns M-tiles 2g and
+// 2g + 1 (rows 128g .. 128g + 127 of the slice); its 2 x 8T accumulators stay in registers for the
+// run. Compiled for sm_90a only (cuda_module); elsewhere the kernel traps and is never launched.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_R8(o) "+r"(d[o]), "+r"(d[o + 1]), "+r"(d[o + 2]), "+r"(d[o + 3]), "+r"(d[o + 4]), "+r"(d[o + 5]), \
+                 "+r"(d[o + 6]), "+r"(d[o + 7])
+#define WG_S1 "%2, %3, %4, %5, %6, %7, %8, %9"
+#define WG_S2 WG_S1 ", %10, %11, %12, %13, %14, %15, %16, %17"
+#define WG_S3 WG_S2 ", %18, %19, %20, %21, %22, %23, %24, %25"
+#define WG_S4 WG_S3 ", %26, %27, %28, %29, %30, %31, %32, %33"
+#define WG_S5 WG_S4 ", %34, %35, %36, %37, %38, %39, %40, %41"
+#define WG_S6 WG_S5 ", %42, %43, %44, %45, %46, %47, %48, %49"
+#define WG_S7 WG_S6 ", %50, %51, %52, %53, %54, %55, %56, %57"
+#define WG_S8 WG_S7 ", %58, %59, %60, %61, %62, %63, %64, %65"
+#define WG_S9 WG_S8 ", %66, %67, %68, %69, %70, %71, %72, %73"
+#define WG_S10 WG_S9 ", %74, %75, %76, %77, %78, %79, %80, %81"
+#define WG_S11 WG_S10 ", %82, %83, %84, %85, %86, %87, %88, %89"
+#define WG_S12 WG_S11 ", %90, %91, %92, %93, %94, %95, %96, %97"
+#define WG_S13 WG_S12 ", %98, %99, %100, %101, %102, %103, %104, %105"
+#define WG_S14 WG_S13 ", %106, %107, %108, %109, %110, %111, %112, %113"
+#define WG_C1 WG_R8(0)
+#define WG_C2 WG_C1, WG_R8(8)
+#define WG_C3 WG_C2, WG_R8(16)
+#define WG_C4 WG_C3, WG_R8(24)
+#define WG_C5 WG_C4, WG_R8(32)
+#define WG_C6 WG_C5, WG_R8(40)
+#define WG_C7 WG_C6, WG_R8(48)
+#define WG_C8 WG_C7, WG_R8(56)
+#define WG_C9 WG_C8, WG_R8(64)
+#define WG_C10 WG_C9, WG_R8(72)
+#define WG_C11 WG_C10, WG_R8(80)
+#define WG_C12 WG_C11, WG_R8(88)
+#define WG_C13 WG_C12, WG_R8(96)
+#define WG_C14 WG_C13, WG_R8(104)
+
+typedef unsigned long long u64;
+
+// sm_90 shared-memory matrix descriptor without swizzle: start address, leading (K) and stride
+// (M or N, between 8-row core matrices) byte offsets, each in 16-byte units.
+__device__ __forceinline__ u64 wgmma_desc(u32 address, u32 k_offset, u32 row_offset) {
+    return (u64)((address & 0x3FFFF) >> 4) | ((u64)((k_offset >> 4) & 0x3FFF) << 16) |
+           ((u64)((row_offset >> 4) & 0x3FFF) << 32);
+}
+
+// d (64 x 16T s32, 8T registers a thread) += A . B^T over 256 pages (the descriptors' tiles).
+template <int T>
+__device__ __forceinline__ void wgmma_and_popc(int (&d)[8 * T], u64 da, u64 db);
+#define WGMMA_AND_POPC(T, N, S, C)                                                                       \
+    template <>                                                                                      \
+    __device__ __forceinline__ void wgmma_and_popc<T>(int (&d)[8 * T], u64 da, u64 db) {             \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k256.s32.b1.b1.and.popc {" S "}, "      \
+                     "%0, %1, 1;"                                                                    \
+                     : "+l"(da), "+l"(db), C);                                                       \
+    }
+WGMMA_AND_POPC(1, 16, WG_S1, WG_C1)
+WGMMA_AND_POPC(2, 32, WG_S2, WG_C2)
+WGMMA_AND_POPC(3, 48, WG_S3, WG_C3)
+WGMMA_AND_POPC(4, 64, WG_S4, WG_C4)
+WGMMA_AND_POPC(5, 80, WG_S5, WG_C5)
+WGMMA_AND_POPC(6, 96, WG_S6, WG_C6)
+WGMMA_AND_POPC(7, 112, WG_S7, WG_C7)
+WGMMA_AND_POPC(8, 128, WG_S8, WG_C8)
+WGMMA_AND_POPC(9, 144, WG_S9, WG_C9)
+WGMMA_AND_POPC(10, 160, WG_S10, WG_C10)
+WGMMA_AND_POPC(11, 176, WG_S11, WG_C11)
+WGMMA_AND_POPC(12, 192, WG_S12, WG_C12)
+WGMMA_AND_POPC(13, 208, WG_S13, WG_C13)
+WGMMA_AND_POPC(14, 224, WG_S14, WG_C14)
+#endif
+
+// Block = (run of chunks, slice, key group) as in dpf_scan_mma_frag, same arguments, same shared
+// memory (MMA_FRAG_SHARED_REGIONS). Per chunk: the copies of chunk i land, each warpgroup waits for
+// its products of chunk i - 1 (whose buffers chunk i + 2 then takes), one barrier, then chunk i's
+// 2 x 4 products are issued and run on the tensor cores while the threads issue chunk i + 2's
+// copies and wait for chunk i + 1's.
+template <int T>  // T key tiles of 16 keys: K keys a group (up to 14: 224 accumulators a thread)
+__global__ void __launch_bounds__(MMA_THREADS, 1)
+dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const uint4* __restrict__ sel,
+                    long long padded_leaves, int num_groups, int chunks_per_block, u32* __restrict__ out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int K = 16 * T;
+    constexpr int stages = MMA_FRAG_STAGES;
+    extern __shared__ uint4 smem[];
+    u32* bfrag = (u32*)(smem);                              // [stages][BFRAG_WORDS]
+    uint4* selsm = (uint4*)(bfrag + stages * BFRAG_WORDS);  // [stages][CHUNK_LEAVES][K]
+    u32* outsm = (u32*)(selsm + stages * CHUNK_LEAVES * K); // [K][MMA_SLICE_WORDS]
+
+    const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
+    const MmaBlock blk = mma_block(num_pages, num_groups, chunks_per_block, K);
+    const int slice = blk.slice, n = blk.n, key0 = blk.key0;
+    const long long chunk_begin = blk.chunk_begin;
+
+    for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
+
+    auto frag_of = [&](int i) { return bfrag + (i % stages) * BFRAG_WORDS; };
+    auto sel_of = [&](int i) { return selsm + (i % stages) * CHUNK_LEAVES * K; };
+    auto load_chunk = [&](int i) {
+        const long long chunk = chunk_begin + i;
+        const u32* src = frags + (chunk * slices + slice) * (long long)BFRAG_WORDS;
+        u32* dst = frag_of(i);
+        for (int j = threadIdx.x; j < BFRAG_WORDS / 4; j += MMA_THREADS) cp_async16(dst + 4 * j, src + 4 * j);
+        copy_selection<K>(sel_of(i), sel, key0, padded_leaves, chunk);
+        cp_async_commit();
+    };
+
+    const int wg = threadIdx.x >> 7;
+    int acc[2][8 * T];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 8 * T; ++r) acc[m][r] = 0;
+
+    // Pins the accumulators at this point of the program: nothing that reads them is moved in
+    // between a product's issue and the wait for it (which would make ptxas serialize them).
+    auto fence_acc = [&]() {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int r = 0; r < 8 * T; ++r) asm volatile("" : "+r"(acc[m][r])::"memory");
+    };
+    constexpr u32 half_bytes = 32 * 32 * 4, kstep_bytes = 2 * half_bytes, mtile_bytes = 8 * 32 * 4;
+    if (n > 0) load_chunk(0);
+    if (n > 1) load_chunk(1);
+    for (int i = 0; i < n; ++i) {
+        if (i + 1 < n) cp_async_wait<1>(); else cp_async_wait<0>();  // this thread's copies of chunk i
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // its products of chunk i - 1
+        // the copies (generic proxy) made visible to the tensor cores' reads (async proxy)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        const u32 frag = shared_address(frag_of(i)), selb = shared_address(sel_of(i));
+        fence_acc();
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            const u64 db = wgmma_desc(selb + 2 * ks * K * 16, K * 16, 128);  // [leaf][key]
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+                wgmma_and_popc<T>(acc[m], wgmma_desc(frag + ks * kstep_bytes + (2 * wg + m) * mtile_bytes,
+                                                     half_bytes, 128), db);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        fence_acc();
+        // into the buffers of chunk i - 1, whose products every warpgroup finished before the barrier
+        if (i + 2 < n) load_chunk(i + 2);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    fence_acc();
+    // Accumulator r of thread (warp w of the warpgroup, lane l), M-tile 2g + m: row 64(2g + m) +
+    // 16w + l / 4 + 8 (r / 2 % 2) of the slice (bit row / 8 of word row % 8), key 8 (r / 4) +
+    // 2 (l % 4) + r % 2.
+    const int w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int r = 0; r < 8 * T; ++r) {
+            const int row = 64 * (2 * wg + m) + 16 * w + (lane >> 2) + 8 * ((r >> 1) & 1);
+            const int key = 8 * (r >> 2) + 2 * (lane & 3) + (r & 1);
+            if (acc[m][r] & 1) atomicOr(&outsm[key * MMA_SLICE_WORDS + (row & 7)], 1u << (row >> 3));
+        }
+    __syncthreads();
+    flush_outsm<K>(outsm, out, key0, slice);
+#else
+    __trap();
+#endif
+}
+
 // The "fragments" layout from page-major pages and back, whole chunks: block (chunk, slice) of
 // a grid of num_chunks * slices, thread (pg, w) as in stage_fragments. pages: the chunks' pages,
 // row-major; pages_to_fragments reads those below valid_pages and zeroes the rest. A 32 x 32 bit
@@ -410,7 +589,8 @@ fragments_to_pages(const u32* __restrict__ frags, u32* __restrict__ pages) {
 }
 
 // The key tiles the host may pick (cuda_plan.MMA_TILE_COUNTS): up to 176 keys a block (T = 11:
-// 246 registers, no spills under nvcc 13 for sm_90; T = 12 spills).
+// 246 registers, no spills under nvcc 13 for sm_90; T = 12 spills). Of the wgmma scan,
+// cuda_plan.WGMMA_TILE_COUNTS: up to 224 keys a block.
 #define INSTANTIATE_MMA(T)                                                                            \
     template __global__ void dpf_scan_mma<T>(const u32*, long long, const uint4*, long long, int,      \
                                               int, u32*);                                              \
@@ -427,3 +607,20 @@ INSTANTIATE_MMA(8)
 INSTANTIATE_MMA(9)
 INSTANTIATE_MMA(10)
 INSTANTIATE_MMA(11)
+#define INSTANTIATE_WGMMA(T)                                                                          \
+    template __global__ void dpf_scan_wgmma_frag<T>(const u32*, long long, const uint4*, long long, int, \
+                                                     int, u32*);
+INSTANTIATE_WGMMA(1)
+INSTANTIATE_WGMMA(2)
+INSTANTIATE_WGMMA(3)
+INSTANTIATE_WGMMA(4)
+INSTANTIATE_WGMMA(5)
+INSTANTIATE_WGMMA(6)
+INSTANTIATE_WGMMA(7)
+INSTANTIATE_WGMMA(8)
+INSTANTIATE_WGMMA(9)
+INSTANTIATE_WGMMA(10)
+INSTANTIATE_WGMMA(11)
+INSTANTIATE_WGMMA(12)
+INSTANTIATE_WGMMA(13)
+INSTANTIATE_WGMMA(14)
