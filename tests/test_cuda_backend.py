@@ -812,6 +812,13 @@ def test_the_wgmma_scan_reads_the_fragments_layout_with_up_to_224_keys_a_block()
     plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 222, key_format=KEY_FORMAT_V2, tensor_cores=True,
                                layout="fragments")
     assert (plan.scan_kernel[1], plan.num_groups) == ("dpf_scan_mma_frag<7>", 2)
+    # up to 48 keys the scan waits on memory, and mma.sync runs nearer its floor
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 24, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               layout="fragments", mma_max_tiles=14, wgmma=True)
+    assert (plan.scan_kernel[1], plan.wgmma) == ("dpf_scan_mma_frag<2>", False)
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 49, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               layout="fragments", mma_max_tiles=14, wgmma=True)
+    assert plan.scan_kernel[1] == "dpf_scan_wgmma_frag<4>"
     with pytest.raises(ValueError, match="wgmma scan reads the fragments layout only"):
         cuda_plan.plan_scan(MAINNET_PAGES, 25, 96, key_format=KEY_FORMAT_V2, tensor_cores=True, wgmma=True)
     with pytest.raises(ValueError, match="mma_max_tiles above 11 needs the wgmma scan"):
@@ -888,21 +895,20 @@ def generated_fragments(cuda, cuda_fragments):
 
 
 _FRAGMENT_RUNS = [(40000, keys, run) for keys in (3, 48, 96, 174, 192, 222) for run in (1, 3, None)] + [
-    (2**20 + 17, 9, None)]
+    (40000, 250, None), (2**20 + 17, 9, None)]  # 250 keys: two key groups on either scan
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("wgmma", [True, False])  # Hopper's warpgroup products, mma.sync
 def test_fragments_layout_answers_every_run_length_and_tile_count(cuda_fragments, generated_fragments, wgmma):
-    # one tile (two blocks an SM) to 14 (224 keys: wgmma; mma.sync splits them in two groups), runs
-    # of 1 and 3 chunks and the plan's, and a page count past 2**20 that leaves the last chunk
-    # nearly empty; one NumPy answer per batch
+    # one tile (two blocks an SM) to 14 (224 keys: wgmma; mma.sync splits them in two groups), two
+    # key groups, runs of 1 and 3 chunks and the plan's, and a page count past 2**20 that leaves the
+    # last chunk nearly empty; one NumPy answer per batch
     if wgmma and not cuda_fragments.wgmma:
         pytest.skip(f"{cuda_fragments.device_name} has no warpgroup products (sm_90a)")
     held = cuda_fragments.wgmma, cuda_fragments.mma_max_tiles
     cuda_fragments.wgmma = wgmma
     cuda_fragments.mma_max_tiles = max(cuda_plan.WGMMA_TILE_COUNTS if wgmma else cuda_plan.MMA_TILE_COUNTS)
-    kernel = "dpf_scan_wgmma_frag<" if wgmma else "dpf_scan_mma_frag<"
     try:
         for pages, keys in dict.fromkeys((p, k) for p, k, _ in _FRAGMENT_RUNS):
             resident, host = generated_fragments(pages)
@@ -911,7 +917,10 @@ def test_fragments_layout_answers_every_run_length_and_tile_count(cuda_fragments
             for run in [r for p, k, r in _FRAGMENT_RUNS if (p, k) == (pages, keys)]:
                 resident.mma_chunks_per_block = run
                 try:
-                    assert resident.plan(keys, KEY_FORMAT_V2).scan_kernel[1].startswith(kernel)
+                    plan = resident.plan(keys, KEY_FORMAT_V2)
+                    on_wgmma = wgmma and plan.group_keys >= 16 * cuda_plan.WGMMA_MIN_TILES
+                    kernel = "dpf_scan_wgmma_frag<" if on_wgmma else "dpf_scan_mma_frag<"
+                    assert plan.scan_kernel[1].startswith(kernel)
                     assert np.array_equal(resident.answer(batch), expect), (pages, keys, run)
                 finally:
                     resident.mma_chunks_per_block = None

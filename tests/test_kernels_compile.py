@@ -310,7 +310,8 @@ def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
 def test_the_fragments_scans_carve_shared_memory_as_the_host_sizes_it(kernel_name, tile_counts):
     code = _code("dpf_scan_mma.cu")
     kernel = code[code.index(f"{kernel_name}(const u32*"):]
-    body = kernel[kernel.index("extern __shared__ uint4 smem[];"):kernel.index("const MmaBlock blk")]
+    carved = kernel.index("extern __shared__ uint4 smem[];")
+    body = kernel[carved:kernel.index("\n\n", carved)]  # up to the first blank line
     carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
     assert [name for name, _ in carving] == [name for name, _ in cuda_plan.MMA_FRAG_SHARED_REGIONS]
     assert carving[0][1] == "smem" and "constexpr int stages = MMA_FRAG_STAGES;" in kernel

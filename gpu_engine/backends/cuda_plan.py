@@ -41,10 +41,14 @@ MMA_SLICES = PAGE_WORDS // MMA_SLICE_WORDS  # 128 blocks cover a page's width
 MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32 KiB of its slice)
 MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
 MMA_TILE_COUNTS = tuple(range(1, 12))  # dpf_scan_mma<T> instantiations: up to 176 keys a group
-# dpf_scan_wgmma_frag<T>'s (Hopper's warpgroup products, sm_90a, over the fragments layout): up to
-# 224 keys a group, 2 x 8T accumulators a thread (252 registers at T = 14, no spills)
-WGMMA_TILE_COUNTS = tuple(range(1, 15))
 WGMMA_CAPABILITY = (9, 0)  # wgmma ... b1 AND.POPC: sm_90a, the H100 and H200
+# from this many key tiles a launch over the fragments layout goes to dpf_scan_wgmma_frag; fewer
+# (up to 48 keys, where the scan waits on memory) stay on dpf_scan_mma_frag, which the H100 ran
+# nearer the memory floor (21.97 against 24.8 ms for one query at mainnet: NOTES-cuda.md)
+WGMMA_MIN_TILES = 4
+# dpf_scan_wgmma_frag<T>'s (Hopper's warpgroup products, sm_90a, over the fragments layout): up to
+# 224 keys a group, 2 x 8T accumulators a thread (250 registers at T = 14, no spills)
+WGMMA_TILE_COUNTS = tuple(range(WGMMA_MIN_TILES, 15))
 # the most queries one launch may hold: as many as one key group of the tensor-core scan multiplies
 # in one pass over the matrix (176 keys); requests stay at protocol.MAX_BATCH_QUERIES, the
 # scheduler merges them up to a policy's max_batch, which this bounds
@@ -258,8 +262,9 @@ def pick_mma_tiles(num_keys: int, max_tiles: int = max(MMA_TILE_COUNTS)) -> Tupl
     even as 16-key tiles let it be (padding repeats a key)."""
     if num_keys < 1:
         raise ValueError(f"num_keys must be >= 1, got {num_keys}")
-    if max_tiles not in WGMMA_TILE_COUNTS:  # MMA_TILE_COUNTS and more
-        raise ValueError(f"max_tiles must be one of {WGMMA_TILE_COUNTS}, got {max_tiles}")
+    counts = sorted(set(MMA_TILE_COUNTS + WGMMA_TILE_COUNTS))
+    if max_tiles not in counts:
+        raise ValueError(f"max_tiles must be one of {counts}, got {max_tiles}")
     most = 16 * max_tiles
     groups = -(-num_keys // most)
     tiles = -(-(-(-num_keys // groups)) // 16)
@@ -374,7 +379,8 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     tensor_cores (v2 keys only): dpf_leaf_bits then dpf_scan_mma, whose blocks are (run of
     chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one or two blocks an SM. A
     matrix in the fragments layout is scanned by dpf_scan_mma_frag alone (wgmma: by
-    dpf_scan_wgmma_frag, up to max(WGMMA_TILE_COUNTS) tiles a block): v2 keys, tensor_cores.
+    dpf_scan_wgmma_frag from WGMMA_MIN_TILES tiles a block up to max(WGMMA_TILE_COUNTS)): v2 keys,
+    tensor_cores.
     """
     check_layout(layout)
     if layout == "fragments" and not (tensor_cores and key_format == KEY_FORMAT_V2):
@@ -423,6 +429,7 @@ def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: 
     if not 1 <= num_pages <= (1 << domain_bits):
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     tiles, groups = pick_mma_tiles(num_keys, max_tiles)
+    wgmma = wgmma and tiles >= WGMMA_MIN_TILES
     depth, leaves = tree_depth(domain_bits, KEY_FORMAT_V2), live_nodes(num_pages, LEAF_PAGE_BITS)
     chunks = mma_chunks(num_pages)
     # one block an SM counted (resident_blocks counts two; up to 3 tiles two fit): waves of them
@@ -467,11 +474,13 @@ def scan_args(plan: ScanPlan, pages, keyrec, nodes, out) -> Tuple[Any, ...]:
 
 def leaf_bits_args(plan: ScanPlan, keyrec, nodes, sel) -> Tuple[Any, ...]:
     """dpf_leaf_bits's arguments, in its order: the leaves are the last top stage's nodes (the
-    key records' roots when the tree has no levels)."""
+    key records' roots when the tree has no levels); the bits key-major, or leaf-major by key
+    group for the wgmma scan."""
     leaf_seed, leaf_t = nodes[-1] if nodes else (keyrec, keyrec)
     return (keyrec, np.int32(krec_words(plan.tree_depth)), np.int32(plan.padded_keys),
             np.int32(plan.tree_depth), np.int64(plan.num_pages), leaf_seed, leaf_t,
-            np.int64(plan.root_stride), np.int64(plan.padded_leaves), sel)
+            np.int64(plan.root_stride), np.int64(plan.padded_leaves),
+            np.int32(plan.group_keys if plan.wgmma else 0), sel)
 
 
 def leaf_bits_grid(plan: ScanPlan) -> int:

@@ -444,13 +444,15 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
     flush_columns<G>(acc, out, key0, col);
 }
 
-// The selection bits of every (key, leaf) of a batch of v2 keys, for the tensor-core scan
-// (dpf_scan_mma.cu): sel[key * padded_leaves + leaf], bits of pages past num_pages cleared, leaves
-// past the last zero (that scan reads whole chunks of leaves).
+// The selection bits of every (key, leaf) of a batch of v2 keys, for the tensor-core scans
+// (dpf_scan_mma.cu): key-major, sel[key * padded_leaves + leaf] (group_keys 0), or leaf-major in
+// groups of group_keys keys, sel[(key / G * padded_leaves + leaf) * G + key % G] (the wgmma scan:
+// a chunk's bits of a group are contiguous); bits of pages past num_pages cleared, leaves past the
+// last zero (those scans read whole chunks of leaves).
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
               const uint4* __restrict__ leaf_seed, const u8* __restrict__ leaf_t, long long leaf_stride,
-              long long padded_leaves, uint4* __restrict__ sel) {
+              long long padded_leaves, int group_keys, uint4* __restrict__ sel) {
     const long long i = blockIdx.x * (long long)MMA_THREADS + threadIdx.x;
     if (i >= padded_leaves * num_keys) return;
     const int key = (int)(i / padded_leaves);
@@ -470,7 +472,10 @@ dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_d
         }
         bits = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    sel[i] = bits;
+    if (group_keys == 0)
+        sel[i] = bits;
+    else
+        sel[((long long)(key / group_keys) * padded_leaves + leaf) * group_keys + key % group_keys] = bits;
 }
 
 // Explicit instantiations: the group sizes the host may pick (cuda_plan.SCAN_GROUP_SIZES), of

@@ -439,9 +439,6 @@ __device__ __forceinline__ void wgmma_and_popc(int (&d)[8 * T], u64 da, u64 db);
                      "%0, %1, 1;"                                                                    \
                      : "+l"(da), "+l"(db), C);                                                       \
     }
-WGMMA_AND_POPC(1, 16, WG_S1, WG_C1)
-WGMMA_AND_POPC(2, 32, WG_S2, WG_C2)
-WGMMA_AND_POPC(3, 48, WG_S3, WG_C3)
 WGMMA_AND_POPC(4, 64, WG_S4, WG_C4)
 WGMMA_AND_POPC(5, 80, WG_S5, WG_C5)
 WGMMA_AND_POPC(6, 96, WG_S6, WG_C6)
@@ -455,13 +452,48 @@ WGMMA_AND_POPC(13, 208, WG_S13, WG_C13)
 WGMMA_AND_POPC(14, 224, WG_S14, WG_C14)
 #endif
 
-// Block = (run of chunks, slice, key group) as in dpf_scan_mma_frag, same arguments, same shared
-// memory (MMA_FRAG_SHARED_REGIONS). Per chunk: the copies of chunk i land, each warpgroup waits for
-// its products of chunk i - 1 (whose buffers chunk i + 2 then takes), one barrier, then chunk i's
-// 2 x 4 products are issued and run on the tensor cores while the threads issue chunk i + 2's
-// copies and wait for chunk i + 1's.
-template <int T>  // T key tiles of 16 keys: K keys a group (up to 14: 224 accumulators a thread)
-__global__ void __launch_bounds__(MMA_THREADS, 1)
+// Blocks of a thread-block cluster share one copy of a chunk's selection bits: each block copies
+// 1/WGMMA_CLUSTER of them from L2 and the copy lands in every block of the cluster (TMA multicast),
+// so L2 serves a chunk's bits once per cluster instead of once per slice (at 174 keys they were
+// 41% of what a block copies and made L2 the busiest unit: NOTES-cuda.md). 1 is no sharing; 2
+// measured ahead of 1 and 4 on the H100 at 58 queries (NOTES-cuda.md).
+#ifndef WGMMA_CLUSTER
+#define WGMMA_CLUSTER 2
+#endif
+static_assert(CHUNK_LEAVES % WGMMA_CLUSTER == 0 && (PAGE_WORDS / MMA_SLICE_WORDS) % WGMMA_CLUSTER == 0 && 32 % WGMMA_CLUSTER == 0,
+              "a cluster's blocks split a chunk's leaves and the slices evenly");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define WGMMA_CLUSTER_DIMS __cluster_dims__(WGMMA_CLUSTER, 1, 1)
+#else
+#define WGMMA_CLUSTER_DIMS
+#endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Every thread of every block of the cluster; orders shared-memory writes and reads across it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+#endif
+
+// Block = (slice, key group, run of chunks), the slice fastest: a cluster is WGMMA_CLUSTER slices
+// of one run and key group. Same arguments and dynamic shared memory as dpf_scan_mma_frag
+// (MMA_FRAG_SHARED_REGIONS) but sel is leaf-major, sel[(group * padded_leaves + leaf) * K + k]
+// (dpf_leaf_bits with group_keys = K), so the bits of a chunk's leaves are one contiguous copy.
+// Thread 0 copies with the bulk engine (TMA): the chunk's 32 KiB of fragments into this block, its
+// share of the bits into every block of the cluster, both counted by the stage's `full` mbarrier.
+// Per chunk i: wait for its stage, issue its 2 x 4 products, wait for those of chunk i - 1, then
+// the block tells every block of the cluster that it has read chunk i - 1's stage (their `empty`
+// mbarriers), and thread 0, once every block of the cluster has, copies chunk i + 2 into that
+// stage. Chunk i's products run on the tensor cores meanwhile; no block waits for another except
+// through the stages they share. From WGMMA_MIN_TILES tiles (cuda_plan): fewer wait on memory,
+// and dpf_scan_mma_frag runs them nearer its floor.
+template <int T>  // T key tiles of 16 keys: K keys a group (4 to 14: 224 accumulators a thread)
+__global__ void WGMMA_CLUSTER_DIMS __launch_bounds__(MMA_THREADS, 1)
 dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const uint4* __restrict__ sel,
                     long long padded_leaves, int num_groups, int chunks_per_block, u32* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -471,23 +503,48 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     u32* bfrag = (u32*)(smem);                              // [stages][BFRAG_WORDS]
     uint4* selsm = (uint4*)(bfrag + stages * BFRAG_WORDS);  // [stages][CHUNK_LEAVES][K]
     u32* outsm = (u32*)(selsm + stages * CHUNK_LEAVES * K); // [K][MMA_SLICE_WORDS]
+    __shared__ __align__(8) unsigned long long full[stages];   // a stage's copies have landed
+    __shared__ __align__(8) unsigned long long empty[stages];  // the cluster's blocks have read it
 
     const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
-    const MmaBlock blk = mma_block(num_pages, num_groups, chunks_per_block, K);
-    const int slice = blk.slice, n = blk.n, key0 = blk.key0;
-    const long long chunk_begin = blk.chunk_begin;
+    const int slice = blockIdx.x % slices, group = (blockIdx.x / slices) % num_groups;
+    const long long chunk_begin = (long long)(blockIdx.x / slices / num_groups) * chunks_per_block;
+    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
+    const int n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
+    const int key0 = group * K;
+    u32 rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
 
     for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&full[s])) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
+                         ::"r"(shared_address(&empty[s])), "r"(32) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cluster_sync();  // every block's barriers exist before a copy of the cluster signals them
 
     auto frag_of = [&](int i) { return bfrag + (i % stages) * BFRAG_WORDS; };
     auto sel_of = [&](int i) { return selsm + (i % stages) * CHUNK_LEAVES * K; };
-    auto load_chunk = [&](int i) {
+    constexpr int part_leaves = CHUNK_LEAVES / WGMMA_CLUSTER;
+    constexpr u32 frag_bytes = BFRAG_WORDS * 4, part_bytes = part_leaves * K * 16;
+    auto load_chunk = [&](int i) {  // thread 0
         const long long chunk = chunk_begin + i;
-        const u32* src = frags + (chunk * slices + slice) * (long long)BFRAG_WORDS;
-        u32* dst = frag_of(i);
-        for (int j = threadIdx.x; j < BFRAG_WORDS / 4; j += MMA_THREADS) cp_async16(dst + 4 * j, src + 4 * j);
-        copy_selection<K>(sel_of(i), sel, key0, padded_leaves, chunk);
-        cp_async_commit();
+        const u32 bar = shared_address(&full[i % stages]);
+        // this block's stage takes its fragments and every block's part of the bits
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     ::"r"(bar), "r"(frag_bytes + WGMMA_CLUSTER * part_bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(shared_address(frag_of(i))), "l"(frags + (chunk * slices + slice) * (long long)BFRAG_WORDS),
+                     "r"(frag_bytes), "r"(bar) : "memory");
+        const long long leaf0 = chunk * CHUNK_LEAVES + rank * part_leaves;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                     " [%0], [%1], %2, [%3], %4;"
+                     ::"r"(shared_address(sel_of(i) + rank * part_leaves * K)),
+                     "l"(sel + (group * padded_leaves + leaf0) * K), "r"(part_bytes), "r"(bar),
+                     "h"((unsigned short)((1u << WGMMA_CLUSTER) - 1)) : "memory");
     };
 
     const int wg = threadIdx.x >> 7;
@@ -496,7 +553,6 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int r = 0; r < 8 * T; ++r) acc[m][r] = 0;
-
     // Pins the accumulators at this point of the program: nothing that reads them is moved in
     // between a product's issue and the wait for it (which would make ptxas serialize them).
     auto fence_acc = [&]() {
@@ -506,14 +562,24 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
             for (int r = 0; r < 8 * T; ++r) asm volatile("" : "+r"(acc[m][r])::"memory");
     };
     constexpr u32 half_bytes = 32 * 32 * 4, kstep_bytes = 2 * half_bytes, mtile_bytes = 8 * 32 * 4;
-    if (n > 0) load_chunk(0);
-    if (n > 1) load_chunk(1);
-    for (int i = 0; i < n; ++i) {
-        if (i + 1 < n) cp_async_wait<1>(); else cp_async_wait<0>();  // this thread's copies of chunk i
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // its products of chunk i - 1
-        // the copies (generic proxy) made visible to the tensor cores' reads (async proxy)
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    // In chunk i's turn (from chunk 1 on): once every warp of this block is past its wait for chunk
+    // i - 1's products, warp 0 tells every block of the cluster, lane l the block l % WGMMA_CLUSTER
+    // (each block's `empty` counts 32 a stage). Every lane of the warp does the same: a lane-
+    // dependent branch here would make ptxas serialize the products.
+    auto release_previous = [&](int i) {
+        if (i == 0) return;
         __syncthreads();
+        if (threadIdx.x < 32) {
+            u32 remote;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote)
+                         : "r"(shared_address(&empty[(i - 1) % stages])), "r"(threadIdx.x % WGMMA_CLUSTER));
+            asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+        }
+    };
+    if (threadIdx.x == 0)
+        for (int i = 0; i < min(n, stages - 1); ++i) load_chunk(i);
+    for (int i = 0; i < n; ++i) {
+        mbarrier_wait(shared_address(&full[i % stages]), (i / stages) & 1);
         const u32 frag = shared_address(frag_of(i)), selb = shared_address(sel_of(i));
         fence_acc();
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -527,8 +593,13 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         fence_acc();
-        // into the buffers of chunk i - 1, whose products every warpgroup finished before the barrier
-        if (i + 2 < n) load_chunk(i + 2);
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // chunk i - 1's are done
+        release_previous(i);
+        // into the stage of chunk i - 1, once every block of the cluster has read it
+        if (threadIdx.x == 0 && i + stages - 1 < n) {
+            if (i > 0) mbarrier_wait(shared_address(&empty[(i - 1) % stages]), ((i - 1) / stages) & 1);
+            load_chunk(i + stages - 1);
+        }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     fence_acc();
@@ -546,6 +617,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         }
     __syncthreads();
     flush_outsm<K>(outsm, out, key0, slice);
+    cluster_sync();  // the others' signals to this block's barriers are in before it leaves
 #else
     __trap();
 #endif
@@ -590,7 +662,7 @@ fragments_to_pages(const u32* __restrict__ frags, u32* __restrict__ pages) {
 
 // The key tiles the host may pick (cuda_plan.MMA_TILE_COUNTS): up to 176 keys a block (T = 11:
 // 246 registers, no spills under nvcc 13 for sm_90; T = 12 spills). Of the wgmma scan,
-// cuda_plan.WGMMA_TILE_COUNTS: up to 224 keys a block.
+// cuda_plan.WGMMA_TILE_COUNTS: 64 to 224 keys a block.
 #define INSTANTIATE_MMA(T)                                                                            \
     template __global__ void dpf_scan_mma<T>(const u32*, long long, const uint4*, long long, int,      \
                                               int, u32*);                                              \
@@ -610,9 +682,6 @@ INSTANTIATE_MMA(11)
 #define INSTANTIATE_WGMMA(T)                                                                          \
     template __global__ void dpf_scan_wgmma_frag<T>(const u32*, long long, const uint4*, long long, int, \
                                                      int, u32*);
-INSTANTIATE_WGMMA(1)
-INSTANTIATE_WGMMA(2)
-INSTANTIATE_WGMMA(3)
 INSTANTIATE_WGMMA(4)
 INSTANTIATE_WGMMA(5)
 INSTANTIATE_WGMMA(6)
