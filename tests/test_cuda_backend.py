@@ -894,16 +894,17 @@ def generated_fragments(cuda, cuda_fragments):
         resident.release()
 
 
-_FRAGMENT_RUNS = [(40000, keys, run) for keys in (3, 48, 96, 174, 192, 222) for run in (1, 3, None)] + [
-    (40000, 250, None), (2**20 + 17, 9, None)]  # 250 keys: two key groups on either scan
+_FRAGMENT_RUNS = [(40000, keys, run) for keys in (3, 48, 60, 96, 174, 192, 222) for run in (1, 2, 3, None)] + [
+    (40000, 250, None), (2**20 + 17, 9, None), (2**20 + 17, 96, None)]  # 250 keys: two key groups either way
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("wgmma", [True, False])  # Hopper's warpgroup products, mma.sync
 def test_fragments_layout_answers_every_run_length_and_tile_count(cuda_fragments, generated_fragments, wgmma):
-    # one tile (two blocks an SM) to 14 (224 keys: wgmma; mma.sync splits them in two groups), two
-    # key groups, runs of 1 and 3 chunks and the plan's, and a page count past 2**20 that leaves the
-    # last chunk nearly empty; one NumPy answer per batch
+    # one tile (two blocks an SM) to 14 (224 keys: wgmma from 4 tiles, 60 keys; mma.sync splits 222
+    # in two groups), two key groups, runs of 1, 2 and 3 chunks and the plan's, and a page count past
+    # 2**20 that leaves the last chunk nearly empty (9 keys: mma.sync; 96: wgmma's 128-chunk runs);
+    # one NumPy answer per batch
     if wgmma and not cuda_fragments.wgmma:
         pytest.skip(f"{cuda_fragments.device_name} has no warpgroup products (sm_90a)")
     held = cuda_fragments.wgmma, cuda_fragments.mma_max_tiles

@@ -336,8 +336,9 @@ class CudaBackend(Backend):
         # mma.sync's rate, up to 224 keys a block); wgmma=False keeps mma.sync (for comparison)
         can_wgmma = layout == "fragments" and self.compute_capability == cuda_plan.WGMMA_CAPABILITY
         if wgmma and not can_wgmma:
-            raise BackendUnavailable(f"the wgmma scan needs the fragments layout on sm_90 (sm_90a); "
-                                     f"{self.device_name} is sm_{self.compute_capability[0]}{self.compute_capability[1]}")
+            raise BackendUnavailable(f"the wgmma scan reads the fragments layout on sm_90 (sm_90a); this backend "
+                                     f"stores the {layout} layout on {self.device_name}, "
+                                     f"sm_{self.compute_capability[0]}{self.compute_capability[1]}")
         self.wgmma = can_wgmma if wgmma is None else bool(wgmma)
         self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout, self.wgmma)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0

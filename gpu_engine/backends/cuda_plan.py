@@ -379,8 +379,9 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     tensor_cores (v2 keys only): dpf_leaf_bits then dpf_scan_mma, whose blocks are (run of
     chunks of MMA_CHUNK_PAGES pages, slice of a page, key group), one or two blocks an SM. A
     matrix in the fragments layout is scanned by dpf_scan_mma_frag alone (wgmma: by
-    dpf_scan_wgmma_frag from WGMMA_MIN_TILES tiles a block up to max(WGMMA_TILE_COUNTS)): v2 keys,
-    tensor_cores.
+    dpf_scan_wgmma_frag from WGMMA_MIN_TILES tiles a block up to max(WGMMA_TILE_COUNTS), whose
+    blocks run slice-fastest: clusters of slices share a chunk's selection bits, and a second key
+    group, past 224 keys, reads the run again a wave later): v2 keys, tensor_cores.
     """
     check_layout(layout)
     if layout == "fragments" and not (tensor_cores and key_format == KEY_FORMAT_V2):

@@ -462,6 +462,11 @@ WGMMA_AND_POPC(14, 224, WG_S14, WG_C14)
 #endif
 static_assert(CHUNK_LEAVES % WGMMA_CLUSTER == 0 && (PAGE_WORDS / MMA_SLICE_WORDS) % WGMMA_CLUSTER == 0 && 32 % WGMMA_CLUSTER == 0,
               "a cluster's blocks split a chunk's leaves and the slices evenly");
+// On sm_90 the host compiles this file for sm_90a (cuda_module.arch_options) and launches the wgmma
+// scan there: built for plain sm_90 the scan would trap, so that build stops here instead.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "dpf_scan_mma.cu on sm_90 needs -arch=sm_90a: the wgmma scan's instructions exist only there"
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define WGMMA_CLUSTER_DIMS __cluster_dims__(WGMMA_CLUSTER, 1, 1)
 #else
