@@ -49,6 +49,8 @@ WGMMA_MIN_TILES = 4
 # dpf_scan_wgmma_frag<T>'s (Hopper's warpgroup products, sm_90a, over the fragments layout): up to
 # 224 keys a group, 2 x 8T accumulators a thread (250 registers at T = 14, no spills)
 WGMMA_TILE_COUNTS = tuple(range(WGMMA_MIN_TILES, 15))
+# every tile count some tensor-core scan of the fragments layout runs (mma.sync below WGMMA_MIN_TILES)
+ANY_TILE_COUNTS = tuple(sorted(set(MMA_TILE_COUNTS + WGMMA_TILE_COUNTS)))
 # the most queries one launch may hold: as many as one key group of the tensor-core scan multiplies
 # in one pass over the matrix (176 keys); requests stay at protocol.MAX_BATCH_QUERIES, the
 # scheduler merges them up to a policy's max_batch, which this bounds
@@ -246,7 +248,7 @@ def mma_max_tiles(shared_limit: int, layout: str = "pages", wgmma: bool = False)
     """The most key tiles a block of the tensor-core scan (with wgmma, of dpf_scan_wgmma_frag) may
     have on a GPU whose blocks may opt in to shared_limit bytes of shared memory (227 KiB on
     sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89): 0 where not even one tile fits."""
-    counts = WGMMA_TILE_COUNTS if wgmma else MMA_TILE_COUNTS
+    counts = ANY_TILE_COUNTS if wgmma else MMA_TILE_COUNTS
     return max((t for t in counts if mma_shared_bytes(t, layout) <= shared_limit), default=0)
 
 
@@ -262,9 +264,8 @@ def pick_mma_tiles(num_keys: int, max_tiles: int = max(MMA_TILE_COUNTS)) -> Tupl
     even as 16-key tiles let it be (padding repeats a key)."""
     if num_keys < 1:
         raise ValueError(f"num_keys must be >= 1, got {num_keys}")
-    counts = sorted(set(MMA_TILE_COUNTS + WGMMA_TILE_COUNTS))
-    if max_tiles not in counts:
-        raise ValueError(f"max_tiles must be one of {counts}, got {max_tiles}")
+    if max_tiles not in ANY_TILE_COUNTS:
+        raise ValueError(f"max_tiles must be one of {ANY_TILE_COUNTS}, got {max_tiles}")
     most = 16 * max_tiles
     groups = -(-num_keys // most)
     tiles = -(-(-(-num_keys // groups)) // 16)
