@@ -59,7 +59,7 @@ def test_the_host_constants_are_the_compilers_d_options():
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
-                            "MMA_FRAG_STAGES"}
+                            "MMA_FRAG_STAGES", "LEAF_BITS_TILE"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -305,6 +305,17 @@ def test_the_mma_scan_carves_shared_memory_as_the_host_sizes_it():
             assert 2 * (cuda_plan.mma_shared_bytes(tiles) + 1024) <= 228 * 1024
 
 
+# each scan's stage count and its regions' sizes in words: MMA_FRAG_STAGES chunks' buffers, whole
+# chunks (mma.sync) or WGMMA_SPLIT parts of a chunk a stage (wgmma), the same bytes either way
+_FRAG_CARVING = {
+    "dpf_scan_mma_frag": ("constexpr int stages = MMA_FRAG_STAGES;",
+                          {"bfrag": "stages * BFRAG_WORDS", "selsm": "stages * CHUNK_LEAVES * K"}),
+    "dpf_scan_wgmma_frag": ("constexpr int stages = MMA_FRAG_STAGES * WGMMA_SPLIT, unit_ksteps = KSTEPS / WGMMA_SPLIT;\n"
+                            "    constexpr int unit_words = BFRAG_WORDS / WGMMA_SPLIT, unit_leaves = CHUNK_LEAVES / WGMMA_SPLIT;",
+                            {"bfrag": "stages * unit_words", "selsm": "stages * unit_leaves * K"}),
+}
+
+
 @pytest.mark.parametrize("kernel_name, tile_counts", [("dpf_scan_mma_frag", MMA_TILE_COUNTS),
                                                       ("dpf_scan_wgmma_frag", WGMMA_TILE_COUNTS)])
 def test_the_fragments_scans_carve_shared_memory_as_the_host_sizes_it(kernel_name, tile_counts):
@@ -314,8 +325,8 @@ def test_the_fragments_scans_carve_shared_memory_as_the_host_sizes_it(kernel_nam
     body = kernel[carved:kernel.index("\n\n", carved)]  # up to the first blank line
     carving = re.findall(r"^\s*(?:u32|uint4)\* (\w+) = \((?:u32|uint4)\*\)\((.+?)\);", body, re.M)
     assert [name for name, _ in carving] == [name for name, _ in cuda_plan.MMA_FRAG_SHARED_REGIONS]
-    assert carving[0][1] == "smem" and "constexpr int stages = MMA_FRAG_STAGES;" in kernel
-    words = {"bfrag": "stages * BFRAG_WORDS", "selsm": "stages * CHUNK_LEAVES * K"}
+    stages, words = _FRAG_CARVING[kernel_name]
+    assert carving[0][1] == "smem" and stages in kernel
     for (prev, _), (_, expr) in zip(carving, carving[1:]):
         assert expr == f"{prev} + {words[prev]}", expr
     for tiles in tile_counts:

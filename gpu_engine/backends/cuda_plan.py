@@ -56,6 +56,9 @@ ANY_TILE_COUNTS = tuple(sorted(set(MMA_TILE_COUNTS + WGMMA_TILE_COUNTS)))
 # scheduler merges them up to a policy's max_batch, which this bounds
 MAX_LAUNCH_QUERIES = 16 * max(MMA_TILE_COUNTS) // KEYS_PER_QUERY  # 58
 MAX_LAUNCH_KEYS = MAX_LAUNCH_QUERIES * KEYS_PER_QUERY  # 174
+# dpf_leaf_bits writes the wgmma scan's leaf-major bits in tiles of this many keys x leaves, one
+# thread each (MMA_THREADS), turned round in shared memory so its reads and writes are whole runs
+LEAF_BITS_TILE = 16
 MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or later
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
 # together (few tiles, where the scan waits on memory), long ones save atomics and prologues
@@ -148,6 +151,7 @@ def kernel_defines() -> Dict[str, int]:
         "MMA_CHUNK_PAGES": MMA_CHUNK_PAGES,
         "MMA_PIPELINE_TILES": MMA_PIPELINE_TILES,
         "MMA_FRAG_STAGES": MMA_FRAG_STAGES,
+        "LEAF_BITS_TILE": LEAF_BITS_TILE,
     }
 
 
@@ -486,7 +490,10 @@ def leaf_bits_args(plan: ScanPlan, keyrec, nodes, sel) -> Tuple[Any, ...]:
 
 
 def leaf_bits_grid(plan: ScanPlan) -> int:
-    """Blocks of dpf_leaf_bits: a thread per (key, leaf) of the padded selection array."""
+    """Blocks of dpf_leaf_bits: a thread per (key, leaf) of the padded selection array; for the
+    wgmma scan a block per tile of LEAF_BITS_TILE keys x LEAF_BITS_TILE leaves."""
+    if plan.wgmma:
+        return plan.padded_keys // LEAF_BITS_TILE * -(-plan.padded_leaves // LEAF_BITS_TILE)
     return -(-plan.padded_keys * plan.padded_leaves // MMA_THREADS)
 
 

@@ -444,38 +444,60 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
     flush_columns<G>(acc, out, key0, col);
 }
 
+// The 128 selection bits of leaf `leaf` of key `key` for the tensor-core scans: bits of pages past
+// num_pages cleared, leaves past the last zero (those scans read whole chunks of leaves).
+__device__ __forceinline__ uint4 leaf_bits_of(const u32* keyrec, int krec, int tree_depth, long long num_pages,
+                                              const uint4* leaf_seed, const u8* leaf_t, long long leaf_stride,
+                                              int key, long long leaf) {
+    const long long page0 = leaf * LEAF_PAGES;
+    if (page0 >= num_pages) return make_uint4(0, 0, 0, 0);
+    const uint4 s = leaf_selection(keyrec + (long long)key * krec, tree_depth, leaf_seed, leaf_t,
+                                   key * leaf_stride + leaf);
+    const long long live = num_pages - page0;  // pages of this leaf that exist
+    u32 w[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const long long keep = live - 32 * k;  // bit p of word k is page page0 + 32k + p
+        if (keep <= 0) w[k] = 0;
+        else if (keep < 32) w[k] &= (1u << keep) - 1u;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // The selection bits of every (key, leaf) of a batch of v2 keys, for the tensor-core scans
-// (dpf_scan_mma.cu): key-major, sel[key * padded_leaves + leaf] (group_keys 0), or leaf-major in
-// groups of group_keys keys, sel[(key / G * padded_leaves + leaf) * G + key % G] (the wgmma scan:
-// a chunk's bits of a group are contiguous); bits of pages past num_pages cleared, leaves past the
-// last zero (those scans read whole chunks of leaves).
+// (dpf_scan_mma.cu): key-major, sel[key * padded_leaves + leaf] (group_keys 0: a thread a (key,
+// leaf), the leaf fastest), or leaf-major in groups of group_keys keys,
+// sel[(key / G * padded_leaves + leaf) * G + key % G] (the wgmma scan: a chunk's bits of a group
+// are contiguous). Leaf-major, a block takes a tile of LEAF_BITS_TILE keys x LEAF_BITS_TILE leaves
+// (cuda_plan.leaf_bits_grid) and turns it round in shared memory, so it reads each key's leaves and
+// writes each leaf's keys as whole runs: with a thread a (key, leaf) its 16-byte stores fell a key
+// group apart, 1.58 against 0.37 ms for 222 keys at mainnet on the H100 (NOTES-cuda.md). num_keys
+// is a multiple of LEAF_BITS_TILE there (whole key groups of 16T keys).
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
               const uint4* __restrict__ leaf_seed, const u8* __restrict__ leaf_t, long long leaf_stride,
               long long padded_leaves, int group_keys, uint4* __restrict__ sel) {
-    const long long i = blockIdx.x * (long long)MMA_THREADS + threadIdx.x;
-    if (i >= padded_leaves * num_keys) return;
-    const int key = (int)(i / padded_leaves);
-    const long long leaf = i - key * padded_leaves;
-    const long long page0 = leaf * LEAF_PAGES;
-    uint4 bits = make_uint4(0, 0, 0, 0);
-    if (page0 < num_pages) {
-        const uint4 s = leaf_selection(keyrec + (long long)key * krec, tree_depth, leaf_seed, leaf_t,
-                                       key * leaf_stride + leaf);
-        const long long live = num_pages - page0;  // pages of this leaf that exist
-        u32 w[4] = {s.x, s.y, s.z, s.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const long long keep = live - 32 * k;  // bit p of word k is page page0 + 32k + p
-            if (keep <= 0) w[k] = 0;
-            else if (keep < 32) w[k] &= (1u << keep) - 1u;
-        }
-        bits = make_uint4(w[0], w[1], w[2], w[3]);
+    if (group_keys == 0) {
+        const long long i = blockIdx.x * (long long)MMA_THREADS + threadIdx.x;
+        if (i >= padded_leaves * num_keys) return;
+        const int key = (int)(i / padded_leaves);
+        const long long leaf = i - key * padded_leaves;
+        sel[i] = leaf_bits_of(keyrec, krec, tree_depth, num_pages, leaf_seed, leaf_t, leaf_stride, key, leaf);
+        return;
     }
-    if (group_keys == 0)
-        sel[i] = bits;
-    else
-        sel[((long long)(key / group_keys) * padded_leaves + leaf) * group_keys + key % group_keys] = bits;
+    static_assert(LEAF_BITS_TILE * LEAF_BITS_TILE == MMA_THREADS, "a thread a (key, leaf) of the tile");
+    __shared__ uint4 tile[LEAF_BITS_TILE][LEAF_BITS_TILE + 1];  // [leaf][key]; + 1: no bank conflicts
+    const long long leaf_tiles = (padded_leaves + LEAF_BITS_TILE - 1) / LEAF_BITS_TILE;
+    const int key0 = (int)(blockIdx.x / leaf_tiles) * LEAF_BITS_TILE;
+    const long long leaf0 = (blockIdx.x % leaf_tiles) * LEAF_BITS_TILE;
+    const int a = threadIdx.x / LEAF_BITS_TILE, b = threadIdx.x % LEAF_BITS_TILE;
+    if (leaf0 + b < padded_leaves)  // read: key a, leaf b (a key's leaves are adjacent)
+        tile[b][a] = leaf_bits_of(keyrec, krec, tree_depth, num_pages, leaf_seed, leaf_t, leaf_stride, key0 + a,
+                                  leaf0 + b);
+    __syncthreads();
+    const int key = key0 + b;  // write: leaf a, key b (a leaf's keys of a group are adjacent)
+    if (leaf0 + a < padded_leaves)
+        sel[((long long)(key / group_keys) * padded_leaves + leaf0 + a) * group_keys + key % group_keys] = tile[a][b];
 }
 
 // Explicit instantiations: the group sizes the host may pick (cuda_plan.SCAN_GROUP_SIZES), of

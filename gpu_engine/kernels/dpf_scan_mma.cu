@@ -460,6 +460,15 @@ WGMMA_AND_POPC(14, 224, WG_S14, WG_C14)
 #ifndef WGMMA_CLUSTER
 #define WGMMA_CLUSTER 2
 #endif
+// Parts a chunk is staged in: MMA_FRAG_STAGES chunks' buffers hold WGMMA_SPLIT times as many
+// stages of KSTEPS / WGMMA_SPLIT k-steps each, each with its own barriers (the same shared memory,
+// finer turns: a part's stage is refilled as soon as its products are done). Measured on the H100
+// at mainnet, 74 queries: 29.0 ms with 2, 30.7 with 1 (whole chunks), 39.6 with 4 (NOTES-cuda.md).
+#ifndef WGMMA_SPLIT
+#define WGMMA_SPLIT 2
+#endif
+static_assert(KSTEPS % WGMMA_SPLIT == 0 && (CHUNK_LEAVES / WGMMA_SPLIT) % WGMMA_CLUSTER == 0,
+              "a chunk's parts hold whole k-steps, their leaves split evenly across a cluster");
 static_assert(CHUNK_LEAVES % WGMMA_CLUSTER == 0 && (PAGE_WORDS / MMA_SLICE_WORDS) % WGMMA_CLUSTER == 0 && 32 % WGMMA_CLUSTER == 0,
               "a cluster's blocks split a chunk's leaves and the slices evenly");
 // On sm_90 the host compiles this file for sm_90a (cuda_module.arch_options) and launches the wgmma
@@ -503,11 +512,13 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
                     long long padded_leaves, int num_groups, int chunks_per_block, u32* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int K = 16 * T;
-    constexpr int stages = MMA_FRAG_STAGES;
+    // a stage is a part of a chunk: unit_ksteps k-steps of unit_leaves leaves
+    constexpr int stages = MMA_FRAG_STAGES * WGMMA_SPLIT, unit_ksteps = KSTEPS / WGMMA_SPLIT;
+    constexpr int unit_words = BFRAG_WORDS / WGMMA_SPLIT, unit_leaves = CHUNK_LEAVES / WGMMA_SPLIT;
     extern __shared__ uint4 smem[];
-    u32* bfrag = (u32*)(smem);                              // [stages][BFRAG_WORDS]
-    uint4* selsm = (uint4*)(bfrag + stages * BFRAG_WORDS);  // [stages][CHUNK_LEAVES][K]
-    u32* outsm = (u32*)(selsm + stages * CHUNK_LEAVES * K); // [K][MMA_SLICE_WORDS]
+    u32* bfrag = (u32*)(smem);                              // [stages][unit_words]
+    uint4* selsm = (uint4*)(bfrag + stages * unit_words);   // [stages][unit_leaves][K]
+    u32* outsm = (u32*)(selsm + stages * unit_leaves * K);  // [K][MMA_SLICE_WORDS]
     __shared__ __align__(8) unsigned long long full[stages];   // a stage's copies have landed
     __shared__ __align__(8) unsigned long long empty[stages];  // the cluster's blocks have read it
 
@@ -515,7 +526,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     const int slice = blockIdx.x % slices, group = (blockIdx.x / slices) % num_groups;
     const long long chunk_begin = (long long)(blockIdx.x / slices / num_groups) * chunks_per_block;
     const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
-    const int n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
+    const int n = WGMMA_SPLIT * (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
     const int key0 = group * K;
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
@@ -531,20 +542,21 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     }
     cluster_sync();  // every block's barriers exist before a copy of the cluster signals them
 
-    auto frag_of = [&](int i) { return bfrag + (i % stages) * BFRAG_WORDS; };
-    auto sel_of = [&](int i) { return selsm + (i % stages) * CHUNK_LEAVES * K; };
-    constexpr int part_leaves = CHUNK_LEAVES / WGMMA_CLUSTER;
-    constexpr u32 frag_bytes = BFRAG_WORDS * 4, part_bytes = part_leaves * K * 16;
-    auto load_chunk = [&](int i) {  // thread 0
-        const long long chunk = chunk_begin + i;
+    auto frag_of = [&](int i) { return bfrag + (i % stages) * unit_words; };
+    auto sel_of = [&](int i) { return selsm + (i % stages) * unit_leaves * K; };
+    constexpr int part_leaves = unit_leaves / WGMMA_CLUSTER;
+    constexpr u32 frag_bytes = unit_words * 4, part_bytes = part_leaves * K * 16;
+    auto load_chunk = [&](int i) {  // thread 0: part i % WGMMA_SPLIT of chunk i / WGMMA_SPLIT
+        const long long chunk = chunk_begin + i / WGMMA_SPLIT;
+        const int part = i % WGMMA_SPLIT;
         const u32 bar = shared_address(&full[i % stages]);
         // this block's stage takes its fragments and every block's part of the bits
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                      ::"r"(bar), "r"(frag_bytes + WGMMA_CLUSTER * part_bytes) : "memory");
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     ::"r"(shared_address(frag_of(i))), "l"(frags + (chunk * slices + slice) * (long long)BFRAG_WORDS),
+                     ::"r"(shared_address(frag_of(i))), "l"(frags + (chunk * slices + slice) * (long long)BFRAG_WORDS + part * unit_words),
                      "r"(frag_bytes), "r"(bar) : "memory");
-        const long long leaf0 = chunk * CHUNK_LEAVES + rank * part_leaves;
+        const long long leaf0 = chunk * CHUNK_LEAVES + part * unit_leaves + rank * part_leaves;
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
                      " [%0], [%1], %2, [%3], %4;"
                      ::"r"(shared_address(sel_of(i) + rank * part_leaves * K)),
@@ -589,7 +601,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         fence_acc();
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
+        for (int ks = 0; ks < unit_ksteps; ++ks) {
             const u64 db = wgmma_desc(selb + 2 * ks * K * 16, K * 16, 128);  // [leaf][key]
 #pragma unroll
             for (int m = 0; m < 2; ++m)
