@@ -14,7 +14,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
-from engine.holder import is_remote, peek_engine
+from engine.holder import peek_engine
 from gpu_engine.engine import EngineBusy
 from gpu_engine.scheduler import LanePolicy
 
@@ -136,10 +136,11 @@ def read_policies_with(reader: Callable[[], Dict[str, LanePolicy]]) -> None:
 
 
 def policies_in_force() -> Dict[str, LanePolicy]:
-    """The policies this process applies: the engine server's (as of its last PONG) where the
-    engine is remote, else those the registered readers report; never reads the database."""
+    """The policies this process applies: its engine's, as applied (max_batch cut to the
+    backend's pass_queries; the engine server's as of its last PONG where the engine is remote),
+    else, before an engine exists, those the registered readers report; never reads the database."""
     engine = peek_engine()
-    if engine is not None and is_remote():
+    if engine is not None:
         try:
             return engine.policies()
         except EngineBusy:

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -171,8 +171,13 @@ class Engine:
         self.backend = backend
         if tuple(backend.key_formats) != (KEY_FORMAT_V1, KEY_FORMAT_V2):  # CUDA's fragments layout: v2
             self.key_formats = tuple(backend.key_formats)
+        # the most queries a launch holds: what the backend serves in one pass over its matrix
+        # (a policy's max_batch may ask for up to cuda_plan.MAX_LAUNCH_QUERIES; _applied cuts it)
+        self.pass_queries: int = backend.pass_queries
+        self._clamped: Dict[str, Tuple[LanePolicy, LanePolicy]] = {}  # lane -> (as given, as applied)
         self._policy = policy or static_policy(LanePolicy())
-        self._last_policies: Dict[str, LanePolicy] = {lane: LanePolicy() for lane in LANES}
+        self._last_policies: Dict[str, LanePolicy] = {lane: self._applied(lane, LanePolicy())
+                                                      for lane in LANES}
         self._epoch = epoch
         self._rows = RowDigest()  # rows written over the epoch's file since it was loaded
         self._resident: ResidentMatrix = load_placed(backend, epoch)
@@ -260,17 +265,31 @@ class Engine:
             self._cond.notify_all()
 
     def policies(self) -> Dict[str, LanePolicy]:
-        """The policy of each lane now; a failing source keeps the last good one."""
+        """The policy of each lane now, as applied (_applied); a failing source keeps the last good one."""
         for lane in LANES:
             try:
                 policy = self._policy(lane)
                 if isinstance(policy, LanePolicy):
-                    self._last_policies[lane] = policy
+                    self._last_policies[lane] = self._applied(lane, policy)
                 else:
                     log.error("policy source gave %r for lane %s; keeping the last one", policy, lane)
             except Exception:  # noqa: BLE001 - a broken source must not stop the scheduler
                 log.exception("policy source failed for lane %s; keeping the last one", lane)
         return dict(self._last_policies)
+
+    def _applied(self, lane: str, policy: LanePolicy) -> LanePolicy:
+        """`policy` as this engine applies it: max_batch and adaptive_threshold at most the
+        backend's pass_queries, so a launch never takes a second pass over the matrix (the
+        records keep what the operator set; /health shows pass_queries). Every decision reads
+        policies, so a policy cut once is kept while its source hands out the same one."""
+        if policy.max_batch <= self.pass_queries:
+            return policy
+        given, applied = self._clamped.get(lane, (None, None))
+        if given is not policy:
+            applied = replace(policy, max_batch=self.pass_queries,
+                              adaptive_threshold=min(policy.adaptive_threshold, self.pass_queries))
+            self._clamped[lane] = (policy, applied)
+        return applied
 
     # -- work ------------------------------------------------------------------------------
     def submit(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive") -> "Future[BatchAnswer]":
@@ -324,7 +343,7 @@ class Engine:
         try:
             policy = self._policy(lane)
             if isinstance(policy, LanePolicy):
-                return policy
+                return self._applied(lane, policy)
         except Exception:  # noqa: BLE001 - the scheduler logs it; admission uses the last good one
             pass
         return self._last_policies[lane]
@@ -411,7 +430,9 @@ class Engine:
         behind another one uses); elsewhere one small launch pages the matrix in. v2 keys (their
         own kernels and buffers) run once per shape too, untimed: the cost model plans with v1
         launches, the dearer ones (with v2 launches where the backend answers v2 alone). Runs
-        between launches."""
+        between launches. A max_batch above the backend's pass_queries warms up to pass_queries,
+        the most a launch holds."""
+        max_batch = min(max_batch, self.pass_queries)
         sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
 
         def warm() -> None:
@@ -637,6 +658,7 @@ class Engine:
         fit = self.cost.fit()
         data = self.stats.snapshot(now)
         data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
+                    pass_queries=self.pass_queries,
                     placement=describe_placement(self._resident),
                     cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
                           "samples": fit.samples, "rmse_s": fit.rmse_s})

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Deque, Dict, List, Sequence, Tuple
 if TYPE_CHECKING:
     from gpu_engine.scheduler import Launch
 
-BATCH_BOUNDS = (1, 2, 4, 8, 16, 24, 32, 42, 58)  # queries per launch (up to MAX_LAUNCH_QUERIES)
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 24, 32, 42, 58, 64, 74)  # queries per launch (up to MAX_LAUNCH_QUERIES)
 SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                   5.0, 10.0, 30.0)
 RECENT_S = 60.0  # "the last minute" of the admin's live figures

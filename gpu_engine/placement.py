@@ -402,6 +402,9 @@ class DeviceGroup(Backend):
         self.name = devices[0].name
         self.warm_all_shapes = devices[0].warm_all_shapes
         self.key_formats = devices[0].key_formats
+        # a launch runs on every device of a shard, or on any one replica: what all of them
+        # serve in one pass
+        self.pass_queries = min(backend.pass_queries for backend in devices)
         self.fallback_reason = devices[0].fallback_reason
 
     def plan(self, matrix: PageMatrix, placement: str = Placement.AUTO,

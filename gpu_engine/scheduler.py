@@ -110,7 +110,9 @@ class LanePolicy:
 
     name: str = "default"  # operator's label, shown in metrics and the admin
     mode: str = "latency"  # latency | throughput | adaptive | slo
-    max_batch: int = MAX_BATCH_QUERIES  # queries per launch (1..58: requests of up to 32 merged)
+    # queries per launch (1..MAX_LAUNCH_QUERIES = 74: requests of up to 32 merged); the engine
+    # applies at most its backend's pass_queries (Engine._applied)
+    max_batch: int = MAX_BATCH_QUERIES
     # admission window (µs), counted from the oldest queued query's arrival: throughput and
     # adaptive hold a partial batch at most this long; slo picks a window no longer than this
     window_us: int = 2000

@@ -47,7 +47,10 @@ class BatchingPolicy(models.Model):
     name = models.CharField(max_length=100, unique=True)
     lane = models.CharField(max_length=20, choices=[(lane, lane) for lane in LANES])
     mode = models.CharField(max_length=20, choices=[(mode, mode) for mode in MODES], default=_DEFAULT.mode)
-    max_batch = models.IntegerField(default=_DEFAULT.max_batch, help_text=_help("max_batch", "Queries per launch."))
+    max_batch = models.IntegerField(
+        default=_DEFAULT.max_batch,
+        help_text=_help("max_batch", "Queries per launch; an engine launches no more than its backend "
+                                     "serves in one pass over the matrix (pass_queries in /health)."))
     window_us = models.IntegerField(
         "admission window (microseconds)", default=_DEFAULT.window_us,
         help_text=_help("window_us", "Longest a partial batch is held, counted from the oldest "

@@ -45,7 +45,8 @@ def request_plan(engine) -> tuple[int, int]:
     """(queries per request, requests kept in flight) on the bulk lane. Requests are no larger
     than the engine's launch cap: a bulk launch shrinks to it while interactive queries come
     (the policy's yield_ms) and takes whole requests only; nor than a request may be (32
-    queries), where max_batch is more (up to 58). The largest size whose whole requests fill
+    queries), where max_batch is more (up to 74; the engine's policies give it as applied, at
+    most the backend's pass_queries). The largest size whose whole requests fill
     MIN_LAUNCH_FILL of max_batch, so that alone the lane merges them into (nearly) full launches
     again: a divisor of max_batch where one fits."""
     max_batch = bulk_policy(engine).max_batch

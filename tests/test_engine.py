@@ -331,8 +331,63 @@ def test_snapshot_reports_what_metrics_and_admin_show(engine):
 
 
 def test_policy_bounds():
-    with pytest.raises(PolicyError, match="max_batch must be in 1..58 queries, got 0"):
+    with pytest.raises(PolicyError, match="max_batch must be in 1..74 queries, got 0"):
         LanePolicy(max_batch=0)
+
+
+def test_launches_hold_no_more_than_the_backend_serves_in_one_pass():
+    # a policy asks for 74 queries a launch (the wgmma scan's pass) of a backend that serves 58 in
+    # one (mma.sync over the pages layout): the engine launches 58 at most, and says so
+    backend = GatedBackend()
+    backend.pass_queries = 58
+    epoch = ServedEpoch(epoch_id=1, matrix=random_matrix(64, seed=4))
+    policy = LanePolicy(name="wide", mode="adaptive", max_batch=74, adaptive_threshold=70, max_queue=200)
+    eng = Engine(backend, epoch, Switch(policy)).start()
+    rng = np.random.default_rng(12)
+    d = eng.epoch.matrix.domain_bits
+    try:
+        assert eng.health()["pass_queries"] == eng.snapshot()["pass_queries"] == 58
+        applied = eng.policies()["interactive"]
+        assert (applied.name, applied.max_batch, applied.adaptive_threshold) == ("wide", 58, 58)
+        assert eng.policies()["interactive"] is applied  # cut once, not at every decision
+        assert eng.launch_cap("interactive") == 58
+        first = eng.submit([_query(1, d, rng)[0]])  # launched, held at the gate
+        assert backend.started.acquire(timeout=10)
+        requests = [[_query(t, d, rng)[0]] * 2 for t in range(37)]  # 74 queries queue behind it
+        queued = [eng.submit(request) for request in requests]
+        backend.gate.set()
+        assert len(first.result(30).pages) == 1
+        for future, request in zip(queued, requests):
+            assert _answered(future.result(30)) == _expected(random_matrix(64, seed=4), request)
+        # 1 query, then a full launch of 29 whole requests (58 queries), then the 16 left
+        assert [keys // 3 for keys, _ in backend.dispatches] == [1, 58, 16]
+        assert eng.snapshot()["launch_reasons"]["full"] == 1
+    finally:
+        backend.gate.set()
+        eng.stop()
+    # the policy itself keeps the operator's 74: a backend serving that many a pass launches it
+    wide = Engine(NumpyBackend(workers=1), epoch, Switch(policy))
+    assert wide.policies()["interactive"] is policy and wide.pass_queries == 74
+    wide.stop()
+
+
+def test_warm_up_runs_the_batch_sizes_a_launch_may_hold():
+    class Shapes(NumpyBackend):
+        warm_all_shapes = True  # as CUDA: every batch size is launched once before serving
+        pass_queries = 4
+
+    backend = Shapes(workers=1)
+    eng = Engine(backend, ServedEpoch(epoch_id=1, matrix=random_matrix(64, seed=4)),
+                 Switch(LanePolicy(max_batch=8))).start()
+    sizes = []
+    resident = eng._resident
+    answer = resident.answer
+    resident.answer = lambda keys, dispatch=DispatchShape(): sizes.append(len(keys) // 3) or answer(keys, dispatch)
+    try:
+        eng.warm_up(max_batch=8).result(60)
+        assert max(sizes) == 4 and set(sizes) == {1, 2, 3, 4}
+    finally:
+        eng.stop()
 
 
 def test_a_cancelled_request_does_not_stop_the_engine():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpu_engine import wire
+from gpu_engine.backends import cuda_plan
 from gpu_engine.backends.cpu import NumpyBackend
 from gpu_engine.dpf import KeyBatch, KeyFormatError, gen_keys, key_length, random_keys
 from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
@@ -39,10 +40,10 @@ def served(tmp_path):
     """start(**interactive policy fields) -> (engine, server, client); all stopped afterwards."""
     made = []
 
-    def start(ready: bool = True, **interactive):
+    def start(ready: bool = True, backend=None, **interactive):
         matrix = random_matrix(PAGES, seed=5)
         policies = Policies(**interactive)
-        engine = Engine(NumpyBackend(), ServedEpoch(1, matrix), policies).start()
+        engine = Engine(backend or NumpyBackend(), ServedEpoch(1, matrix), policies).start()
         url = f"ipc://{tmp_path}/engine-{len(made)}.sock"
         server = EngineServer(engine, url, {"echo": lambda args: {"echo": args}}).start()
         if ready:
@@ -191,6 +192,18 @@ def test_control_operations_and_their_errors(served):
     assert set(snap["lanes"]) == {"interactive", "bulk"}
     health = client.health()
     assert health["reachable"] and health["running"] and health["backend"] == "cpu"
+    assert health["pass_queries"] == snap["pass_queries"] == cuda_plan.MAX_LAUNCH_QUERIES  # the CPU: no passes
+
+
+def test_clients_see_the_launch_size_the_engine_applies(served):
+    # max_batch 74 over a backend that serves 58 queries in one pass: the PONGs carry the policy as
+    # applied (bulk workers size their requests by it), /health the backend's pass_queries
+    backend = NumpyBackend()
+    backend.pass_queries = 58
+    _, _, client, _ = served(backend=backend, mode="throughput", max_batch=74)
+    policy = client.policies()["interactive"]
+    assert (policy.name, policy.max_batch, client.launch_cap("interactive")) == ("test-interactive", 58, 58)
+    assert client.health()["pass_queries"] == 58
 
 
 def test_requests_in_flight_fail_at_once_when_the_server_goes_away(served):

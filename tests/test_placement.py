@@ -213,6 +213,18 @@ def test_a_replicated_epoch_spreads_batches_over_its_devices():
     assert [d["launches"] for d in resident.devices()] == [3, 2]
 
 
+def test_a_group_launches_what_each_of_its_devices_serves_in_one_pass():
+    # a shard's batch runs on every device, a replica's on any one: the least of them caps a launch
+    narrow = UploadingBackend()
+    narrow.pass_queries = 26  # the pages layout on an sm_80 GPU
+    devices = DeviceGroup([UploadingBackend(), narrow], ["cpu:0", "cpu:1"])
+    assert devices.pass_queries == 26 and devices.describe()["pass_queries"] == 26
+    assert group(2).pass_queries == 74
+    engine = Engine(devices, ServedEpoch(1, random_matrix(700, seed=2)))
+    assert engine.health()["pass_queries"] == 26 and engine.policies()["interactive"].max_batch == 26
+    engine.stop()
+
+
 @pytest.mark.parametrize("placement", [Placement.SHARD, Placement.REPLICATE])
 def test_row_writes_land_where_the_page_is(placement):
     rng = np.random.default_rng(5)

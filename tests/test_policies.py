@@ -39,11 +39,11 @@ def test_fresh_database_has_one_safe_active_policy_per_lane():
 
 
 def test_clean_names_the_field_the_range_and_the_value():
-    policy = BatchingPolicy(name="x", lane="interactive", max_batch=60, streams=0, safety_margin=1.5)
+    policy = BatchingPolicy(name="x", lane="interactive", max_batch=75, streams=0, safety_margin=1.5)
     with pytest.raises(ValidationError) as caught:
         policy.full_clean()
     assert caught.value.message_dict == {
-        "max_batch": ["max_batch must be in 1..58 queries, got 60"],
+        "max_batch": ["max_batch must be in 1..74 queries, got 75"],
         "streams": ["streams must be in 1..8 streams, got 0"],
         "safety_margin": ["safety_margin must be in 0..0.9 (fraction of the target), got 1.5"],
     }

@@ -39,15 +39,15 @@ def q(sizes, oldest, lane="interactive", rate=0.0):
 
 # -- the policy value ---------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value,message", [
-    ("max_batch", 0, "max_batch must be in 1..58 queries, got 0"),
-    ("max_batch", 59, "max_batch must be in 1..58 queries, got 59"),
+    ("max_batch", 0, "max_batch must be in 1..74 queries, got 0"),
+    ("max_batch", 75, "max_batch must be in 1..74 queries, got 75"),
     ("streams", 9, "streams must be in 1..8 streams, got 9"),
     ("window_us", -1, "window_us must be in 0..1000000 µs, got -1"),
     ("safety_margin", 0.95, "safety_margin must be in 0..0.9 (fraction of the target), got 0.95"),
     ("p95_target_ms", 0.0, "p95_target_ms must be in 0.1..60000 ms, got 0"),
-    ("micro_batch", 175, "micro_batch must be in 0..174 keys, got 175"),
+    ("micro_batch", 223, "micro_batch must be in 0..222 keys, got 223"),
     ("mode", "fast", "mode must be one of latency, throughput, adaptive, slo, got 'fast'"),
-    ("max_batch", "8", "max_batch must be a number in 1..58 queries, got '8'"),
+    ("max_batch", "8", "max_batch must be a number in 1..74 queries, got '8'"),
 ])
 def test_out_of_range_fields_are_refused_with_range_and_value(field, value, message):
     with pytest.raises(PolicyError) as caught:

@@ -7,6 +7,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from gpu_engine.backends.cuda_plan import MAX_LAUNCH_QUERIES
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from gpu_engine.matrix import PageMatrix
 
@@ -122,6 +123,11 @@ class Backend(ABC):
     # the key formats its matrices answer (docs/PROTOCOL.md section 3): both, unless its layout
     # is read with one alone (CudaBackend's fragments layout: v2)
     key_formats: Tuple[int, ...] = (KEY_FORMAT_V1, KEY_FORMAT_V2)
+    # the most queries one launch serves in one pass over its matrices: the engine launches no
+    # more at once, whatever a policy's max_batch (up to the static MAX_LAUNCH_QUERIES) allows.
+    # CudaBackend's comes from its scan's key tiles (cuda_plan.pass_queries); a backend without
+    # passes (the CPU's scan serves any batch in one) takes the static bound
+    pass_queries: int = MAX_LAUNCH_QUERIES
 
     def __init__(self) -> None:
         # Why this backend was chosen when another was asked for (auto fallback), else None.
@@ -136,6 +142,7 @@ class Backend(ABC):
         """{"device": str, "used_bytes": int, "total_bytes": int} for the device."""
 
     def describe(self) -> dict:
-        info = {"backend": self.name, "fallback_reason": self.fallback_reason}
+        info = {"backend": self.name, "fallback_reason": self.fallback_reason,
+                "pass_queries": self.pass_queries}
         info.update(self.memory_info())
         return info

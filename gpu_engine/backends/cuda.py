@@ -29,8 +29,8 @@ from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMat
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
 # (batch size, dispatch, key format) entries whose buffers and graphs are kept: warm-up makes one
-# per batch size (up to 58) and key format, the bulk lane one more (v1), and room is left for a
-# second dispatch's few
+# per batch size (up to the backend's pass_queries, at most MAX_LAUNCH_QUERIES = 74) and key
+# format, the bulk lane one more (v1), and room is left for a second dispatch's few
 MAX_CACHED_SHAPES = 2 * cuda_plan.MAX_LAUNCH_QUERIES + 16
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
 _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batch
@@ -360,6 +360,12 @@ class CudaBackend(Backend):
                 f"sm_{self.compute_capability[0]}{self.compute_capability[1]} with {shared_limit}: "
                 f"scan them as auto or alu")
         self.v2_scan = v2_scan if self.tensor_cores else "alu"
+        # the queries a launch serves in one pass over the matrix: one key group of the tensor-core
+        # scan (the fragments layout's, or v2 keys' in the pages layout unless scanned on the ALU;
+        # v1 keys' ALU scan reads the matrix once whatever the keys): 74 with wgmma, 58 on
+        # mma.sync's 11 tiles, fewer on sm_80
+        scans_tiles = self.tensor_cores and (layout == "fragments" or self.v2_scan != "alu")
+        self.pass_queries = cuda_plan.pass_queries(self.mma_max_tiles if scans_tiles else 0)
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
     def on_device(self):
@@ -378,12 +384,12 @@ class CudaBackend(Backend):
         chunks = cuda_plan.mma_chunks(num_pages)
         # fragments: whole chunks (under 4 MiB more), and a device buffer the upload goes through
         need = chunks * cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES if fragments else num_pages * PAGE_BYTES
-        # room for two of the largest launches (58 queries) of either key format beside the
-        # matrix: the engine starts the next batch while one runs
+        # room for two of the largest launches the engine makes (pass_queries queries) of either
+        # key format beside the matrix: the engine starts the next batch while one runs
         scans = [(KEY_FORMAT_V2, True)] if fragments else (
             [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores)
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
-            cuda_plan.plan_scan(num_pages, domain_bits, cuda_plan.MAX_LAUNCH_KEYS, resident_blocks=self.resident_blocks,
+            cuda_plan.plan_scan(num_pages, domain_bits, self.pass_queries * cuda_plan.KEYS_PER_QUERY, resident_blocks=self.resident_blocks,
                                 key_format=key_format, tensor_cores=tensor_cores, mma_max_tiles=self.mma_max_tiles,
                                 layout=self.layout, wgmma=self.wgmma))
             for key_format, tensor_cores in scans) + fragments * UPLOAD_CHUNK_PAGES * PAGE_BYTES

@@ -51,11 +51,13 @@ WGMMA_MIN_TILES = 4
 WGMMA_TILE_COUNTS = tuple(range(WGMMA_MIN_TILES, 15))
 # every tile count some tensor-core scan of the fragments layout runs (mma.sync below WGMMA_MIN_TILES)
 ANY_TILE_COUNTS = tuple(sorted(set(MMA_TILE_COUNTS + WGMMA_TILE_COUNTS)))
-# the most queries one launch may hold: as many as one key group of the tensor-core scan multiplies
-# in one pass over the matrix (176 keys); requests stay at protocol.MAX_BATCH_QUERIES, the
-# scheduler merges them up to a policy's max_batch, which this bounds
-MAX_LAUNCH_QUERIES = 16 * max(MMA_TILE_COUNTS) // KEYS_PER_QUERY  # 58
-MAX_LAUNCH_KEYS = MAX_LAUNCH_QUERIES * KEYS_PER_QUERY  # 174
+# the most queries one launch may hold: as many as one key group of any tensor-core scan multiplies
+# in one pass over the matrix (224 keys, the wgmma scan's). The static bound a policy's max_batch
+# is validated against, in Django and the engine alike; requests stay at
+# protocol.MAX_BATCH_QUERIES, and the engine merges them up to max_batch or its backend's
+# pass_queries (below), whichever is less
+MAX_LAUNCH_QUERIES = 16 * max(ANY_TILE_COUNTS) // KEYS_PER_QUERY  # 74
+MAX_LAUNCH_KEYS = MAX_LAUNCH_QUERIES * KEYS_PER_QUERY  # 222
 # dpf_leaf_bits writes the wgmma scan's leaf-major bits in tiles of this many keys x leaves, one
 # thread each (MMA_THREADS), turned round in shared memory so its reads and writes are whole runs
 LEAF_BITS_TILE = 16
@@ -254,6 +256,21 @@ def mma_max_tiles(shared_limit: int, layout: str = "pages", wgmma: bool = False)
     sm_90, 163 KiB on sm_80, 99 KiB on sm_86/89): 0 where not even one tile fits."""
     counts = ANY_TILE_COUNTS if wgmma else MMA_TILE_COUNTS
     return max((t for t in counts if mma_shared_bytes(t, layout) <= shared_limit), default=0)
+
+
+def pass_queries(max_tiles: int) -> int:
+    """The most queries one launch serves in one pass over the matrix when its tensor-core scan
+    holds up to max_tiles key tiles a block (mma_max_tiles): one key group of 16 * max_tiles keys,
+    whole queries of KEYS_PER_QUERY keys; more keys make a second key group, which reads the matrix
+    again. 58 at 11 tiles (mma.sync: the pages layout on sm_90), 74 at 14 (wgmma: the fragments
+    layout on sm_90), 26 at 5 (the pages layout on sm_80). max_tiles 0, no tensor-core scan:
+    MAX_LAUNCH_QUERIES, since the ALU scan's key groups read each run of pages from memory once,
+    together (plan_scan), as the CPU backend's one pass serves any batch."""
+    if max_tiles == 0:
+        return MAX_LAUNCH_QUERIES
+    if max_tiles not in ANY_TILE_COUNTS:
+        raise ValueError(f"max_tiles must be 0 or one of {ANY_TILE_COUNTS}, got {max_tiles}")
+    return 16 * max_tiles // KEYS_PER_QUERY
 
 
 def mma_chunks(num_pages: int) -> int:
@@ -549,7 +566,7 @@ def sizes_text(nbytes: int) -> str:
 __all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
     "kernel_defines", "top_args", "scan_args", "pick_mma_tiles", "mma_shared_bytes",
-    "check_layout", "mma_chunks", "mma_max_tiles",
+    "check_layout", "mma_chunks", "mma_max_tiles", "pass_queries",
     "leaf_bits_args", "leaf_bits_grid", "mma_scan_args", "use_tensor_cores",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",
     "check_rows", "live_nodes", "workspace_bytes", "describe_plan", "sizes_text",
