@@ -175,6 +175,8 @@ class Engine:
         # (a policy's max_batch may ask for up to cuda_plan.MAX_LAUNCH_QUERIES; _applied cuts it)
         self.pass_queries: int = backend.pass_queries
         self._clamped: Dict[str, Tuple[LanePolicy, LanePolicy]] = {}  # lane -> (as given, as applied)
+        # the scheduler, request threads, metrics scrapes and the server's replies all apply policies
+        self._clamped_lock = threading.Lock()
         self._policy = policy or static_policy(LanePolicy())
         self._last_policies: Dict[str, LanePolicy] = {lane: self._applied(lane, LanePolicy())
                                                       for lane in LANES}
@@ -279,17 +281,19 @@ class Engine:
 
     def _applied(self, lane: str, policy: LanePolicy) -> LanePolicy:
         """`policy` as this engine applies it: max_batch and adaptive_threshold at most the
-        backend's pass_queries, so a launch never takes a second pass over the matrix (the
-        records keep what the operator set; /health shows pass_queries). Every decision reads
+        backend's pass_queries, so a launch holds no more than one pass over the matrix serves
+        (and never less than a whole request; the records keep what the operator set; /health
+        shows pass_queries). Every decision reads
         policies, so a policy cut once is kept while its source hands out the same one."""
-        if policy.max_batch <= self.pass_queries:
+        if max(policy.max_batch, policy.adaptive_threshold) <= self.pass_queries:
             return policy
-        given, applied = self._clamped.get(lane, (None, None))
-        if given is not policy:
-            applied = replace(policy, max_batch=self.pass_queries,
-                              adaptive_threshold=min(policy.adaptive_threshold, self.pass_queries))
-            self._clamped[lane] = (policy, applied)
-        return applied
+        with self._clamped_lock:
+            given, applied = self._clamped.get(lane, (None, None))
+            if given is not policy:
+                applied = replace(policy, max_batch=min(policy.max_batch, self.pass_queries),
+                                  adaptive_threshold=min(policy.adaptive_threshold, self.pass_queries))
+                self._clamped[lane] = (policy, applied)
+            return applied
 
     # -- work ------------------------------------------------------------------------------
     def submit(self, queries: Sequence[Sequence[DpfKey]], lane: str = "interactive") -> "Future[BatchAnswer]":

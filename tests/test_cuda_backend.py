@@ -112,6 +112,26 @@ def test_plan_covers_every_chunk_once(pages, d, keys):
         assert d == c and plan.num_chunks == 1
 
 
+@pytest.mark.parametrize("pages, keys", [(40_000, 96), (40_000, 222), (2**20 + 17, 66), (2**20 + 17, 250)])
+def test_the_leaf_bits_tiles_write_every_key_and_leaf_once(pages, keys):
+    # dpf_leaf_bits' tiled path for the wgmma scan, its block and thread arithmetic replayed: block
+    # b, thread (a, c) reads key key0 + a's leaf leaf0 + c and writes leaf leaf0 + a's key key0 + c
+    # at sel[(key / G * padded_leaves + leaf) * G + key % G], padded leaves not a multiple of 16
+    plan = cuda_plan.plan_scan(pages, 25, keys, key_format=KEY_FORMAT_V2, tensor_cores=True,
+                               mma_max_tiles=14, layout="fragments", wgmma=True)
+    tile, g, pl = cuda_plan.LEAF_BITS_TILE, plan.group_keys, plan.padded_leaves
+    assert tile * tile == cuda_plan.MMA_THREADS and plan.padded_keys % tile == 0
+    leaf_tiles = -(-pl // tile)
+    blocks = np.arange(cuda_plan.leaf_bits_grid(plan))
+    key0, leaf0 = blocks // leaf_tiles * tile, blocks % leaf_tiles * tile
+    a, c = np.divmod(np.arange(cuda_plan.MMA_THREADS), tile)
+    leaf, key = (leaf0[:, None] + a[None, :]).ravel(), (key0[:, None] + c[None, :]).ravel()
+    written = leaf < pl
+    slot = ((key // g) * pl + leaf) * g + key % g
+    assert np.array_equal(np.sort(slot[written]), np.arange(plan.padded_keys * pl))
+    assert pl % tile != 0 or pages == 40_000  # a partial tile of leaves at 2^20 + 17 pages
+
+
 @pytest.mark.parametrize("pages, d, keys", [
     (1, 1, 1), (1, 25, 3), (2, 1, 2), (3, 2, 96), (128, 7, 5), (129, 8, 5), (255, 8, 7),
     (4097, 13, 30), (4097, 20, 3), (65536, 16, 96), (2**20 + 17, 21, 96), (MAINNET_PAGES, 25, 96),

@@ -110,6 +110,20 @@ def test_collector_exports_refusals_by_reason_and_fit_parameters():
     assert "pir_latency_p95_last_minute_seconds{" not in text  # no answers yet: no figure
 
 
+def test_the_policy_metric_shows_max_batch_as_the_engine_applies_it(api):
+    from gpu_engine.engine import static_policy
+    from gpu_engine.scheduler import LanePolicy
+
+    engine = get_engine()  # this test's own: serve_matrix stops it afterwards
+    engine.pass_queries = 8  # as a backend whose scan serves 8 queries a pass over its matrix
+    engine.set_policy_source(static_policy(LanePolicy(name="wide", max_batch=32, adaptive_threshold=20)))
+    text = api.get("/metrics").content.decode()
+    assert sample(text, "pir_batching_policy_info", lane="interactive", name="wide", max_batch="8") == 1
+    assert 'max_batch="32"' not in text
+    applied = engine.policies()["interactive"]
+    assert (applied.max_batch, applied.adaptive_threshold) == (8, 8)
+
+
 def test_full_queue_is_a_503_with_retry_after_and_counted_by_reason(api, monkeypatch):
     from gpu_engine.engine import static_policy
     from gpu_engine.scheduler import LanePolicy

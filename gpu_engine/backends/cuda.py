@@ -25,6 +25,7 @@ from gpu_engine.backends.base import (
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_name
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
+from gpu_engine.protocol import MAX_BATCH_QUERIES
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself
@@ -363,9 +364,11 @@ class CudaBackend(Backend):
         # the queries a launch serves in one pass over the matrix: one key group of the tensor-core
         # scan (the fragments layout's, or v2 keys' in the pages layout unless scanned on the ALU;
         # v1 keys' ALU scan reads the matrix once whatever the keys): 74 with wgmma, 58 on
-        # mma.sync's 11 tiles, fewer on sm_80
+        # mma.sync's 11 tiles, fewer on sm_80. Never fewer than a request's queries: a request is
+        # not split, so where a pass holds less (sm_80's pages layout, 26) one launches whole as
+        # two key groups, and its buffers are reserved and warmed up
         scans_tiles = self.tensor_cores and (layout == "fragments" or self.v2_scan != "alu")
-        self.pass_queries = cuda_plan.pass_queries(self.mma_max_tiles if scans_tiles else 0)
+        self.pass_queries = max(MAX_BATCH_QUERIES, cuda_plan.pass_queries(self.mma_max_tiles if scans_tiles else 0))
         self.resident_blocks = self.sm_count * 2  # dpf_scan's __launch_bounds__ minimum
 
     def on_device(self):

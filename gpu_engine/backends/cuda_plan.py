@@ -81,7 +81,9 @@ V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, ten
 # fragment_offset), which only dpf_scan_mma_frag reads: v2 keys, on the tensor cores.
 MATRIX_LAYOUTS = ("pages", "fragments")
 MMA_FRAGMENT_WORDS = MMA_CHUNK_PAGES * MMA_SLICE_WORDS  # one (chunk, slice) of the layout: 32 KiB
-MMA_FRAG_STAGES = 3  # dpf_scan_mma_frag's buffers: chunk i + 2 copied while chunk i is multiplied
+# chunks' buffers of the fragments scans: dpf_scan_mma_frag copies chunk i + 2 while chunk i is
+# multiplied; dpf_scan_wgmma_frag splits them into parts of a chunk (WGMMA_SPLIT, in the kernel)
+MMA_FRAG_STAGES = 3
 
 
 # from this many key tiles a block (one block an SM) the tensor-core scan pipelines its chunks:
@@ -509,7 +511,9 @@ def leaf_bits_args(plan: ScanPlan, keyrec, nodes, sel) -> Tuple[Any, ...]:
 def leaf_bits_grid(plan: ScanPlan) -> int:
     """Blocks of dpf_leaf_bits: a thread per (key, leaf) of the padded selection array; for the
     wgmma scan a block per tile of LEAF_BITS_TILE keys x LEAF_BITS_TILE leaves."""
-    if plan.wgmma:
+    if plan.wgmma:  # whole tiles of keys: the key groups are 16T keys
+        if plan.padded_keys % LEAF_BITS_TILE:
+            raise ValueError(f"leaf-major bits need whole tiles of {LEAF_BITS_TILE} keys, got {plan.padded_keys}")
         return plan.padded_keys // LEAF_BITS_TILE * -(-plan.padded_leaves // LEAF_BITS_TILE)
     return -(-plan.padded_keys * plan.padded_leaves // MMA_THREADS)
 

@@ -498,13 +498,14 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
 // of one run and key group. Same arguments and dynamic shared memory as dpf_scan_mma_frag
 // (MMA_FRAG_SHARED_REGIONS) but sel is leaf-major, sel[(group * padded_leaves + leaf) * K + k]
 // (dpf_leaf_bits with group_keys = K), so the bits of a chunk's leaves are one contiguous copy.
-// Thread 0 copies with the bulk engine (TMA): the chunk's 32 KiB of fragments into this block, its
-// share of the bits into every block of the cluster, both counted by the stage's `full` mbarrier.
-// Per chunk i: wait for its stage, issue its 2 x 4 products, wait for those of chunk i - 1, then
-// the block tells every block of the cluster that it has read chunk i - 1's stage (their `empty`
-// mbarriers), and thread 0, once every block of the cluster has, copies chunk i + 2 into that
-// stage. Chunk i's products run on the tensor cores meanwhile; no block waits for another except
-// through the stages they share. From WGMMA_MIN_TILES tiles (cuda_plan): fewer wait on memory,
+// A stage holds a part of a chunk (WGMMA_SPLIT parts a chunk, MMA_FRAG_STAGES * WGMMA_SPLIT stages).
+// Thread 0 copies with the bulk engine (TMA): the part's fragments (16 KiB of a chunk's 32) into
+// this block, its share of the part's bits into every block of the cluster, both counted by the
+// stage's `full` mbarrier. Per part i: wait for its stage, issue its 2 x KSTEPS / WGMMA_SPLIT
+// products, wait for those of part i - 1, then the block tells every block of the cluster that it
+// has read part i - 1's stage (their `empty` mbarriers), and thread 0, once every block of the
+// cluster has, copies part i + stages - 1 into that stage. Part i's products run on the tensor
+// cores meanwhile; no block waits for another except through the stages they share. From WGMMA_MIN_TILES tiles (cuda_plan): fewer wait on memory,
 // and dpf_scan_mma_frag runs them nearer its floor.
 template <int T>  // T key tiles of 16 keys: K keys a group (4 to 14: 224 accumulators a thread)
 __global__ void WGMMA_CLUSTER_DIMS __launch_bounds__(MMA_THREADS, 1)
@@ -579,7 +580,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
             for (int r = 0; r < 8 * T; ++r) asm volatile("" : "+r"(acc[m][r])::"memory");
     };
     constexpr u32 half_bytes = 32 * 32 * 4, kstep_bytes = 2 * half_bytes, mtile_bytes = 8 * 32 * 4;
-    // In chunk i's turn (from chunk 1 on): once every warp of this block is past its wait for chunk
+    // In part i's turn (from part 1 on): once every warp of this block is past its wait for part
     // i - 1's products, warp 0 tells every block of the cluster, lane l the block l % WGMMA_CLUSTER
     // (each block's `empty` counts 32 a stage). Every lane of the warp does the same: a lane-
     // dependent branch here would make ptxas serialize the products.
@@ -610,9 +611,9 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         fence_acc();
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // chunk i - 1's are done
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // part i - 1's are done
         release_previous(i);
-        // into the stage of chunk i - 1, once every block of the cluster has read it
+        // into the stage of part i - 1, once every block of the cluster has read it
         if (threadIdx.x == 0 && i + stages - 1 < n) {
             if (i > 0) mbarrier_wait(shared_address(&empty[(i - 1) % stages]), ((i - 1) / stages) & 1);
             load_chunk(i + stages - 1);
