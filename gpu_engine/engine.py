@@ -283,8 +283,8 @@ class Engine:
         """`policy` as this engine applies it: max_batch and adaptive_threshold at most the
         backend's pass_queries, so a launch holds no more than one pass over the matrix serves
         (and never less than a whole request; the records keep what the operator set; /health
-        shows pass_queries). Every decision reads
-        policies, so a policy cut once is kept while its source hands out the same one."""
+        shows pass_queries). Every decision reads policies, so a policy cut once is kept while
+        its source hands out the same one."""
         if max(policy.max_batch, policy.adaptive_threshold) <= self.pass_queries:
             return policy
         with self._clamped_lock:

@@ -212,25 +212,27 @@ __device__ __forceinline__ void flush_slice(const int (&acc)[T][4][4], u32* outs
     flush_outsm<K>(outsm, out, key0, slice);
 }
 
-// What block blockIdx.x of either tensor-core scan works on: grid = (run of chunks, slice, key
-// group), the key group fastest; chunks chunk_begin .. chunk_begin + n - 1 (n is 0 for a block
-// past the last chunk) of slice `slice`, keys key0 .. key0 + K - 1.
+// What block blockIdx.x of a tensor-core scan works on: grid = (run of chunks, slice, key group),
+// the key group fastest (slice_fastest false: the mma.sync scans) or the slice fastest (the wgmma
+// scan, whose clusters are slices of one run and key group); chunks chunk_begin .. chunk_begin +
+// n - 1 (n is 0 for a block past the last chunk) of slice `slice`, keys key0 .. key0 + K - 1 of
+// key group `group`.
 struct MmaBlock {
-    int slice, n, key0;
+    int slice, group, n, key0;
     long long chunk_begin;
 };
 
-__device__ __forceinline__ MmaBlock mma_block(long long num_pages, int num_groups, int chunks_per_block, int K) {
-    const int group = blockIdx.x % num_groups;
-    const long long rest = blockIdx.x / num_groups;
+__device__ __forceinline__ MmaBlock mma_block(long long num_pages, int num_groups, int chunks_per_block, int K,
+                                              bool slice_fastest = false) {
     const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
-    const long long run = rest / slices;
+    const long long run = blockIdx.x / slices / num_groups;
     const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
     const long long chunk_begin = run * chunks_per_block;
     MmaBlock b;
-    b.slice = (int)(rest % slices);
+    b.slice = slice_fastest ? (int)(blockIdx.x % slices) : (int)(blockIdx.x / num_groups % slices);
+    b.group = slice_fastest ? (int)(blockIdx.x / slices % num_groups) : (int)(blockIdx.x % num_groups);
     b.n = (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
-    b.key0 = group * K;
+    b.key0 = b.group * K;
     b.chunk_begin = chunk_begin;
     return b;
 }
@@ -505,8 +507,9 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
 // products, wait for those of part i - 1, then the block tells every block of the cluster that it
 // has read part i - 1's stage (their `empty` mbarriers), and thread 0, once every block of the
 // cluster has, copies part i + stages - 1 into that stage. Part i's products run on the tensor
-// cores meanwhile; no block waits for another except through the stages they share. From WGMMA_MIN_TILES tiles (cuda_plan): fewer wait on memory,
-// and dpf_scan_mma_frag runs them nearer its floor.
+// cores meanwhile; no block waits for another except through the stages they share. From
+// WGMMA_MIN_TILES tiles (cuda_plan): fewer wait on memory, and dpf_scan_mma_frag runs them nearer
+// its floor.
 template <int T>  // T key tiles of 16 keys: K keys a group (4 to 14: 224 accumulators a thread)
 __global__ void WGMMA_CLUSTER_DIMS __launch_bounds__(MMA_THREADS, 1)
 dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const uint4* __restrict__ sel,
@@ -524,11 +527,9 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     __shared__ __align__(8) unsigned long long empty[stages];  // the cluster's blocks have read it
 
     const int slices = PAGE_WORDS / MMA_SLICE_WORDS;
-    const int slice = blockIdx.x % slices, group = (blockIdx.x / slices) % num_groups;
-    const long long chunk_begin = (long long)(blockIdx.x / slices / num_groups) * chunks_per_block;
-    const long long num_chunks = (num_pages + MMA_CHUNK_PAGES - 1) / MMA_CHUNK_PAGES;
-    const int n = WGMMA_SPLIT * (int)max(0LL, min(num_chunks, chunk_begin + chunks_per_block) - chunk_begin);
-    const int key0 = group * K;
+    const MmaBlock blk = mma_block(num_pages, num_groups, chunks_per_block, K, true);
+    const int slice = blk.slice, group = blk.group, n = WGMMA_SPLIT * blk.n, key0 = blk.key0;
+    const long long chunk_begin = blk.chunk_begin;
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
 
@@ -547,7 +548,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     auto sel_of = [&](int i) { return selsm + (i % stages) * unit_leaves * K; };
     constexpr int part_leaves = unit_leaves / WGMMA_CLUSTER;
     constexpr u32 frag_bytes = unit_words * 4, part_bytes = part_leaves * K * 16;
-    auto load_chunk = [&](int i) {  // thread 0: part i % WGMMA_SPLIT of chunk i / WGMMA_SPLIT
+    auto load_part = [&](int i) {  // thread 0: part i % WGMMA_SPLIT of chunk i / WGMMA_SPLIT
         const long long chunk = chunk_begin + i / WGMMA_SPLIT;
         const int part = i % WGMMA_SPLIT;
         const u32 bar = shared_address(&full[i % stages]);
@@ -595,7 +596,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         }
     };
     if (threadIdx.x == 0)
-        for (int i = 0; i < min(n, stages - 1); ++i) load_chunk(i);
+        for (int i = 0; i < min(n, stages - 1); ++i) load_part(i);
     for (int i = 0; i < n; ++i) {
         mbarrier_wait(shared_address(&full[i % stages]), (i / stages) & 1);
         const u32 frag = shared_address(frag_of(i)), selb = shared_address(sel_of(i));
@@ -616,7 +617,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         // into the stage of part i - 1, once every block of the cluster has read it
         if (threadIdx.x == 0 && i + stages - 1 < n) {
             if (i > 0) mbarrier_wait(shared_address(&empty[(i - 1) % stages]), ((i - 1) / stages) & 1);
-            load_chunk(i + stages - 1);
+            load_part(i + stages - 1);
         }
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
