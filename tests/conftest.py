@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -183,3 +186,65 @@ def _stop_live_watcher_at_the_end():
     from engine.watcher import default_watcher
 
     default_watcher().stop()
+
+
+# --- Redis servers of a test's own ------------------------------------------------------------
+
+
+def redis_reachable(port: int = 6379) -> bool:
+    """Whether a Redis on this local port answers PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """A redis-server of a test's own, without persistence: a restart loses every message."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.argv = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(tmp),
+        ]  # fmt: skip
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.procs.append(
+            subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        )
+        deadline = time.monotonic() + 10
+        while not redis_reachable(self.port):
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.procs[-1].terminate()
+        self.procs[-1].wait(10)
+
+    def kill(self) -> None:
+        self.procs[-1].kill()  # SIGKILL: no shutdown, no save
+        self.procs[-1].wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    yield redis
+    redis.close()

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -26,20 +24,11 @@ import pytest
 from gpu_engine.backends.cpu import reference_answers
 from gpu_engine.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix, write_matrix_file
-from tests.conftest import REPO, free_port, server_env
+from tests.conftest import REPO, redis_reachable, server_env
 
 PAGES = 512  # d = 9: about 200 queries/s on 2 cores, so a 1,000-query job runs for seconds
 QUERIES = 1000
 POOL = 24  # distinct keys; queries pick three each, so 3,000 keys cost 24 key generations
-
-
-def redis_reachable(port: int = 6379) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 class Stack:
@@ -334,55 +323,6 @@ def test_redis_broker_worker_answers_a_1000_query_job(stack, workload):
     s = stack("redis://127.0.0.1:6379/14")
     s.start_workers()
     check_results(s, submit(s, workload), workload)
-
-
-class RedisServer:
-    """A redis-server of a test's own, without persistence: a restart loses every message."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.argv = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(tmp),
-        ]  # fmt: skip
-        self.procs: list[subprocess.Popen] = []
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.procs.append(
-            subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        )
-        deadline = time.monotonic() + 10
-        while not redis_reachable(self.port):
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.procs[-1].terminate()
-        self.procs[-1].wait(10)
-
-    def kill(self) -> None:
-        self.procs[-1].kill()  # SIGKILL: no shutdown, no save
-        self.procs[-1].wait(10)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-
-
-@pytest.fixture
-def own_redis(tmp_path):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    redis = RedisServer(tmp_path)
-    redis.start()
-    yield redis
-    redis.close()
 
 
 def test_redis_restarted_mid_job_the_job_completes(stack, workload, own_redis):
