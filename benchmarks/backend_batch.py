@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="cuda, v2 keys: by batch size (the default where the GPU has tensor cores), "
                          "tensor cores, or the ALU")
     ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages",
-                    help="cuda: how the matrix is stored (fragments: v2 keys on the tensor cores only)")
+                    help="cuda: how the matrix is stored (fragments: both key formats on the tensor cores)")
     ap.add_argument("--wgmma", choices=("auto", "on", "off"), default="auto",
                     help="cuda, fragments layout: Hopper's warpgroup products (auto: on sm_90) or mma.sync")
     ap.add_argument("--mma-chunks", type=int, default=None,

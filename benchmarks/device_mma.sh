@@ -2,7 +2,7 @@
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
-#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|all   (CSVs and logs under $OUT)
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts)
 set -u
 export PYTHONUNBUFFERED=1
@@ -45,6 +45,14 @@ G1=--dispatch=micro_batch=0,streams=1,graph=1
 if [ "$stage" = layout ]; then  # v2 keys over the pages layout, the fragments layout's baseline (layout_*_pages.csv)
     bench layout_mainnet_pages --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v2 --q 8,32,58 --repeat 3 $G1
     bench layout_65536_pages --pages 65536 --domain-bits 16 --key-format v2 --q 1,8,16,32,42,58 --repeat 9 $G1
+    exit 0
+fi
+if [ "$stage" = v1frag ]; then  # v1 keys over the fragments layout against the pages layout (v1frag_*.csv)
+    bench v1frag_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --layout fragments --q 1,8,32 --repeat 3 $G1
+    bench v1frag_mainnet_pages --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --layout pages --q 8,32 --repeat 3 $G1
+    for layout in fragments pages; do
+        bench v1frag_65536_$layout --pages 65536 --domain-bits 16 --key-format v1 --layout $layout --q 1,8,32 --repeat 9 $G1
+    done
     exit 0
 fi
 if [ "$stage" = wgmma ]; then  # Hopper's warpgroup products against mma.sync, fragments layout (wgmma_*.csv)

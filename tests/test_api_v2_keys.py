@@ -165,7 +165,7 @@ def test_an_engine_that_takes_v1_keys_only_is_advertised_and_guarded_as_such(api
 
 @pytest.mark.django_db
 def test_an_engine_of_v2_keys_alone_is_advertised_so_and_refuses_v1_and_bulk_jobs(bulk, monkeypatch):
-    # MORPHO_MATRIX_LAYOUT=fragments: the backend answers v2 keys alone (key_formats (2,)), so the
+    # a backend that answers v2 keys alone (key_formats (2,); none of today's), so the
     # engine does; /epoch says so, v1 keys get a 400 naming the key, and bulk jobs (v1 keys) are
     # refused up front
     from gpu_engine.backends.cpu import NumpyBackend

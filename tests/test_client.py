@@ -297,7 +297,7 @@ def test_the_key_format_is_v2_only_where_both_parties_offer_it():
 
 
 def test_a_bulk_fetch_is_refused_before_any_job_where_a_party_takes_v2_keys_alone(monkeypatch):
-    # bulk jobs take v1 keys: a party with MORPHO_MATRIX_LAYOUT=fragments would refuse its half
+    # bulk jobs take v1 keys: a party that answers v2 keys alone would refuse its half
     # after the other party had started a job, so nothing is posted to either
     body = {"epoch_id": 1, "num_rows": 32, "seeds": [1, 2, 3], "block_number": 0,
             "state_root": "0x" + "00" * 32, "key_formats": ["v1", "v2"],

@@ -18,15 +18,17 @@ MAINNET_PAGES = 16_817_159
 V2_MMA = "v2-mma"  # v2 keys on the tensor-core scan whatever the batch size
 V2_ALU = "v2-alu"  # v2 keys on the ALU scan whatever the batch size (GPUs before sm_80)
 V2_FRAG = "v2-fragments"  # v2 keys over a matrix in the fragments layout (always the tensor cores)
+V1_FRAG = "v1-fragments"  # v1 keys over a matrix in the fragments layout (dpf_scan_v1_frag)
 # every GPU answer test runs for v1 keys, v2 keys as the engine scans them (the ALU below
 # cuda_plan.MMA_MIN_KEYS keys, the tensor cores from there), and v2 keys on either scan alone;
 # those that take `backend` also over the fragments layout
 FORMATS = [KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MMA, V2_ALU]
-LAYOUT_FORMATS = FORMATS + [V2_FRAG]
+LAYOUT_FORMATS = FORMATS + [V2_FRAG, V1_FRAG]
+FRAGMENT_FORMATS = (V2_FRAG, V1_FRAG)
 
 
 def _key_format(fmt):
-    return KEY_FORMAT_V2 if fmt in (V2_MMA, V2_ALU, V2_FRAG) else fmt
+    return KEY_FORMAT_V2 if fmt in (V2_MMA, V2_ALU, V2_FRAG) else KEY_FORMAT_V1 if fmt == V1_FRAG else fmt
 
 
 def _v2_scan(fmt):
@@ -286,7 +288,7 @@ def cuda():
 
 @pytest.fixture(scope="module")
 def cuda_fragments(cuda):
-    """The same GPU storing its matrices in the fragments layout (v2 keys, tensor cores)."""
+    """The same GPU storing its matrices in the fragments layout (both key formats, tensor cores)."""
     from gpu_engine.backends.cuda import CudaBackend
 
     if not cuda.tensor_cores:
@@ -296,9 +298,9 @@ def cuda_fragments(cuda):
 
 @pytest.fixture
 def backend(request, cuda):
-    """`cuda`, or for fmt V2_FRAG the backend of the fragments layout."""
+    """`cuda`, or for fmt V2_FRAG and V1_FRAG the backend of the fragments layout."""
     fmt = getattr(getattr(request.node, "callspec", None), "params", {}).get("fmt")
-    return request.getfixturevalue("cuda_fragments") if fmt == V2_FRAG else cuda
+    return request.getfixturevalue("cuda_fragments") if fmt in FRAGMENT_FORMATS else cuda
 
 
 def _reference(matrix, keys):
@@ -313,6 +315,7 @@ def _reference(matrix, keys):
     (KEY_FORMAT_V2, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),  # section 7
     (V2_MMA, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),
     (V2_FRAG, (V2_KEY0_HEX, V2_KEY1_HEX), (V2_ANSWER0_SHA256, V2_ANSWER1_SHA256)),
+    (V1_FRAG, (KEY0_HEX, KEY1_HEX), (ANSWER0_SHA256, ANSWER1_SHA256)),
 ])
 def test_protocol_vectors_on_gpu(backend, fmt, key_hex, sha256):
     keys = KeyBatch.from_keys([DpfKey.from_bytes(bytes.fromhex(h)) for h in key_hex])
@@ -801,13 +804,22 @@ def test_the_backends_v2_scan_reaches_the_matrices_it_loads(scan):
 # --- the fragments layout (cuda_plan.MATRIX_LAYOUTS): its plan, pure code, run in CI -------------
 
 
-def test_a_fragments_layout_is_scanned_by_v2_keys_on_the_tensor_cores_alone():
+def test_a_fragments_layout_is_scanned_on_the_tensor_cores_by_either_key_format():
     plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 96, key_format=KEY_FORMAT_V2, tensor_cores=True,
                                layout="fragments")
     assert plan.scan_kernel == ("dpf_scan_mma.cu", "dpf_scan_mma_frag<6>")
     assert plan.shared_bytes == cuda_plan.mma_shared_bytes(6, "fragments") == 3 * 32768 + 3 * 16 * 8 * 96 + 4 * 96 * 8
-    for key_format, tensor_cores in ((KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)):
-        with pytest.raises(ValueError, match="fragments layout is scanned with v2 keys on the tensor cores only"):
+    # v1 keys: dpf_scan's plan with groups of 16 keys, chunks of one k-step of 256 pages
+    plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 24, key_format=KEY_FORMAT_V1, layout="fragments",
+                               max_group_keys=8, chunk_levels=6)  # neither applies
+    assert plan.scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_frag<16>")
+    assert (plan.group_keys, plan.num_groups, plan.padded_keys, plan.chunk_levels) == (16, 2, 32, 8)
+    assert plan.num_chunks == -(-MAINNET_PAGES // 256) and plan.stages[-1].live_out == plan.num_chunks
+    assert plan.shared_bytes == cuda_plan.scan_shared_bytes(16, 8) <= cuda_plan.MAX_SHARED_BYTES // 2
+    small = cuda_plan.plan_scan(3, 2, 3, key_format=KEY_FORMAT_V1, layout="fragments")
+    assert (small.chunk_levels, small.num_chunks, small.stages, small.shared_bytes) == (2, 1, (), plan.shared_bytes)
+    for key_format, tensor_cores in ((KEY_FORMAT_V1, True), (KEY_FORMAT_V2, False)):
+        with pytest.raises(ValueError, match="fragments layout is scanned on the tensor cores: v2 keys"):
             cuda_plan.plan_scan(300, 9, 3, key_format=key_format, tensor_cores=tensor_cores, layout="fragments")
     with pytest.raises(ValueError, match="layout must be one of"):
         cuda_plan.plan_scan(300, 9, 3, layout="tiles")
@@ -961,20 +973,25 @@ def test_fragments_layout_reads_back_every_page_and_holds_whole_chunks(generated
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [KEY_FORMAT_V2, KEY_FORMAT_V1])
 @pytest.mark.parametrize("dispatch", [DispatchShape(), DispatchShape(micro_batch=24, streams=2, graph=True)])
-def test_fragments_layout_poisoned_buffers_never_reach_the_answers(cuda_fragments, dispatch):
+def test_fragments_layout_poisoned_buffers_never_reach_the_answers(cuda_fragments, dispatch, fmt):
     matrix = random_matrix(5000, seed=21)
     resident = cuda_fragments.load(matrix)
     for seed in (1, 2, 3):
-        keys = _keys(96, 5000, matrix.domain_bits, seed=seed, fmt=KEY_FORMAT_V2)
+        keys = _keys(96, 5000, matrix.domain_bits, seed=seed, fmt=fmt)
         _poison(resident)
         assert np.array_equal(resident.answer(keys, dispatch), _reference(matrix, keys))
 
 
 @pytest.mark.gpu
-def test_fragments_layout_refuses_v1_keys_naming_the_layout(cuda_fragments):
-    assert cuda_fragments.key_formats == (KEY_FORMAT_V2,)
-    resident = cuda_fragments.load(random_matrix(300, seed=5))
-    keys = _keys(3, 300, resident.domain_bits, seed=5, fmt=KEY_FORMAT_V1)
-    with pytest.raises(ValueError, match="fragments layout answers v2 keys only, got v1 keys"):
-        resident.answer(keys)
+@pytest.mark.parametrize("pages, keys", [(40000, 3), (40000, 17), (40000, 96), (2**20 + 17, 16), (2**20 + 17, 48)])
+def test_fragments_layout_answers_v1_keys_over_many_chunks_and_key_groups(cuda_fragments, generated_fragments,
+                                                                           pages, keys):
+    # chunks of 256 pages: 157 at 40,000 pages (the last 64 live), 4,097 past 2**20 (one live page
+    # ... 17 in the last); 1 to 6 key groups of 16, the last padded
+    assert cuda_fragments.key_formats == (KEY_FORMAT_V1, KEY_FORMAT_V2)
+    resident, host = generated_fragments(pages)
+    batch = _keys(keys, pages, host.domain_bits, seed=keys, fmt=KEY_FORMAT_V1)
+    assert resident.plan(keys, KEY_FORMAT_V1).scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_frag<16>")
+    assert np.array_equal(resident.answer(batch), _reference(host, batch))

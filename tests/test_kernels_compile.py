@@ -33,6 +33,7 @@ LAUNCH_THREADS = {"dpf_expand_top": TOP_THREADS,
                   **{f"dpf_scan<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
                   **{f"dpf_scan_bits<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
                   "dpf_leaf_bits": MMA_THREADS,
+                  f"dpf_scan_v1_frag<{cuda_plan.V1_FRAG_GROUP_KEYS}>": SCAN_THREADS,
                   **{f"dpf_scan_mma<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS},
                   **{f"dpf_scan_mma_frag<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS},
                   **{f"dpf_scan_wgmma_frag<{t}>": MMA_THREADS for t in WGMMA_TILE_COUNTS}}
@@ -59,7 +60,7 @@ def test_the_host_constants_are_the_compilers_d_options():
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
-                            "MMA_FRAG_STAGES", "LEAF_BITS_TILE"}
+                            "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [

@@ -144,7 +144,7 @@ class _Started(PendingAnswer):
 class CudaResident(ResidentMatrix):
     """One epoch's pages in GPU memory: a (num_pages, 1024) u32 array in the "pages" layout; in
     the "fragments" layout (cuda_plan.MATRIX_LAYOUTS) a (chunks * slices, fragment words) one,
-    which v2 keys on the tensor cores read as it is."""
+    which both key formats read as it is, on the tensor cores."""
 
     def __init__(self, backend: "CudaBackend", pages, num_pages: int, domain_bits: int) -> None:
         self.num_pages = num_pages
@@ -173,8 +173,9 @@ class CudaResident(ResidentMatrix):
         return self._pages
 
     def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> cuda_plan.ScanPlan:
-        fragments = self.layout == "fragments"  # read by the tensor-core scan alone
-        tensor_cores = fragments or cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys)
+        # the fragments layout: v2 keys on their tensor-core scan, v1 keys on dpf_scan_v1_frag
+        fragments_v2 = self.layout == "fragments" and key_format == KEY_FORMAT_V2
+        tensor_cores = fragments_v2 or cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys)
         return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks, key_format,
                                 tensor_cores=tensor_cores, mma_chunks_per_block=self.mma_chunks_per_block,
@@ -343,7 +344,7 @@ class CudaBackend(Backend):
         self.wgmma = can_wgmma if wgmma is None else bool(wgmma)
         self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout, self.wgmma)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
-        # the layout of the matrices it loads from now on: "fragments" answers v2 keys alone
+        # the layout of the matrices it loads from now on (both answer v1 and v2 keys)
         self.layout = layout
         if layout == "fragments":
             if not self.tensor_cores:
@@ -352,7 +353,6 @@ class CudaBackend(Backend):
                     f"{cuda_plan.mma_shared_bytes(1, layout)} bytes of shared memory a block); {self.device_name} "
                     f"is sm_{self.compute_capability[0]}{self.compute_capability[1]} with {shared_limit}: "
                     f"use the pages layout")
-            self.key_formats = (KEY_FORMAT_V2,)
         # the v2 scan of the matrices it loads from now on (cuda_plan.V2_SCANS)
         if v2_scan == "mma" and not self.tensor_cores:
             raise BackendUnavailable(
@@ -389,7 +389,7 @@ class CudaBackend(Backend):
         need = chunks * cuda_plan.MMA_CHUNK_PAGES * PAGE_BYTES if fragments else num_pages * PAGE_BYTES
         # room for two of the largest launches the engine makes (pass_queries queries) of either
         # key format beside the matrix: the engine starts the next batch while one runs
-        scans = [(KEY_FORMAT_V2, True)] if fragments else (
+        scans = [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, True)] if fragments else (
             [(KEY_FORMAT_V1, False), (KEY_FORMAT_V2, False)] + [(KEY_FORMAT_V2, True)] * self.tensor_cores)
         working = HEADROOM_BYTES + 2 * max(cuda_plan.workspace_bytes(
             cuda_plan.plan_scan(num_pages, domain_bits, self.pass_queries * cuda_plan.KEYS_PER_QUERY, resident_blocks=self.resident_blocks,

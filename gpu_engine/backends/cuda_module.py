@@ -11,6 +11,7 @@ import numpy as np
 from gpu_engine.backends.cuda_plan import (
     MMA_TILE_COUNTS,
     SCAN_GROUP_SIZES,
+    V1_FRAG_GROUP_KEYS,
     WGMMA_CAPABILITY,
     WGMMA_TILE_COUNTS,
     kernel_defines,
@@ -25,7 +26,8 @@ NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
 # expression, which NVRTC must be told to keep); the CI nvcc check holds each file to its list.
 KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
     "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
-                    *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES), "dpf_leaf_bits"),
+                    *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES), "dpf_leaf_bits",
+                    f"dpf_scan_v1_frag<{V1_FRAG_GROUP_KEYS}>"),
     "dpf_scan_mma.cu": (*(f"dpf_scan_mma<{t}>" for t in MMA_TILE_COUNTS),
                         *(f"dpf_scan_mma_frag<{t}>" for t in MMA_TILE_COUNTS),
                         *(f"dpf_scan_wgmma_frag<{t}>" for t in WGMMA_TILE_COUNTS),
@@ -33,6 +35,11 @@ KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
     "matrix_fill.cu": ("fill_pages",),
 }
 KERNEL_FILES = tuple(KERNEL_NAMES)
+# Text that goes in front of a kernel file (NVRTC has no include path of ours): helpers two files share
+KERNEL_PRELUDES: Dict[str, Tuple[str, ...]] = {
+    "dpf_scan.cu": ("bit_products.cuh",),
+    "dpf_scan_mma.cu": ("bit_products.cuh",),
+}
 _NAME_EXPRESSIONS: Dict[str, Tuple[str, ...]] = {
     name: tuple(kernel for kernel in kernels if "<" in kernel) for name, kernels in KERNEL_NAMES.items()
 }
@@ -40,10 +47,10 @@ _lock = threading.Lock()
 
 
 def kernel_source(name: str) -> str:
-    """The exact text handed to NVRTC for kernels/<name>."""
+    """The exact text handed to NVRTC for kernels/<name>: its preludes, then the file."""
     if name not in KERNEL_FILES:
         raise ValueError(f"unknown kernel file {name!r}, expected one of {KERNEL_FILES}")
-    return (KERNEL_DIR / name).read_text()
+    return "".join((KERNEL_DIR / part).read_text() for part in (*KERNEL_PRELUDES.get(name, ()), name))
 
 
 def arch_options(compute_capability: Tuple[int, int]) -> Tuple[str, ...]:

@@ -62,6 +62,11 @@ MAX_LAUNCH_KEYS = MAX_LAUNCH_QUERIES * KEYS_PER_QUERY  # 222
 # thread each (MMA_THREADS), turned round in shared memory so its reads and writes are whole runs
 LEAF_BITS_TILE = 16
 MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or later
+# v1 keys over the fragments layout (dpf_scan_v1_frag<16> in dpf_scan.cu): dpf_scan<16>'s blocks
+# and tree chunks of 2**V1_FRAG_CHUNK_LEVELS pages (one mma k-step), the masks multiplied on the
+# tensor cores residue by residue; one key tile a block
+V1_FRAG_GROUP_KEYS = 16
+V1_FRAG_CHUNK_LEVELS = 8
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
 # together (few tiles, where the scan waits on memory), long ones save atomics and prologues
 # (many tiles); measured at mainnet on the H100 (docs/benchmarks/NOTES-cuda.md)
@@ -156,6 +161,7 @@ def kernel_defines() -> Dict[str, int]:
         "MMA_PIPELINE_TILES": MMA_PIPELINE_TILES,
         "MMA_FRAG_STAGES": MMA_FRAG_STAGES,
         "LEAF_BITS_TILE": LEAF_BITS_TILE,
+        "V1_FRAG_GROUP_KEYS": V1_FRAG_GROUP_KEYS,
     }
 
 
@@ -334,7 +340,7 @@ class ScanPlan:
     stages: Tuple[TopStage, ...]
     key_format: int = KEY_FORMAT_V1
     tensor_cores: bool = False  # v2 keys: dpf_scan_mma (chunks of MMA_CHUNK_PAGES pages)
-    layout: str = "pages"  # of the matrix it scans (MATRIX_LAYOUTS): fragments, dpf_scan_mma_frag
+    layout: str = "pages"  # of the matrix it scans (MATRIX_LAYOUTS): fragments, a *_frag scan
     wgmma: bool = False  # fragments only: dpf_scan_wgmma_frag (sm_90a) instead of dpf_scan_mma_frag
 
     @property
@@ -356,12 +362,15 @@ class ScanPlan:
 
     @property
     def scan_template(self) -> str:
-        """The scan's template: dpf_scan (v1), dpf_scan_bits (v2) of G keys in dpf_scan.cu;
-        dpf_scan_mma (v2 on the tensor cores) of G / 16 key tiles in dpf_scan_mma.cu."""
+        """The scan's template: dpf_scan (v1), dpf_scan_bits (v2), dpf_scan_v1_frag (v1 over the
+        fragments layout) of G keys in dpf_scan.cu; dpf_scan_mma (v2 on the tensor cores) or its
+        fragments-layout scans of G / 16 key tiles in dpf_scan_mma.cu."""
         if self.tensor_cores:
             if self.layout == "pages":
                 return "dpf_scan_mma"
             return "dpf_scan_wgmma_frag" if self.wgmma else "dpf_scan_mma_frag"
+        if self.layout == "fragments":
+            return "dpf_scan_v1_frag"
         return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
 
     @property
@@ -405,11 +414,14 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     matrix in the fragments layout is scanned by dpf_scan_mma_frag alone (wgmma: by
     dpf_scan_wgmma_frag from WGMMA_MIN_TILES tiles a block up to max(WGMMA_TILE_COUNTS), whose
     blocks run slice-fastest: clusters of slices share a chunk's selection bits, and a second key
-    group, past 224 keys, reads the run again a wave later): v2 keys, tensor_cores.
+    group, past 224 keys, reads the run again a wave later): v2 keys, tensor_cores. v1 keys over
+    the fragments layout: dpf_scan_v1_frag<16>, dpf_scan's plan with groups of 16 keys and chunks
+    of 2**V1_FRAG_CHUNK_LEVELS pages (chunk_levels and max_group_keys do not apply).
     """
     check_layout(layout)
-    if layout == "fragments" and not (tensor_cores and key_format == KEY_FORMAT_V2):
-        raise ValueError("a matrix in the fragments layout is scanned with v2 keys on the tensor cores only")
+    if layout == "fragments" and tensor_cores != (key_format == KEY_FORMAT_V2):
+        raise ValueError("a matrix in the fragments layout is scanned on the tensor cores: v2 keys by "
+                         "their tensor-core scan (tensor_cores), v1 keys by dpf_scan_v1_frag (not tensor_cores)")
     if wgmma and layout != "fragments":
         raise ValueError("the wgmma scan reads the fragments layout only")
     if not wgmma and mma_max_tiles > max(MMA_TILE_COUNTS):
@@ -424,7 +436,13 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     if chunk_levels < 1:
         raise ValueError(f"chunk_levels must be >= 1, got {chunk_levels}")
     group_keys, groups = pick_group_keys(num_keys, max_group_keys)
-    if key_format == KEY_FORMAT_V1:
+    if key_format == KEY_FORMAT_V1 and layout == "fragments":
+        # one key tile a block, chunks of one k-step (shared memory sized for it whatever c)
+        group_keys, groups = V1_FRAG_GROUP_KEYS, -(-num_keys // V1_FRAG_GROUP_KEYS)
+        depth, leaves = domain_bits, num_pages
+        c = min(V1_FRAG_CHUNK_LEVELS, domain_bits)
+        shared = scan_shared_bytes(group_keys, V1_FRAG_CHUNK_LEVELS)
+    elif key_format == KEY_FORMAT_V1:
         depth, leaves = domain_bits, num_pages
         c = min(chunk_levels, domain_bits)
         shared = scan_shared_bytes(group_keys, c)
@@ -446,7 +464,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         for a, b in top_stages(depth - c)
     )
     return ScanPlan(num_pages, domain_bits, num_keys, group_keys, groups, c, chunks, per_block,
-                    runs * groups, shared, stages, key_format)
+                    runs * groups, shared, stages, key_format, layout=layout)
 
 
 def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: int,
@@ -556,7 +574,7 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
     scan = ("mma " if plan.layout == "pages" else "wgmma-frag " if plan.wgmma else "mma-frag ") \
-        if plan.tensor_cores else ""
+        if plan.tensor_cores else "mma-frag " if plan.layout == "fragments" else ""
     return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
             f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "

@@ -278,6 +278,56 @@ __device__ __forceinline__ void flush_columns(const uint4 (&acc)[G], u64* out, i
     }
 }
 
+// The c levels' seed and t corrections of keys key0 .. key0 + G - 1 ([level][key]) and their final_cw.
+template <int G>
+__device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int key0, int domain_bits, int c,
+                                              uint4* cw_seed, u8* cw_t, uint4* final_cw) {
+    const int depth_top = domain_bits - c;
+    for (int i = threadIdx.x; i < c * G; i += blockDim.x) {
+        const int l = i / G, j = i - l * G;
+        load_level_cw(keyrec + (long long)(key0 + j) * krec, domain_bits, depth_top + l,
+                      &cw_seed[l * G + j], &cw_t[l * G + j]);
+    }
+    if (threadIdx.x < G) {
+        const u32* rec = keyrec + (long long)(key0 + threadIdx.x) * krec + KREC_FINAL;
+        final_cw[threadIdx.x] = make_uint4(rec[0], rec[1], rec[2], rec[3]);
+    }
+}
+
+// Expands chunk `chunk` (2^c leaves under one node of depth depth_top, n_leaves of them live) for
+// keys key0 .. key0 + G - 1 in shared memory: its leaves land in `big` as masks, [leaf * G + key].
+// Level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1)
+// land there; the chunk roots sit where level -1 would have written. Ends with a barrier.
+template <int G>
+__device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leaves, int depth_top,
+                                             const u32* keyrec, int krec, int key0,
+                                             const uint4* root_seed, const u8* root_t, long long root_stride,
+                                             uint4* big, uint4* half, u8* big_t, u8* half_t,
+                                             const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
+    uint4* root_buf = (c & 1) ? half : big;
+    u8* root_buf_t = (c & 1) ? half_t : big_t;
+    if (threadIdx.x < G) {
+        const int key = key0 + threadIdx.x;
+        if (depth_top == 0) {
+            const u32* rec = keyrec + (long long)key * krec;
+            root_buf[threadIdx.x] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+            root_buf_t[threadIdx.x] = (u8)rec[KREC_ROOT_T];
+        } else {
+            root_buf[threadIdx.x] = root_seed[key * root_stride + chunk];
+            root_buf_t[threadIdx.x] = root_t[key * root_stride + chunk];
+        }
+    }
+    __syncthreads();
+    for (int l = 0; l < c; ++l) {
+        const int to_big = ((c - 1 - l) & 1) == 0;
+        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
+        expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
+                        to_big ? big : half, to_big ? big_t : half_t, n_par,
+                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0);
+        __syncthreads();
+    }
+}
+
 template <int G>
 __global__ void __launch_bounds__(SCAN_THREADS, SCAN_MIN_BLOCKS(G))
 dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, int chunk_levels,
@@ -304,15 +354,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
     const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
     const int col = threadIdx.x;
 
-    for (int i = threadIdx.x; i < c * G; i += blockDim.x) {
-        const int l = i / G, j = i - l * G;
-        load_level_cw(keyrec + (long long)(key0 + j) * krec, domain_bits, depth_top + l,
-                      &cw_seed[l * G + j], &cw_t[l * G + j]);
-    }
-    if (threadIdx.x < G) {
-        const u32* rec = keyrec + (long long)(key0 + threadIdx.x) * krec + KREC_FINAL;
-        final_cw[threadIdx.x] = make_uint4(rec[0], rec[1], rec[2], rec[3]);
-    }
+    load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
 
     uint4 acc[G];
 #pragma unroll
@@ -322,38 +364,151 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const long long leaf0 = chunk << c;
         const int n_leaves = (int)min((long long)L, num_pages - leaf0);
-        // level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the
-        // leaves (l = c-1) land there; the chunk roots sit where level -1 would have written
-        {
-            uint4* root_buf = (c & 1) ? half : big;
-            u8* root_buf_t = (c & 1) ? half_t : big_t;
-            if (threadIdx.x < G) {
-                const int key = key0 + threadIdx.x;
-                if (depth_top == 0) {
-                    const u32* rec = keyrec + (long long)key * krec;
-                    root_buf[threadIdx.x] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
-                    root_buf_t[threadIdx.x] = (u8)rec[KREC_ROOT_T];
-                } else {
-                    root_buf[threadIdx.x] = root_seed[key * root_stride + chunk];
-                    root_buf_t[threadIdx.x] = root_t[key * root_stride + chunk];
-                }
-            }
-        }
-        __syncthreads();
-        for (int l = 0; l < c; ++l) {
-            const int to_big = ((c - 1 - l) & 1) == 0;
-            const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
-            expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
-                            to_big ? big : half, to_big ? big_t : half_t, n_par,
-                            &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0);
-            __syncthreads();
-        }
+        expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
+                        big, half, big_t, half_t, cw_seed, cw_t, final_cw);
 
         scan_column<G, U>(acc, pages + leaf0 * SCAN_THREADS + col, n_leaves,
                           [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_page<G>(a, v, big + p * G); });
         __syncthreads();  // the next chunk's roots and levels overwrite these masks
     }
     flush_columns<G>(acc, out, key0, col);
+}
+
+// v1 keys over the fragments layout, on the tensor cores (sm_80 or later; cuda_plan.V1_FRAG_*).
+// Answer bit b of 32-bit word w of a v1 key is the parity over pages of page bit (w, b) AND bit
+// r = 32 (w % 4) + b of the page's 128-bit mask: for each residue r, a binary product of the
+// keys' bit r over pages (A: 16 keys x 256 pages) by the page bits of residue r (B: pages x the
+// 256 words w with w % 4 = r / 32). The fragments layout stores B fragments by slice of 8 words
+// (dpf_scan_mma.cu, fragment_offset), and words c and c + 4 of a slice share residue 32c + b, so
+// one m16n8k256 product takes its 8 columns from 4 slices: column n from slice 4j + n / 2, word
+// c + 4 (n % 2). A block is dpf_scan<16>'s (a key group of 16, a run of chunks of 256 pages, which
+// are mma k-steps, expanded in shared memory as there); per chunk the masks are turned into A
+// fragments, residue by residue, in place of the tree levels no longer needed, and warp W
+// multiplies them by slices 16W .. 16W + 15 of the chunk's pages read straight from global
+// memory. A product's popcounts live for one k-step: their low bits go to bit b of the warp's
+// answer words (64 registers a thread: 2 keys x 8 words x 4 column tiles), which meet in global
+// memory by XOR atomics once per block.
+// Residues (b) of the product loop unrolled together: 1, or a variant to time (-DV1F_UNROLL=n)
+#ifndef V1F_UNROLL
+#define V1F_UNROLL 1
+#endif
+constexpr int kV1fUnroll = V1F_UNROLL;
+#define V1F_L 256  // leaves a chunk expands at most: one mma k-step (the host sizes shared memory for it)
+#define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
+
+// x[i] <- word q of the mask of key k for page 32 pg + i (0 past the chunk's live leaves).
+template <int G>
+__device__ __forceinline__ void v1f_load_masks(u32 (&x)[32], const uint4* big, int k, int pg, int q, int n_leaves) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int p = 32 * pg + i;
+        x[i] = p < n_leaves ? ((const u32*)(big + p * G + k))[q] : 0u;
+    }
+}
+
+// After transpose32, x[b] is bit 32 q + b of key k's masks over pages 32 pg .. 32 pg + 31: the A
+// fragment word of residue 32 q + b, lane (k % 8, pg % 4), register k / 8 + 2 (pg / 4). afrag
+// holds 64 residues from its first, [residue][lane] uint4 (a0 .. a3).
+__device__ __forceinline__ void v1f_store_afrag(uint4* afrag, const u32 (&x)[32], int k, int pg, int q) {
+    u32* dst = (u32*)(afrag + (k & 7) * 4 + (pg & 3)) + (k >> 3) + 2 * (pg >> 2);
+#pragma unroll
+    for (int b = 0; b < 32; ++b) dst[(32 * q + b) * 32 * 4] = x[b];
+}
+
+template <int G>
+__global__ void __launch_bounds__(SCAN_THREADS, 2)
+dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_bits, int chunk_levels,
+                 const u32* __restrict__ keyrec, int krec, int num_keys,
+                 const uint4* __restrict__ root_seed, const u8* __restrict__ root_t, long long root_stride,
+                 int num_groups, int chunks_per_block, u64* __restrict__ out) {
+    static_assert(G == 16, "a key group is one m16 tile");
+    static_assert(SCAN_THREADS == 256 && MMA_SLICE_WORDS == 8 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
+                  "8 warps of 16 slices; a thread transposes two (key, 32 pages, word) blocks");
+    extern __shared__ uint4 smem[];
+    const int c = chunk_levels;  // 8, or the whole tree (one chunk) where domain_bits < 8
+    uint4* big = smem;  // dpf_scan's regions, sized for V1F_L leaves whatever c
+    uint4* half = big + V1F_L * G;
+    uint4* cw_seed = half + (V1F_L / 2) * G;
+    uint4* final_cw = cw_seed + 8 * G;
+    u8* big_t = (u8*)(final_cw + G);
+    u8* half_t = big_t + V1F_L * G;
+    u8* cw_t = half_t + (V1F_L / 2) * G;
+    // A fragments: residues 0..63 over `half` (its level is spent once the leaves are in big),
+    // 64..127 over the masks of pages 128..255 (read into registers first)
+    uint4* afrag_lo = half;
+    uint4* afrag_hi = big + (V1F_L / 2) * G;
+
+    const int group = blockIdx.x % num_groups;
+    const long long run = blockIdx.x / num_groups;
+    const int key0 = group * G;
+    const int depth_top = domain_bits - c;
+    const long long num_chunks = live_nodes(num_pages, c);
+    const long long chunk_begin = run * chunks_per_block;
+    const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // this thread's transposes: key k, pages 32 pg .., mask words q and q + 2
+    const int k = threadIdx.x & 15, pg = (threadIdx.x >> 4) & 7, q = threadIdx.x >> 7;
+    // B column g of this lane: slice 16 warp + 4j + g / 2, word c + 4 (g % 2), pages 32t ..
+    const long long lane_at = (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + 16 * (g & 1) + t;
+
+    load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
+
+    u32 acc[2][2][4][4];  // [key g, g + 8][word c, c + 4][c][column tile j]: bit b of each
+#pragma unroll
+    for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
+
+    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+        const long long leaf0 = chunk << c;
+        const int n_leaves = (int)min((long long)(1 << c), num_pages - leaf0);
+        expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
+                        big, half, big_t, half_t, cw_seed, cw_t, final_cw);
+        {
+            u32 x[32];
+            v1f_load_masks<G>(x, big, k, pg, q, n_leaves);
+            transpose32(x);
+            v1f_store_afrag(afrag_lo, x, k, pg, q);
+            v1f_load_masks<G>(x, big, k, pg, q + 2, n_leaves);
+            __syncthreads();  // every mask of pages 128..255 is read before afrag_hi overwrites them
+            transpose32(x);
+            v1f_store_afrag(afrag_hi, x, k, pg, q);
+            __syncthreads();
+        }
+        const long long page0 = chunk << c;
+        const u32* b_at = frags + (page0 / MMA_CHUNK_PAGES) * (long long)((PAGE_WORDS / MMA_SLICE_WORDS) * V1F_SLICE_WORDS)
+                          + ((page0 % MMA_CHUNK_PAGES) / V1F_L) * (2 * 32 * 32) + lane_at;
+#pragma unroll kV1fUnroll
+        for (int b = 0; b < 32; ++b) {
+            const u32 m = 1u << b;
+#pragma unroll
+            for (int cq = 0; cq < 4; ++cq) {
+                const uint4 a = (cq < 2 ? afrag_lo : afrag_hi)[((cq & 1) * 32 + b) * 32 + lane];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
+                    int d[4] = {0, 0, 0, 0};
+                    mma_and_popc(d, a.x, a.y, a.z, a.w, __ldg(p), __ldg(p + 32 * 32));
+                    acc[0][0][cq][j] ^= ((u32)d[0] * m) & m;
+                    acc[0][1][cq][j] ^= ((u32)d[1] * m) & m;
+                    acc[1][0][cq][j] ^= ((u32)d[2] * m) & m;
+                    acc[1][1][cq][j] ^= ((u32)d[3] * m) & m;
+                }
+            }
+        }
+        __syncthreads();  // the next chunk's levels overwrite these A fragments
+    }
+    u32* out32 = (u32*)out;
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+        for (int wh = 0; wh < 2; ++wh)
+#pragma unroll
+            for (int cq = 0; cq < 4; ++cq)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 v = acc[kh][wh][cq][j];
+                    const int word = (16 * warp + 4 * j + t) * MMA_SLICE_WORDS + cq + 4 * wh;
+                    if (v) atomicXor(&out32[(long long)(key0 + g + 8 * kh) * PAGE_WORDS + word], v);
+                }
 }
 
 // v2 keys (docs/PROTOCOL.md section 3.1): a leaf of the tree selects among LEAF_PAGES (128)
@@ -527,3 +682,5 @@ INSTANTIATE_SCAN(15)
 INSTANTIATE_SCAN(16)
 INSTANTIATE_SCAN(24)
 INSTANTIATE_SCAN(32)
+template __global__ void dpf_scan_v1_frag<V1_FRAG_GROUP_KEYS>(const u32*, long long, int, int, const u32*, int, int,
+                                                              const uint4*, const u8*, long long, int, int, u64*);

@@ -83,35 +83,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // every 32 pages, so the 4 page groups a warp transposes fall in different banks.
 __device__ __forceinline__ int raw_index(int p) { return (p + (p >> 5)) * MMA_SLICE_WORDS; }
 
-// x[b] bit i <- x[i] bit b: a 32 x 32 bit transpose in registers (byte permutes for the 16- and
-// 8-bit stages, masked swaps for the rest).
-__device__ __forceinline__ void transpose32(u32 (&x)[32]) {
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-        const u32 a = x[k], b = x[k + 16];
-        x[k] = __byte_perm(a, b, 0x5410);
-        x[k + 16] = __byte_perm(a, b, 0x7632);
-    }
-#pragma unroll
-    for (int k = 0; k < 32; ++k) {
-        if (k & 8) continue;
-        const u32 a = x[k], b = x[k + 8];
-        x[k] = __byte_perm(a, b, 0x6240);
-        x[k + 8] = __byte_perm(a, b, 0x7351);
-    }
-#define SWAP_STAGE(J, M)                                      \
-    _Pragma("unroll") for (int k = 0; k < 32; ++k) {          \
-        if (k & J) continue;                                  \
-        const u32 t = ((x[k] >> J) ^ x[k + J]) & M;           \
-        x[k] ^= t << J;                                       \
-        x[k + J] ^= t;                                        \
-    }
-    SWAP_STAGE(4, 0x0F0F0F0Fu)
-    SWAP_STAGE(2, 0x33333333u)
-    SWAP_STAGE(1, 0x55555555u)
-#undef SWAP_STAGE
-}
-
 // Where thread (page group pg, word w) of a block puts its 32 fragment words in one chunk's B
 // fragments, bfrag[kstep][half][n-block][lane] (register b at + 32 b): they hold bit b of word w
 // of pages 32pg .. 32pg + 31 of the chunk, n-block b's fragment word of lane (g = w, t = pg % 4),
@@ -134,14 +105,6 @@ __device__ __forceinline__ void stage_fragments(const u32* raw, u32* bfrag) {
     u32* dst = bfrag + fragment_offset(pg, w);
 #pragma unroll
     for (int b = 0; b < 32; ++b) dst[b * 32] = x[b];
-}
-
-__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // The chunk's products for this warp's 4 n-blocks and each of the T key tiles (K = 16T keys).

@@ -206,8 +206,8 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
         if KEY_FORMAT_V1 not in key_formats_of(engine):  # bulk jobs store and run v1 keys (5.5)
             # before the body is parsed: none of it could be taken
             raise exceptions.ValidationError({"queries": [ErrorDetail(
-                "bulk jobs take v1 keys and this server answers v2 keys only "
-                "(MORPHO_MATRIX_LAYOUT=fragments): send these queries as batch queries with v2 keys",
+                "bulk jobs take v1 keys and this server answers v2 keys only: "
+                "send these queries as batch queries with v2 keys",
                 code="key_format")]})
         data = request.data
         if isinstance(data, list):  # a bare JSON array of queries

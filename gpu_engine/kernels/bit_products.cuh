@@ -1,0 +1,48 @@
+// Bit-matrix helpers shared by dpf_scan.cu and dpf_scan_mma.cu: cuda_module.kernel_source puts
+// this text in front of each of them (NVRTC has no include path of ours; no headers either).
+
+typedef unsigned int u32;
+
+// x[b] bit i <- x[i] bit b: a 32 x 32 bit transpose in registers (byte permutes for the 16- and
+// 8-bit stages, masked swaps for the rest).
+__device__ __forceinline__ void transpose32(u32 (&x)[32]) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const u32 a = x[k], b = x[k + 16];
+        x[k] = __byte_perm(a, b, 0x5410);
+        x[k + 16] = __byte_perm(a, b, 0x7632);
+    }
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        if (k & 8) continue;
+        const u32 a = x[k], b = x[k + 8];
+        x[k] = __byte_perm(a, b, 0x6240);
+        x[k + 8] = __byte_perm(a, b, 0x7351);
+    }
+#define SWAP_STAGE(J, M)                                      \
+    _Pragma("unroll") for (int k = 0; k < 32; ++k) {          \
+        if (k & J) continue;                                  \
+        const u32 t = ((x[k] >> J) ^ x[k + J]) & M;           \
+        x[k] ^= t << J;                                       \
+        x[k + J] ^= t;                                        \
+    }
+    SWAP_STAGE(4, 0x0F0F0F0Fu)
+    SWAP_STAGE(2, 0x33333333u)
+    SWAP_STAGE(1, 0x55555555u)
+#undef SWAP_STAGE
+}
+
+// d += A . B over GF(2) counts: a 16 x 256 bit tile (a0..a3) AND a 256 x 8 one (b0, b1), each
+// product the popcount of the AND (mma.sync m16n8k256, sm_80 or later; where the module is built
+// for an older GPU the host never launches a kernel that reaches it, and it traps).
+__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
