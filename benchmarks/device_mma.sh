@@ -3,7 +3,8 @@
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
 #   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|all   (CSVs and logs under $OUT)
-# (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts)
+# (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
+#  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout)
 set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-all}
@@ -19,11 +20,11 @@ fi
 if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for keys in ${NCU_KEYS:-96 3}; do
-        timeout 200 "$NCU" --clock-control none -k "regex:dpf_scan_(wg)?mma" --launch-skip 1 --launch-count 1 \
+        timeout 200 "$NCU" --clock-control none -k "regex:${NCU_KERNEL:-dpf_scan_(wg)?mma}" --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-            --section Occupancy --section WarpStateStats --section LaunchStats \
-            --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active \
-            python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format v2 \
+            --section Occupancy --section WarpStateStats --section LaunchStats --section InstructionStats \
+            --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+            python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format ${KEY_FORMAT:-v2} \
             --v2-scan mma --layout ${LAYOUT:-pages} > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" 2>&1
         grep -E "Duration|Throughput|Pipe|Busy|Hit Rate|Occupancy|Registers|Shared Memory Config|dram__|lts__|alu|Stall|Warp Cycles|Eligible|Issued" \
             "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" | head -60

@@ -347,10 +347,13 @@ class CudaBackend(Backend):
         # the layout of the matrices it loads from now on (both answer v1 and v2 keys)
         self.layout = layout
         if layout == "fragments":
-            if not self.tensor_cores:
+            # v2 keys' scan and v1 keys' (dpf_scan_v1_frag) must both fit a block
+            need = max(cuda_plan.mma_shared_bytes(1, layout),
+                       cuda_plan.scan_shared_bytes(cuda_plan.V1_FRAG_GROUP_KEYS, cuda_plan.V1_FRAG_CHUNK_LEVELS))
+            if not self.tensor_cores or need > shared_limit:
                 raise BackendUnavailable(
                     f"the fragments layout is read by the tensor cores (1-bit products, sm_80 or later, and "
-                    f"{cuda_plan.mma_shared_bytes(1, layout)} bytes of shared memory a block); {self.device_name} "
+                    f"{need} bytes of shared memory a block); {self.device_name} "
                     f"is sm_{self.compute_capability[0]}{self.compute_capability[1]} with {shared_limit}: "
                     f"use the pages layout")
         # the v2 scan of the matrices it loads from now on (cuda_plan.V2_SCANS)
