@@ -169,7 +169,7 @@ class Engine:
     def __init__(self, backend: Backend, epoch: ServedEpoch,
                  policy: Optional[PolicySource] = None) -> None:
         self.backend = backend
-        if tuple(backend.key_formats) != (KEY_FORMAT_V1, KEY_FORMAT_V2):  # CUDA's fragments layout: v2
+        if tuple(backend.key_formats) != (KEY_FORMAT_V1, KEY_FORMAT_V2):  # a backend of one format
             self.key_formats = tuple(backend.key_formats)
         # the most queries a launch holds: what the backend serves in one pass over its matrix
         # (a policy's max_batch may ask for up to cuda_plan.MAX_LAUNCH_QUERIES; _applied cuts it)

@@ -264,8 +264,9 @@ MORPHO_ENGINE_DEVICES = _env("MORPHO_ENGINE_DEVICES", "").strip()
 # has 1-bit products; the ALU below), mma (always the tensor cores) or alu (never); answers are the
 # same bytes. The CPU backend has one scan and ignores it.
 MORPHO_V2_SCAN = _env("MORPHO_V2_SCAN", "auto").strip().lower()
-# How the CUDA backend stores the matrix: pages (row-major; v1 and v2 keys) or fragments (as the
-# tensor cores read it: v2 keys only, /epoch advertises v2 alone). The CPU backend ignores it.
+# How the CUDA backend stores the matrix: pages (row-major) or fragments (as the tensor cores read
+# it; the faster for v2 keys and for v1 batches of 32 queries). Both answer v1 and v2 keys. The CPU
+# backend ignores it.
 MORPHO_MATRIX_LAYOUT = _env("MORPHO_MATRIX_LAYOUT", "pages").strip().lower()
 # DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
 MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None)

@@ -279,7 +279,7 @@ def test_the_key_format_is_v2_only_where_both_parties_offer_it():
         EpochInfo.from_json({**body, "key_formats": "v2"}, "http://x")
     with PirClient("http://a", "http://b") as client:
         assert client.key_format_for(new) == "v1"  # nothing advertised yet
-        v2_only = EpochInfo.from_json({**body, "key_formats": ["v2"]}, "http://x")  # fragments layout
+        v2_only = EpochInfo.from_json({**body, "key_formats": ["v2"]}, "http://x")  # a server of v2 alone
         for formats, chosen in [((new, new), "v2"), ((new, old), "v1"), ((old, new), "v1"),
                                 ((v2_only, new), "v2"), ((v2_only, v2_only), "v2")]:
             client._key_formats = tuple(info.key_formats for info in formats)

@@ -644,6 +644,15 @@ def test_v2_batches_reach_the_tensor_cores_by_size(scan, keys, expect):
     assert cuda_plan.use_tensor_cores(scan, KEY_FORMAT_V1, keys) is False  # v1 keys: the ALU scan
     with pytest.raises(ValueError, match="v2_scan"):
         cuda_plan.use_tensor_cores("fast", KEY_FORMAT_V2, keys)
+    # over the fragments layout v2 keys always take their tensor-core scan, v1 keys plan as v1
+    # (dpf_scan_v1_frag, whatever the batch or v2_scan), and both plans hold
+    assert cuda_plan.use_tensor_cores(scan, KEY_FORMAT_V2, keys, "fragments") is True
+    assert cuda_plan.use_tensor_cores(scan, KEY_FORMAT_V1, keys, "fragments") is False
+    for key_format in (KEY_FORMAT_V1, KEY_FORMAT_V2):
+        plan = cuda_plan.plan_scan(5000, 13, keys, key_format=key_format, layout="fragments",
+                                   tensor_cores=cuda_plan.use_tensor_cores(scan, key_format, keys, "fragments"))
+        assert plan.scan_kernel[1].split("<")[0] == ("dpf_scan_v1_frag" if key_format == KEY_FORMAT_V1
+                                                     else "dpf_scan_mma_frag")
 
 
 @pytest.mark.parametrize("pages, d, keys", [

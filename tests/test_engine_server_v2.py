@@ -68,7 +68,7 @@ def test_requests_of_both_formats_sent_together_get_their_own_answers(remote):
 
 
 def test_an_engine_of_v2_keys_alone_says_so_to_its_clients(tmp_path):
-    # a backend that answers v2 keys alone (CUDA's fragments layout): the engine takes them alone,
+    # a backend that answers v2 keys alone (none of today's): the engine takes them alone,
     # warms up with them, and its server's PONGs tell each RemoteEngine, which the web tier asks
     backend = NumpyBackend(workers=1)
     backend.key_formats = (KEY_FORMAT_V2,)

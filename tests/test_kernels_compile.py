@@ -60,7 +60,7 @@ def test_the_host_constants_are_the_compilers_d_options():
     assert set(defines) == {"SCAN_THREADS", "TOP_THREADS", "MAX_TOP_LEVELS", "KREC_ROOT",
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
-                            "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS"}
+                            "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS", "V1_FRAG_CHUNK_LEVELS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -153,6 +153,33 @@ def test_argument_builders_follow_the_kernel_signatures():
     assert not whole.stages
     args = cuda_plan.scan_args(whole, pages, keyrec, [], out)
     assert args[7] is keyrec and args[8] is keyrec and args[9] == 1
+    # v1 keys over the fragments layout: dpf_scan's arguments, the matrix in its layout
+    frag = cuda_plan.plan_scan(4097, 20, 30, key_format=1, layout="fragments")
+    nodes = [(object(), object()) for _ in frag.stages]
+    _check_args("dpf_scan_v1_frag", cuda_plan.scan_args(frag, pages, keyrec, nodes, out), {
+        "frags": pages, "num_pages": 4097, "domain_bits": 20, "chunk_levels": 8, "keyrec": keyrec,
+        "krec": krec, "num_keys": 32, "root_seed": nodes[-1][0], "root_t": nodes[-1][1],
+        "root_stride": frag.root_stride, "num_groups": 2, "chunks_per_block": frag.chunks_per_block,
+        "out": out})
+    _check_top_args(frag, keyrec, nodes, depth=20, leaves=4097)
+
+
+def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step():
+    # dpf_scan_v1_frag<16> carves the regions of SCAN_SHARED_REGIONS for 2**V1_FRAG_CHUNK_LEVELS
+    # leaves, whatever the plan's c, and the host sizes its launches for that
+    code = _code("dpf_scan.cu")
+    body = code[code.index("dpf_scan_v1_frag(const u32*"):]
+    body = body[body.index("extern __shared__ uint4 smem[];"):]
+    carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(cuda_plan.SCAN_SHARED_REGIONS)]
+    assert [name for _, name, _ in carving] == [name for name, _, _ in cuda_plan.SCAN_SHARED_REGIONS]
+    leaves, c, g = 1 << cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_GROUP_KEYS
+    scope = {"G": g, "V1F_L": leaves, "V1_FRAG_CHUNK_LEVELS": c}
+    for (prev, _, count), (_, _, expr) in zip(cuda_plan.SCAN_SHARED_REGIONS, carving[1:]):
+        m = re.fullmatch(r"(?:\(u8\*\)\()?(\w+) \+ (.+?)\)?", expr)
+        assert m and m.group(1) == prev, expr
+        assert eval(m.group(2).replace("/", "//"), {}, dict(scope)) == g * count(leaves, c), (prev, expr)  # noqa: S307
+    assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \
+        cuda_plan.scan_shared_bytes(g, c)
 
 
 def test_argument_builders_follow_the_v2_kernel_signatures():

@@ -120,8 +120,8 @@ class Backend(ABC):
     # True where the first launch of each batch shape compiles kernels or captures graphs, so an
     # engine warms every shape up before it serves (Engine.warm_up)
     warm_all_shapes: bool = False
-    # the key formats its matrices answer (docs/PROTOCOL.md section 3): both, unless its layout
-    # is read with one alone (CudaBackend's fragments layout: v2)
+    # the key formats its matrices answer (docs/PROTOCOL.md section 3): both on every backend
+    # today; the engine and the web tier take and advertise what a backend lists
     key_formats: Tuple[int, ...] = (KEY_FORMAT_V1, KEY_FORMAT_V2)
     # the most queries one launch serves in one pass over its matrices: the engine launches no
     # more at once, whatever a policy's max_batch (up to the static MAX_LAUNCH_QUERIES) allows.

@@ -173,9 +173,7 @@ class CudaResident(ResidentMatrix):
         return self._pages
 
     def plan(self, num_keys: int, key_format: int = KEY_FORMAT_V1) -> cuda_plan.ScanPlan:
-        # the fragments layout: v2 keys on their tensor-core scan, v1 keys on dpf_scan_v1_frag
-        fragments_v2 = self.layout == "fragments" and key_format == KEY_FORMAT_V2
-        tensor_cores = fragments_v2 or cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys)
+        tensor_cores = cuda_plan.use_tensor_cores(self.v2_scan, key_format, num_keys, self.layout)
         return cuda_plan.plan_scan(self.num_pages, self.domain_bits, num_keys, self.max_group_keys,
                                 self.chunk_levels, self._backend.resident_blocks, key_format,
                                 tensor_cores=tensor_cores, mma_chunks_per_block=self.mma_chunks_per_block,
@@ -366,7 +364,8 @@ class CudaBackend(Backend):
         self.v2_scan = v2_scan if self.tensor_cores else "alu"
         # the queries a launch serves in one pass over the matrix: one key group of the tensor-core
         # scan (the fragments layout's, or v2 keys' in the pages layout unless scanned on the ALU;
-        # v1 keys' ALU scan reads the matrix once whatever the keys): 74 with wgmma, 58 on
+        # v1 keys' scans, dpf_scan and dpf_scan_v1_frag, read each run of pages from memory once
+        # for all their key groups, adjacent in the grid): 74 with wgmma, 58 on
         # mma.sync's 11 tiles, fewer on sm_80. Never fewer than a request's queries: a request is
         # not split, so where a pass holds less (sm_80's pages layout, 26) one launches whole as
         # two key groups, and its buffers are reserved and warmed up

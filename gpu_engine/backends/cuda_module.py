@@ -47,10 +47,12 @@ _lock = threading.Lock()
 
 
 def kernel_source(name: str) -> str:
-    """The exact text handed to NVRTC for kernels/<name>: its preludes, then the file."""
+    """The exact text handed to NVRTC for kernels/<name>: its preludes, then the file (from a
+    #line directive, so the compiler's messages name the file's own lines)."""
     if name not in KERNEL_FILES:
         raise ValueError(f"unknown kernel file {name!r}, expected one of {KERNEL_FILES}")
-    return "".join((KERNEL_DIR / part).read_text() for part in (*KERNEL_PRELUDES.get(name, ()), name))
+    preludes = "".join((KERNEL_DIR / part).read_text() for part in KERNEL_PRELUDES.get(name, ()))
+    return preludes + (f'#line 1 "{name}"\n' if preludes else "") + (KERNEL_DIR / name).read_text()
 
 
 def arch_options(compute_capability: Tuple[int, int]) -> Tuple[str, ...]:

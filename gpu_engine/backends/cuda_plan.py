@@ -133,14 +133,17 @@ SCAN_SHARED_REGIONS = (
 )
 
 
-def use_tensor_cores(v2_scan: str, key_format: int, num_keys: int) -> bool:
+def use_tensor_cores(v2_scan: str, key_format: int, num_keys: int, layout: str = "pages") -> bool:
     """Whether a launch (a batch, or a micro-batch of one) of num_keys keys of key_format runs
-    on the tensor-core scan."""
+    on a v2 tensor-core scan (plan_scan's tensor_cores): over the fragments layout always for v2
+    keys (v1 keys there run dpf_scan_v1_frag, on the tensor cores too, planned as v1); over the
+    pages layout by v2_scan and the batch size."""
     if v2_scan not in V2_SCANS:
         raise ValueError(f"v2_scan must be one of {V2_SCANS}, got {v2_scan!r}")
+    check_layout(layout)
     if key_format != KEY_FORMAT_V2:
         return False
-    return v2_scan == "mma" or (v2_scan == "auto" and num_keys >= MMA_MIN_KEYS)
+    return layout == "fragments" or v2_scan == "mma" or (v2_scan == "auto" and num_keys >= MMA_MIN_KEYS)
 
 
 def kernel_defines() -> Dict[str, int]:
@@ -162,6 +165,7 @@ def kernel_defines() -> Dict[str, int]:
         "MMA_FRAG_STAGES": MMA_FRAG_STAGES,
         "LEAF_BITS_TILE": LEAF_BITS_TILE,
         "V1_FRAG_GROUP_KEYS": V1_FRAG_GROUP_KEYS,
+        "V1_FRAG_CHUNK_LEVELS": V1_FRAG_CHUNK_LEVELS,
     }
 
 

@@ -393,7 +393,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 #define V1F_UNROLL 1
 #endif
 constexpr int kV1fUnroll = V1F_UNROLL;
-#define V1F_L 256  // leaves a chunk expands at most: one mma k-step (the host sizes shared memory for it)
+#define V1F_L (1 << V1_FRAG_CHUNK_LEVELS)  // leaves a chunk expands at most (the host sizes shared memory for it)
 #define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
 
 // x[i] <- word q of the mask of key k for page 32 pg + i (0 past the chunk's live leaves).
@@ -422,6 +422,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
                  const uint4* __restrict__ root_seed, const u8* __restrict__ root_t, long long root_stride,
                  int num_groups, int chunks_per_block, u64* __restrict__ out) {
     static_assert(G == 16, "a key group is one m16 tile");
+    static_assert(V1F_L == 256, "a chunk is one mma k-step of 256 pages");
     static_assert(SCAN_THREADS == 256 && MMA_SLICE_WORDS == 8 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
                   "8 warps of 16 slices; a thread transposes two (key, 32 pages, word) blocks");
     extern __shared__ uint4 smem[];
@@ -429,7 +430,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     uint4* big = smem;  // dpf_scan's regions, sized for V1F_L leaves whatever c
     uint4* half = big + V1F_L * G;
     uint4* cw_seed = half + (V1F_L / 2) * G;
-    uint4* final_cw = cw_seed + 8 * G;
+    uint4* final_cw = cw_seed + V1_FRAG_CHUNK_LEVELS * G;
     u8* big_t = (u8*)(final_cw + G);
     u8* half_t = big_t + V1F_L * G;
     u8* cw_t = half_t + (V1F_L / 2) * G;
