@@ -82,24 +82,32 @@ def test_every_macro_the_scan_kernels_use_is_defined_in_them_or_by_the_host_not_
     assert used_somewhere == host  # no -D option every kernel ignores
 
 
-@pytest.mark.parametrize("group_keys, chunk_levels", [(1, 1), (3, 5), (16, 8), (32, 6)])
-def test_the_scan_kernel_carves_shared_memory_as_the_host_sizes_it(group_keys, chunk_levels):
+def _check_scan_carving(kernel, scope, group_keys, chunk_levels):
+    """`kernel` of dpf_scan.cu carves the regions of SCAN_SHARED_REGIONS for group_keys keys and
+    chunks of 2**chunk_levels leaves, in the host's order and sizes (scope: its names' values)."""
     code = _code("dpf_scan.cu")
-    body = code[code.index("extern __shared__ uint4 smem[];"):]
+    body = code[code.index(f"\n{kernel}("):]
+    body = body[body.index("extern __shared__ uint4 smem[];"):]
     carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(cuda_plan.SCAN_SHARED_REGIONS)]
     regions = cuda_plan.SCAN_SHARED_REGIONS
     assert [name for _, name, _ in carving] == [name for name, _, _ in regions]
     assert [{"uint4": 16, "u8": 1}[kind] for kind, _, _ in carving] == [size for _, size, _ in regions]
-    assert carving[0][2] == "smem"
-    scope = {"G": group_keys, "L": 1 << chunk_levels, "c": chunk_levels}
+    assert carving[0][2].startswith("smem")
+    leaves = 1 << chunk_levels
     for (prev, _, count), (_, _, expr) in zip(regions, carving[1:]):
         # each region starts where the one before it ends: `prev + size`
         m = re.fullmatch(r"(?:\(u8\*\)\()?(\w+) \+ (.+?)\)?", expr)
         assert m and m.group(1) == prev, expr
         size = eval(m.group(2).replace("/", "//"), {}, dict(scope))  # noqa: S307 - our own text
-        assert size == group_keys * count(scope["L"], chunk_levels), (prev, expr)
-    total = sum(size * count(scope["L"], chunk_levels) for _, size, count in regions) * group_keys
+        assert size == group_keys * count(leaves, chunk_levels), (prev, expr)
+    total = sum(size * count(leaves, chunk_levels) for _, size, count in regions) * group_keys
     assert cuda_plan.scan_shared_bytes(group_keys, chunk_levels) == total
+
+
+@pytest.mark.parametrize("group_keys, chunk_levels", [(1, 1), (3, 5), (16, 8), (32, 6)])
+def test_the_scan_kernel_carves_shared_memory_as_the_host_sizes_it(group_keys, chunk_levels):
+    scope = {"G": group_keys, "L": 1 << chunk_levels, "c": chunk_levels}
+    _check_scan_carving("dpf_scan", scope, group_keys, chunk_levels)
 
 
 def _params(kernel):
@@ -167,17 +175,8 @@ def test_argument_builders_follow_the_kernel_signatures():
 def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step():
     # dpf_scan_v1_frag<16> carves the regions of SCAN_SHARED_REGIONS for 2**V1_FRAG_CHUNK_LEVELS
     # leaves, whatever the plan's c, and the host sizes its launches for that
-    code = _code("dpf_scan.cu")
-    body = code[code.index("dpf_scan_v1_frag(const u32*"):]
-    body = body[body.index("extern __shared__ uint4 smem[];"):]
-    carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(cuda_plan.SCAN_SHARED_REGIONS)]
-    assert [name for _, name, _ in carving] == [name for name, _, _ in cuda_plan.SCAN_SHARED_REGIONS]
-    leaves, c, g = 1 << cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_GROUP_KEYS
-    scope = {"G": g, "V1F_L": leaves, "V1_FRAG_CHUNK_LEVELS": c}
-    for (prev, _, count), (_, _, expr) in zip(cuda_plan.SCAN_SHARED_REGIONS, carving[1:]):
-        m = re.fullmatch(r"(?:\(u8\*\)\()?(\w+) \+ (.+?)\)?", expr)
-        assert m and m.group(1) == prev, expr
-        assert eval(m.group(2).replace("/", "//"), {}, dict(scope)) == g * count(leaves, c), (prev, expr)  # noqa: S307
+    c, g = cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_GROUP_KEYS
+    _check_scan_carving("dpf_scan_v1_frag", {"G": g, "V1F_L": 1 << c, "V1_FRAG_CHUNK_LEVELS": c}, g, c)
     assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \
         cuda_plan.scan_shared_bytes(g, c)
 

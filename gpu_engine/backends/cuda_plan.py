@@ -439,17 +439,16 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
         raise ValueError(f"chunk_levels must be >= 1, got {chunk_levels}")
-    group_keys, groups = pick_group_keys(num_keys, max_group_keys)
     if key_format == KEY_FORMAT_V1 and layout == "fragments":
         # one key tile a block, chunks of one k-step (shared memory sized for it whatever c)
         group_keys, groups = V1_FRAG_GROUP_KEYS, -(-num_keys // V1_FRAG_GROUP_KEYS)
-        depth, leaves = domain_bits, num_pages
-        c = min(V1_FRAG_CHUNK_LEVELS, domain_bits)
-        shared = scan_shared_bytes(group_keys, V1_FRAG_CHUNK_LEVELS)
-    elif key_format == KEY_FORMAT_V1:
+        chunk_levels = V1_FRAG_CHUNK_LEVELS
+    else:
+        group_keys, groups = pick_group_keys(num_keys, max_group_keys)
+    if key_format == KEY_FORMAT_V1:
         depth, leaves = domain_bits, num_pages
         c = min(chunk_levels, domain_bits)
-        shared = scan_shared_bytes(group_keys, c)
+        shared = scan_shared_bytes(group_keys, chunk_levels if layout == "fragments" else c)
     else:
         depth, leaves = tree_depth(domain_bits, key_format), live_nodes(num_pages, LEAF_PAGE_BITS)
         c, shared = 0, 0  # dpf_scan_bits holds G leaves in static shared memory
@@ -577,8 +576,8 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
-    scan = ("mma " if plan.layout == "pages" else "wgmma-frag " if plan.wgmma else "mma-frag ") \
-        if plan.tensor_cores else "mma-frag " if plan.layout == "fragments" else ""
+    scan = {"dpf_scan_mma": "mma ", "dpf_scan_mma_frag": "mma-frag ", "dpf_scan_wgmma_frag": "wgmma-frag ",
+            "dpf_scan_v1_frag": "mma-frag "}.get(plan.scan_template, "")
     return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
             f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "

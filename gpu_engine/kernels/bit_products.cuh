@@ -1,4 +1,4 @@
-// Bit-matrix helpers shared by dpf_scan.cu and dpf_scan_mma.cu: cuda_module.kernel_source puts
+// Bit-matrix helpers and the fragments layout's word order, shared by dpf_scan.cu and dpf_scan_mma.cu: cuda_module.kernel_source puts
 // this text in front of each of them (NVRTC has no include path of ours; no headers either).
 
 typedef unsigned int u32;
@@ -30,6 +30,16 @@ __device__ __forceinline__ void transpose32(u32 (&x)[32]) {
     SWAP_STAGE(2, 0x33333333u)
     SWAP_STAGE(1, 0x55555555u)
 #undef SWAP_STAGE
+}
+
+// Where thread (page group pg, word w) of a block puts its 32 fragment words in one chunk's B
+// fragments, bfrag[kstep][half][n-block][lane] (register b at + 32 b): they hold bit b of word w
+// of pages 32pg .. 32pg + 31 of the chunk, n-block b's fragment word of lane (g = w, t = pg % 4),
+// half pg / 4 % 2 (b0: pages 0..127 of the k-step, b1: 128..255), k-step pg / 8. The resident
+// "fragments" layout stores each (chunk, slice) in this order (pages_to_fragments, dpf_scan_mma.cu).
+__device__ __forceinline__ int fragment_offset(int pg, int w) {
+    const int ks = pg >> 3, half = (pg >> 2) & 1, t = pg & 3;
+    return (ks * 2 + half) * 32 * 32 + w * 4 + t;
 }
 
 // d += A . B over GF(2) counts: a 16 x 256 bit tile (a0..a3) AND a 256 x 8 one (b0, b1), each

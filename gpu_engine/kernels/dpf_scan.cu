@@ -379,7 +379,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // r = 32 (w % 4) + b of the page's 128-bit mask: for each residue r, a binary product of the
 // keys' bit r over pages (A: 16 keys x 256 pages) by the page bits of residue r (B: pages x the
 // 256 words w with w % 4 = r / 32). The fragments layout stores B fragments by slice of 8 words
-// (dpf_scan_mma.cu, fragment_offset), and words c and c + 4 of a slice share residue 32c + b, so
+// (fragment_offset, bit_products.cuh), and words c and c + 4 of a slice share residue 32c + b, so
 // one m16n8k256 product takes its 8 columns from 4 slices: column n from slice 4j + n / 2, word
 // c + 4 (n % 2). A block is dpf_scan<16>'s (a key group of 16, a run of chunks of 256 pages, which
 // are mma k-steps, expanded in shared memory as there); per chunk the masks are turned into A
@@ -450,7 +450,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     // this thread's transposes: key k, pages 32 pg .., mask words q and q + 2
     const int k = threadIdx.x & 15, pg = (threadIdx.x >> 4) & 7, q = threadIdx.x >> 7;
     // B column g of this lane: slice 16 warp + 4j + g / 2, word c + 4 (g % 2), pages 32t ..
-    const long long lane_at = (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + 16 * (g & 1) + t;
+    const long long lane_slice = (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS;
 
     load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
 
@@ -474,9 +474,10 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
             v1f_store_afrag(afrag_hi, x, k, pg, q);
             __syncthreads();
         }
-        const long long page0 = chunk << c;
-        const u32* b_at = frags + (page0 / MMA_CHUNK_PAGES) * (long long)((PAGE_WORDS / MMA_SLICE_WORDS) * V1F_SLICE_WORDS)
-                          + ((page0 % MMA_CHUNK_PAGES) / V1F_L) * (2 * 32 * 32) + lane_at;
+        // this lane's B words of the chunk's k-step (word c + 4 (g % 2) at + 4c, half 1 at + 32 * 32)
+        const int kstep = (int)((leaf0 % MMA_CHUNK_PAGES) / V1F_L);
+        const u32* b_at = frags + (leaf0 / MMA_CHUNK_PAGES) * (long long)((PAGE_WORDS / MMA_SLICE_WORDS) * V1F_SLICE_WORDS)
+                          + lane_slice + fragment_offset(8 * kstep + t, 4 * (g & 1));
 #pragma unroll kV1fUnroll
         for (int b = 0; b < 32; ++b) {
             const u32 m = 1u << b;

@@ -83,16 +83,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // every 32 pages, so the 4 page groups a warp transposes fall in different banks.
 __device__ __forceinline__ int raw_index(int p) { return (p + (p >> 5)) * MMA_SLICE_WORDS; }
 
-// Where thread (page group pg, word w) of a block puts its 32 fragment words in one chunk's B
-// fragments, bfrag[kstep][half][n-block][lane] (register b at + 32 b): they hold bit b of word w
-// of pages 32pg .. 32pg + 31 of the chunk, n-block b's fragment word of lane (g = w, t = pg % 4),
-// half pg / 4 % 2 (b0: pages 0..127 of the k-step, b1: 128..255), k-step pg / 8. The resident
-// "fragments" layout stores each (chunk, slice) in this order (pages_to_fragments, below).
-__device__ __forceinline__ int fragment_offset(int pg, int w) {
-    const int ks = pg >> 3, half = (pg >> 2) & 1, t = pg & 3;
-    return (ks * 2 + half) * 32 * 32 + w * 4 + t;
-}
-
 // One chunk's staged slice -> its B fragments: thread (pg, w) transposes pages 32pg .. 32pg + 31
 // of word w.
 __device__ __forceinline__ void stage_fragments(const u32* raw, u32* bfrag) {
