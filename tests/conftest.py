@@ -179,13 +179,27 @@ def _fresh_request_counters():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _stop_live_watcher_at_the_end():
-    """Stop this process's live-policy watcher before pytest closes its output streams, so the
-    thread neither logs into closed files nor holds the test database at teardown."""
-    yield
+def _live_watcher_thread():
+    """This process's live watcher: no thread over SQLite, stopped at the end over PostgreSQL.
+
+    The tests' SQLite database is one shared in-memory database, which refuses a write while another
+    connection reads the table ("database table is locked") where a database file would wait: the
+    watcher thread polling beside a test's writes failed tests at random (CI, test_epochs). A test
+    that wants a poll calls check_all(); the servers the tests start run their own watchers. The
+    thread is stopped before pytest closes its output streams, so it neither logs into closed files
+    nor holds the test database at teardown."""
+    from django.db import connection
+
     from engine.watcher import default_watcher
 
-    default_watcher().stop()
+    watcher = default_watcher()
+    patch = pytest.MonkeyPatch()
+    if connection.vendor == "sqlite":
+        watcher.stop()
+        patch.setattr(watcher, "start", lambda: None)
+    yield
+    patch.undo()
+    watcher.stop()
 
 
 # --- Redis servers of a test's own ------------------------------------------------------------

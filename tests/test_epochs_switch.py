@@ -203,9 +203,8 @@ def committed_party(django_db_serialized_rollback, transactional_db, serve_matri
         write_epoch_metadata(paths[epoch_id], epoch_id=epoch_id)
     serve_matrix(paths[1])
     engine = get_engine()
-    # The test's own threads are the other connections. The watcher's polls would be one more,
-    # and the shared in-memory SQLite of the tests refuses a write while another connection reads
-    # the table, where a database file waits.
+    # The test's own threads are the other connections; the watcher's polls would be one more
+    # (conftest keeps its thread off over the tests' SQLite).
     default_watcher().stop()
     sync.push_rows([(5, ROW5)])
     for epoch_id in (2, 3):
