@@ -153,7 +153,7 @@ def test_argument_builders_follow_the_kernel_signatures():
     krec = cuda_plan.krec_words(20)
     _check_args("dpf_scan", cuda_plan.scan_args(plan, pages, keyrec, nodes, out), {
         "pages": pages, "num_pages": 4097, "domain_bits": 20, "chunk_levels": plan.chunk_levels,
-        "keyrec": keyrec, "krec": krec, "num_keys": plan.padded_keys, "root_seed": nodes[1][0],
+        "keyrec": keyrec, "krec": krec, "num_keys": 30, "root_seed": nodes[1][0],
         "root_t": nodes[1][1], "root_stride": plan.root_stride, "num_groups": plan.num_groups,
         "chunks_per_block": plan.chunks_per_block, "out": out})
     _check_top_args(plan, keyrec, nodes, depth=20, leaves=4097)
@@ -166,7 +166,7 @@ def test_argument_builders_follow_the_kernel_signatures():
     nodes = [(object(), object()) for _ in frag.stages]
     _check_args("dpf_scan_v1_frag", cuda_plan.scan_args(frag, pages, keyrec, nodes, out), {
         "frags": pages, "num_pages": 4097, "domain_bits": 20, "chunk_levels": 8, "keyrec": keyrec,
-        "krec": krec, "num_keys": 32, "root_seed": nodes[-1][0], "root_t": nodes[-1][1],
+        "krec": krec, "num_keys": 30, "root_seed": nodes[-1][0], "root_t": nodes[-1][1],
         "root_stride": frag.root_stride, "num_groups": 2, "chunks_per_block": frag.chunks_per_block,
         "out": out})
     _check_top_args(frag, keyrec, nodes, depth=20, leaves=4097)
@@ -192,7 +192,7 @@ def test_argument_builders_follow_the_v2_kernel_signatures():
     krec = cuda_plan.krec_words(14)
     _check_args("dpf_scan_bits", cuda_plan.scan_args(plan, pages, keyrec, nodes, out), {
         "pages": pages, "num_pages": 2**20 + 17, "tree_depth": 14, "keyrec": keyrec, "krec": krec,
-        "num_keys": plan.padded_keys, "leaf_seed": nodes[1][0], "leaf_t": nodes[1][1],
+        "num_keys": 30, "leaf_seed": nodes[1][0], "leaf_t": nodes[1][1],
         "leaf_stride": 8193, "num_groups": plan.num_groups,
         "leaves_per_block": plan.chunks_per_block, "out": out})
     _check_top_args(plan, keyrec, nodes, depth=14, leaves=8193)

@@ -508,13 +508,14 @@ def top_args(plan: ScanPlan, stage: int, keyrec, nodes) -> Tuple[Any, ...]:
 def scan_args(plan: ScanPlan, pages, keyrec, nodes, out) -> Tuple[Any, ...]:
     """The scan's arguments, in its order: dpf_scan<G>'s 13 (v1), dpf_scan_bits<G>'s 12, the same
     less chunk_levels (v2). The chunk roots (v2: the leaves) are the last top stage's nodes (none
-    when the chunk is the whole tree: the kernel then reads the key records' roots)."""
+    when the chunk is the whole tree: the kernel then reads the key records' roots). num_keys is
+    the batch's own count: the scans run padded_keys, and dpf_scan_v1_frag expands no padding."""
     roots_seed, roots_t = nodes[-1] if nodes else (keyrec, keyrec)
     head = (pages, np.int64(plan.num_pages), np.int32(plan.tree_depth))
     if plan.key_format == KEY_FORMAT_V1:
         head += (np.int32(plan.chunk_levels),)
     return head + (keyrec, np.int32(krec_words(plan.tree_depth)),
-                   np.int32(plan.padded_keys), roots_seed, roots_t, np.int64(plan.root_stride),
+                   np.int32(plan.num_keys), roots_seed, roots_t, np.int64(plan.root_stride),
                    np.int32(plan.num_groups), np.int32(plan.chunks_per_block), out)
 
 

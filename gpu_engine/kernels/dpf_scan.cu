@@ -102,15 +102,15 @@ __device__ __forceinline__ uint4 and_mask(uint4 a, u32 on) {
     return make_uint4(a.x & on, a.y & on, a.z & on, a.w & on);
 }
 
-// Writes the children of parent `idx` (its t bit `t`, its expansion left/right/tl/tr) after the
-// level's corrections. Nodes are stored key-minor ([node * G + key]). With `final_cw` non-null
+// Writes the children of the parent at `slot` = node * G + key (its t bit `t`, its expansion
+// left/right/tl/tr) after the level's corrections. Nodes are stored key-minor ([node * G + key]). With `final_cw` non-null
 // the children are leaves: they are written as masks (seed ^ final_cw where t), t is not kept.
 template <int G>
 __device__ __forceinline__ void store_children(
-    int idx, u32 t, uint4 left, uint4 right, u32 tl, u32 tr, uint4* out_seed, u8* out_t,
+    int slot, u32 t, uint4 left, uint4 right, u32 tl, u32 tr, uint4* out_seed, u8* out_t,
     const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
-    const int i = idx / G;
-    const int j = idx - i * G;
+    const int i = slot / G;
+    const int j = slot - i * G;
     const u32 on = 0u - t;
     const uint4 cw = and_mask(cw_seed[j], on);
     const u32 tcw = cw_t[j] & on;
@@ -136,32 +136,55 @@ __device__ __forceinline__ void store_children(
 #define PRG_NODES_PER_STEP 2
 #endif
 
-// One tree level for G keys held in shared memory: parents [0, n_par) of every key become
+// The keys of a group of G that a level expands: the first `live` (a padded last group expands
+// only its real keys; its padding slots keep stale nodes, whose answers are never read). Work item
+// idx is node idx / live, key idx % live; inv = ceil(2^32 / live) makes that division one
+// multiply-high, exact while idx < 2^16 (where live < G, in dpf_scan_v1_frag: 128 x 16 at most).
+struct LiveKeys {
+    int live;
+    u32 inv;
+};
+
+__device__ __forceinline__ LiveKeys live_keys(int live) {
+    return {live, live > 1 ? 0xFFFFFFFFu / live + 1u : 0u};  // ceil(2^32 / live), in 32 bits
+}
+
+// Where work item idx's node lives: node * G + key (idx itself where every key is live, which
+// the compiler sees when live is G).
+template <int G>
+__device__ __forceinline__ int live_slot(int idx, LiveKeys keys) {
+    if (keys.live == G) return idx;
+    const int i = keys.live == 1 ? idx : (int)__umulhi((u32)idx, keys.inv);
+    return i * G + (idx - i * keys.live);
+}
+
+// One tree level for G keys held in shared memory: parents [0, n_par) of every live key become
 // children [0, 2 n_par), corrected with this level's cw_seed/cw_t (one per key).
 template <int G>
 __device__ __forceinline__ void expand_level(
     const uint4* in_seed, const u8* in_t, uint4* out_seed, u8* out_t, int n_par,
-    const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
-    const int total = n_par * G;
+    const uint4* cw_seed, const u8* cw_t, const uint4* final_cw, LiveKeys keys) {
+    const int total = n_par * keys.live;
     int idx = threadIdx.x;
 #if PRG_NODES_PER_STEP > 1
     for (; idx + (int)blockDim.x < total; idx += 2 * blockDim.x) {
-        const int idx2 = idx + blockDim.x;
-        const uint4 s0 = in_seed[idx], s1 = in_seed[idx2];
-        const u32 t0 = in_t[idx], t1 = in_t[idx2];
+        const int at0 = live_slot<G>(idx, keys), at1 = live_slot<G>(idx + blockDim.x, keys);
+        const uint4 s0 = in_seed[at0], s1 = in_seed[at1];
+        const u32 t0 = in_t[at0], t1 = in_t[at1];
         uint4 l0, r0, l1, r1;
         u32 tl0, tr0, tl1, tr1;
         prg_expand(s0, l0, r0, tl0, tr0);
         prg_expand(s1, l1, r1, tl1, tr1);
-        store_children<G>(idx, t0, l0, r0, tl0, tr0, out_seed, out_t, cw_seed, cw_t, final_cw);
-        store_children<G>(idx2, t1, l1, r1, tl1, tr1, out_seed, out_t, cw_seed, cw_t, final_cw);
+        store_children<G>(at0, t0, l0, r0, tl0, tr0, out_seed, out_t, cw_seed, cw_t, final_cw);
+        store_children<G>(at1, t1, l1, r1, tl1, tr1, out_seed, out_t, cw_seed, cw_t, final_cw);
     }
 #endif
     for (; idx < total; idx += blockDim.x) {
+        const int at = live_slot<G>(idx, keys);
         uint4 left, right;
         u32 tl, tr;
-        prg_expand(in_seed[idx], left, right, tl, tr);
-        store_children<G>(idx, in_t[idx], left, right, tl, tr, out_seed, out_t, cw_seed, cw_t, final_cw);
+        prg_expand(in_seed[at], left, right, tl, tr);
+        store_children<G>(at, in_t[at], left, right, tl, tr, out_seed, out_t, cw_seed, cw_t, final_cw);
     }
 }
 
@@ -217,7 +240,7 @@ dpf_expand_top(const u32* __restrict__ keyrec, int krec, int domain_bits, long l
         const int n_par = (int)(live < (1LL << l) ? live : (1LL << l));
         const int src = (levels - l) & 1;
         expand_level<1>(buf_seed[src], buf_t[src], buf_seed[src ^ 1], buf_t[src ^ 1], n_par,
-                        &cw_seed[l], &cw_t[l], (const uint4*)0);
+                        &cw_seed[l], &cw_t[l], (const uint4*)0, live_keys(1));
         __syncthreads();
     }
     const long long first_out = node << levels;
@@ -295,7 +318,8 @@ __device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int k
 }
 
 // Expands chunk `chunk` (2^c leaves under one node of depth depth_top, n_leaves of them live) for
-// keys key0 .. key0 + G - 1 in shared memory: its leaves land in `big` as masks, [leaf * G + key].
+// keys key0 .. key0 + G - 1 (the first keys.live of them) in shared memory: its leaves land in
+// `big` as masks, [leaf * G + key].
 // Level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1)
 // land there; the chunk roots sit where level -1 would have written. Ends with a barrier.
 template <int G>
@@ -303,7 +327,8 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              const u32* keyrec, int krec, int key0,
                                              const uint4* root_seed, const u8* root_t, long long root_stride,
                                              uint4* big, uint4* half, u8* big_t, u8* half_t,
-                                             const uint4* cw_seed, const u8* cw_t, const uint4* final_cw) {
+                                             const uint4* cw_seed, const u8* cw_t, const uint4* final_cw,
+                                             LiveKeys keys) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
     if (threadIdx.x < G) {
@@ -323,7 +348,7 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
         const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
         expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
                         to_big ? big : half, to_big ? big_t : half_t, n_par,
-                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0);
+                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys);
         __syncthreads();
     }
 }
@@ -347,7 +372,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
-    const int key0 = group * G;  // num_keys == num_groups * G: the host pads the last group
+    const int key0 = group * G;  // the host pads the last group to G keys (num_groups * G)
     const int depth_top = domain_bits - c;
     const long long num_chunks = live_nodes(num_pages, c);
     const long long chunk_begin = run * chunks_per_block;
@@ -365,7 +390,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
         const long long leaf0 = chunk << c;
         const int n_leaves = (int)min((long long)L, num_pages - leaf0);
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
-                        big, half, big_t, half_t, cw_seed, cw_t, final_cw);
+                        big, half, big_t, half_t, cw_seed, cw_t, final_cw, live_keys(G));
 
         scan_column<G, U>(acc, pages + leaf0 * SCAN_THREADS + col, n_leaves,
                           [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_page<G>(a, v, big + p * G); });
@@ -386,9 +411,9 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // fragments, residue by residue, in place of the tree levels no longer needed, and warp W
 // multiplies them by slices 16W .. 16W + 15 of the chunk's pages read straight from global
 // memory. A product's popcounts live for one k-step: their low bits go to bit b of the warp's
-// answer words (64 registers a thread: 2 keys x 8 words x 4 column tiles), which meet in global
-// memory by XOR atomics once per block.
-// Residues (b) of the product loop unrolled together: 1, or a variant to time (-DV1F_UNROLL=n)
+// answer words (64 registers a thread: 2 keys x 8 words x 4 column tiles, two words' halves
+// packed in each), which meet in global memory by XOR atomics once per block.
+// Residues (s) of the product loop unrolled together: 1, or a variant to time (-DV1F_UNROLL=n)
 #ifndef V1F_UNROLL
 #define V1F_UNROLL 1
 #endif
@@ -442,6 +467,9 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
     const int key0 = group * G;
+    // the last group's padding keys (past num_keys) are not expanded: their A rows are stale
+    // masks and their answers are never read
+    const LiveKeys keys = live_keys(min(G, num_keys - key0));
     const int depth_top = domain_bits - c;
     const long long num_chunks = live_nodes(num_pages, c);
     const long long chunk_begin = run * chunks_per_block;
@@ -454,7 +482,8 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 
     load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
 
-    u32 acc[2][2][4][4];  // [key g, g + 8][word c, c + 4][c][column tile j]: bit b of each
+    // [key g, g + 8][bit half h][c][column tile j]: bit 16h + s of word c in bit s, of word c + 4 in bit 16 + s
+    u32 acc[2][2][4][4];
 #pragma unroll
     for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
 
@@ -462,7 +491,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
         const long long leaf0 = chunk << c;
         const int n_leaves = (int)min((long long)(1 << c), num_pages - leaf0);
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
-                        big, half, big_t, half_t, cw_seed, cw_t, final_cw);
+                        big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys);
         {
             u32 x[32];
             v1f_load_masks<G>(x, big, k, pg, q, n_leaves);
@@ -478,22 +507,33 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
         const int kstep = (int)((leaf0 % MMA_CHUNK_PAGES) / V1F_L);
         const u32* b_at = frags + (leaf0 / MMA_CHUNK_PAGES) * (long long)((PAGE_WORDS / MMA_SLICE_WORDS) * V1F_SLICE_WORDS)
                           + lane_slice + fragment_offset(8 * kstep + t, 4 * (g & 1));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
+            // residue to residue, never written 1 << s: the compiler turns a product by a shifted
+            // 1 into a shift (ALU pipe), and builds a mask it can see through in every fold
+            u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
 #pragma unroll kV1fUnroll
-        for (int b = 0; b < 32; ++b) {
-            const u32 m = 1u << b;
+            for (int s = 0; s < 16; ++s) {
+                const int b = 16 * h + s;
 #pragma unroll
-            for (int cq = 0; cq < 4; ++cq) {
-                const uint4 a = (cq < 2 ? afrag_lo : afrag_hi)[((cq & 1) * 32 + b) * 32 + lane];
+                for (int cq = 0; cq < 4; ++cq) {
+                    const uint4 a = (cq < 2 ? afrag_lo : afrag_hi)[((cq & 1) * 32 + b) * 32 + lane];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
-                    int d[4] = {0, 0, 0, 0};
-                    mma_and_popc(d, a.x, a.y, a.z, a.w, __ldg(p), __ldg(p + 32 * 32));
-                    acc[0][0][cq][j] ^= ((u32)d[0] * m) & m;
-                    acc[0][1][cq][j] ^= ((u32)d[1] * m) & m;
-                    acc[1][0][cq][j] ^= ((u32)d[2] * m) & m;
-                    acc[1][1][cq][j] ^= ((u32)d[3] * m) & m;
+                    for (int j = 0; j < 4; ++j) {
+                        const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
+                        int d[4] = {0, 0, 0, 0};
+                        mma_and_popc(d, a.x, a.y, a.z, a.w, __ldg(p), __ldg(p + 32 * 32));
+                        // a count is at most 256 (9 bits), so 2^s d0 + 2^(16+s) d1 never carries
+                        // into bit 16 + s: bits s and 16 + s are the two counts' low bits (two
+                        // IMADs on the FMA pipe and one LOP3 for two counts)
+                        acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
+                        acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
+                    }
                 }
+                m_lo <<= 1;
+                m_hi <<= 1;
+                m <<= 1;
             }
         }
         __syncthreads();  // the next chunk's levels overwrite these A fragments
@@ -502,15 +542,17 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
-        for (int wh = 0; wh < 2; ++wh)
+        for (int cq = 0; cq < 4; ++cq)
 #pragma unroll
-            for (int cq = 0; cq < 4; ++cq)
+            for (int j = 0; j < 4; ++j) {
+                const u32 lo = acc[kh][0][cq][j], hi = acc[kh][1][cq][j];
+                const u32 words[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32 v = acc[kh][wh][cq][j];
+                for (int wh = 0; wh < 2; ++wh) {
                     const int word = (16 * warp + 4 * j + t) * MMA_SLICE_WORDS + cq + 4 * wh;
-                    if (v) atomicXor(&out32[(long long)(key0 + g + 8 * kh) * PAGE_WORDS + word], v);
+                    if (words[wh]) atomicXor(&out32[(long long)(key0 + g + 8 * kh) * PAGE_WORDS + word], words[wh]);
                 }
+            }
 }
 
 // v2 keys (docs/PROTOCOL.md section 3.1): a leaf of the tree selects among LEAF_PAGES (128)
@@ -564,7 +606,7 @@ dpf_scan_bits(const uint4* __restrict__ pages, long long num_pages, int tree_dep
 
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
-    const int key0 = group * G;  // num_keys == num_groups * G: the host pads the last group
+    const int key0 = group * G;  // the host pads the last group to G keys (num_groups * G)
     const long long num_leaves = (num_pages + LEAF_PAGES - 1) / LEAF_PAGES;
     const long long leaf_begin = run * leaves_per_block;
     const long long leaf_end = min(num_leaves, leaf_begin + leaves_per_block);
