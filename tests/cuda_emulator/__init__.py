@@ -1,0 +1,228 @@
+"""The CUDA scan kernels' own text, built by g++ against a CPU shim and run block by block, so
+their logic is tested where there is no GPU (CI): see cuda_emu.h for what is emulated."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from gpu_engine.backends import cuda_plan
+from gpu_engine.backends.cuda_module import kernel_source
+from gpu_engine.dpf import KEY_FORMAT_V1
+from gpu_engine.matrix import PAGE_BYTES
+
+HERE = Path(__file__).resolve().parent
+WORDS = PAGE_BYTES // 4
+# The compiler of the emulated kernels: $CXX, else g++ (C++20 for std::barrier).
+CXX = os.environ.get("CXX", "g++")
+
+
+# g++'s options: C++20 (std::barrier); no strict aliasing, as the kernels read uint4 as u32 words
+CXX_FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread", "-w")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler() -> Optional[str]:
+    """The path of a C++ compiler that builds the emulator's kind of code (C++20's <barrier>), or None."""
+    path = shutil.which(CXX)
+    if path is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.cpp"
+        probe.write_text("#include <barrier>\nstd::barrier<> b(1);\n")
+        built = subprocess.run([path, *CXX_FLAGS, str(probe), "-o", str(Path(tmp) / "probe.so")], capture_output=True)
+    return path if built.returncode == 0 else None
+
+
+def _definition(source: str, head: str) -> str:
+    """The whole definition that starts with `head` in `source`, to its closing brace."""
+    begin = source.index(head)
+    depth, i = 0, source.index("{", begin)
+    while True:
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        if depth == 0:
+            return source[begin : i + 1]
+        i += 1
+
+
+# Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
+# CPU. mma.sync's product comes from the runtime; cp.async copies at once (the earliest a copy
+# may land: a buffer overwritten while still read shows, a missing wait does not).
+EMULATED = {
+    "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    emu_mma_and_popc(d, a0, a1, a2, a3, b0, b1);
+}""",
+    "__device__ __forceinline__ u32 shared_address(": """__device__ __forceinline__ u32 shared_address(const void* p) {
+    return (u32)((const unsigned char*)p - emu_dynamic_smem);
+}""",
+    "__device__ __forceinline__ void cp_async16(": """__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    memcpy(dst, src, 16);
+}""",
+    "__device__ __forceinline__ void cp_async_commit(": "__device__ __forceinline__ void cp_async_commit() {}",
+    "__device__ __forceinline__ void cp_async_wait(": "__device__ __forceinline__ void cp_async_wait() {}",
+}
+SOURCES = ("runtime.cpp", "scan_entries.cpp", "mma_entries.cpp")
+
+
+def emulated_text(name: str) -> str:
+    """Kernel file `name` as NVRTC gets it, rewritten for the shim: EMULATED's definitions, and
+    dynamic shared memory as the block's buffer."""
+    text = kernel_source(name)
+    for head, body in EMULATED.items():
+        if head in text:
+            text = text.replace(_definition(text, head), body)
+    return text.replace("extern __shared__ uint4 smem[];", "uint4* smem = (uint4*)emu_dynamic_smem;")
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The emulated kernels as a shared library, built once per text (cached on disk)."""
+    kernels = {"EMU_SCAN_KERNELS": emulated_text("dpf_scan.cu"), "EMU_MMA_KERNELS": emulated_text("dpf_scan_mma.cu")}
+    defines = [f"-D{name}={value}" for name, value in cuda_plan.kernel_defines().items()]
+    ours = [(HERE / name).read_text() for name in ("cuda_emu.h", *SOURCES)]
+    tag = hashlib.sha256("\0".join([*kernels.values(), *ours, *defines, CXX, *CXX_FLAGS]).encode()).hexdigest()[:16]
+    cache = Path(tempfile.gettempdir()) / f"morpho-cuda-emulator-{os.getuid()}"
+    cache.mkdir(exist_ok=True)
+    lib = cache / f"kernels-{tag}.so"
+    if not lib.exists():
+        for macro, text in kernels.items():  # each builder its own files: builds may run at once
+            inc = cache / f"{macro}-{tag}.{os.getpid()}.inc"
+            inc.write_text(text)
+            defines.append(f'-D{macro}="{inc}"')
+        partial = lib.with_suffix(f".{os.getpid()}.tmp")
+        built = subprocess.run([CXX, *CXX_FLAGS, f"-I{HERE}", *defines, *(str(HERE / name) for name in SOURCES),
+                                "-o", str(partial)], capture_output=True, text=True)
+        for flag in defines[-len(kernels):]:
+            Path(flag.split('"')[1]).unlink()
+        if built.returncode:
+            raise RuntimeError(f"the emulated kernels did not build:\n{built.stderr[-4000:]}")
+        partial.replace(lib)
+    built = ctypes.CDLL(str(lib))
+    for name in ("emu_dpf_scan", "emu_dpf_scan_bits", "emu_dpf_scan_mma"):
+        getattr(built, name).restype = ctypes.c_bool
+    built.emu_faults.restype = ctypes.c_ulonglong
+    return built
+
+
+def _check_faults(before: int) -> None:
+    """Fails if a block of the launches since `before` (emu_faults then) wrote past its shared memory."""
+    after = library().emu_faults()
+    assert after == before, f"{after - before} blocks wrote past their dynamic shared memory"
+
+
+def _arg(value):
+    if isinstance(value, np.ndarray):
+        assert value.flags.c_contiguous
+        return ctypes.c_void_p(value.ctypes.data)
+    if isinstance(value, np.int32):
+        return ctypes.c_int(int(value))
+    if isinstance(value, np.int64):
+        return ctypes.c_longlong(int(value))
+    raise TypeError(f"no C type for {type(value)}")
+
+
+def to_fragments(pages: np.ndarray) -> np.ndarray:
+    """The fragments layout of (P, 1024) u32 pages, by the emulated pages_to_fragments: whole
+    chunks of MMA_CHUNK_PAGES, the last padded with zero pages."""
+    chunks = -(-pages.shape[0] // cuda_plan.MMA_CHUNK_PAGES)
+    padded = np.zeros((chunks * cuda_plan.MMA_CHUNK_PAGES, WORDS), dtype=np.uint32)
+    padded[: pages.shape[0]] = pages
+    frags = np.full(padded.size, 0xDEADBEEF, dtype=np.uint32)  # every word must be written
+    before = library().emu_faults()
+    library().emu_pages_to_fragments(ctypes.c_uint(chunks * cuda_plan.MMA_SLICES), _arg(padded),
+                                     ctypes.c_longlong(pages.shape[0]), _arg(frags))
+    _check_faults(before)
+    return frags
+
+
+def chunk_pages(frags: np.ndarray, chunk: int) -> np.ndarray:
+    """Chunk `chunk` of a fragments-layout matrix back as (MMA_CHUNK_PAGES, 1024) u32 pages, by the
+    emulated fragments_to_pages, as read_page and row writes read it."""
+    pages = np.full((cuda_plan.MMA_CHUNK_PAGES, WORDS), 0xDEADBEEF, dtype=np.uint32)
+    before = library().emu_faults()
+    start = chunk * cuda_plan.MMA_SLICES * cuda_plan.MMA_FRAGMENT_WORDS
+    library().emu_fragments_to_pages(ctypes.c_uint(cuda_plan.MMA_SLICES), _arg(frags[start:]), _arg(pages))
+    _check_faults(before)
+    return pages
+
+
+def _answers(plan, batch, scan) -> np.ndarray:
+    """(K, 1024) u32 answers of KeyBatch `batch` under `plan` as CudaBackend launches them: the key
+    records padded with the last key, the top stages by dpf_expand_top, then scan(lib, keyrec,
+    nodes, out); only the batch's own rows come back."""
+    lib = library()
+    before = lib.emu_faults()
+    k, kp = batch.root_seed.shape[0], plan.padded_keys
+    records = cuda_plan.pack_key_records(batch.root_seed, batch.root_t, batch.cw_seed, batch.cw_t,
+                                         batch.final_cw)
+    keyrec = np.ascontiguousarray(np.concatenate([records, np.repeat(records[-1:], kp - k, axis=0)]))
+    nodes = [(np.zeros((kp, st.live_out, 4), dtype=np.uint32), np.zeros((kp, st.live_out), dtype=np.uint8))
+             for st in plan.stages]
+    for i, st in enumerate(plan.stages):
+        lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
+                               *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
+    out = np.zeros((kp, WORDS), dtype=np.uint32)
+    scan(lib, keyrec, nodes, out)
+    _check_faults(before)
+    return out[:k]
+
+
+def alu_plan(num_pages: int, batch, resident_blocks: int = 132 * 2):
+    """The plan alu_answers launches (fewer resident_blocks give each block more chunks)."""
+    return cuda_plan.plan_scan(num_pages, batch.domain_bits, batch.root_seed.shape[0],
+                               key_format=batch.key_format, resident_blocks=resident_blocks)
+
+
+def alu_answers(pages: np.ndarray, batch, resident_blocks: int = 132 * 2) -> np.ndarray:
+    """Answers of a KeyBatch over (P, 1024) u32 pages on the ALU: dpf_scan<G> (v1 keys) or
+    dpf_scan_bits<G> (v2), G from the plan (one of scan_entries.cpp's EMU_GROUPS)."""
+    plan = alu_plan(pages.shape[0], batch, resident_blocks)
+
+    def scan(lib, keyrec, nodes, out):
+        args = [_arg(a) for a in cuda_plan.scan_args(plan, pages, keyrec, nodes, out)]
+        g, grid = ctypes.c_int(plan.group_keys), ctypes.c_uint(plan.grid)
+        if plan.key_format == KEY_FORMAT_V1:
+            done = lib.emu_dpf_scan(g, grid, ctypes.c_size_t(plan.shared_bytes), *args)
+        else:
+            done = lib.emu_dpf_scan_bits(g, grid, *args)
+        assert done, f"the emulator builds no ALU scan of {plan.group_keys} keys a group"
+
+    return _answers(plan, batch, scan)
+
+
+def tensor_core_plan(num_pages: int, batch, layout: str = "pages", resident_blocks: int = 132 * 2):
+    """The plan tensor_core_answers launches."""
+    return cuda_plan.plan_scan(num_pages, batch.domain_bits, batch.root_seed.shape[0], key_format=batch.key_format,
+                               tensor_cores=batch.key_format != KEY_FORMAT_V1, layout=layout,
+                               resident_blocks=resident_blocks)
+
+
+def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str = "pages",
+                        resident_blocks: int = 132 * 2) -> np.ndarray:
+    """Answers of a KeyBatch on the (emulated) tensor cores over `matrix`: (P, 1024) u32 pages, or
+    to_fragments of num_pages pages for layout "fragments". v1 keys: dpf_scan_v1_frag (fragments
+    only); v2 keys: dpf_leaf_bits, then dpf_scan_mma<T> or dpf_scan_mma_frag<T> (mma.sync; T one of
+    mma_entries.cpp's EMU_TILES). Fewer resident_blocks give each block more chunks."""
+    plan = tensor_core_plan(num_pages, batch, layout, resident_blocks)
+    grid, shared = ctypes.c_uint(plan.grid), ctypes.c_size_t(plan.shared_bytes)
+
+    def scan(lib, keyrec, nodes, out):
+        if plan.key_format == KEY_FORMAT_V1:
+            lib.emu_dpf_scan_v1_frag(grid, shared, *map(_arg, cuda_plan.scan_args(plan, matrix, keyrec, nodes, out)))
+            return
+        sel = np.zeros((plan.padded_keys, plan.padded_leaves, 4), dtype=np.uint32)
+        lib.emu_dpf_leaf_bits(ctypes.c_uint(cuda_plan.leaf_bits_grid(plan)),
+                              *map(_arg, cuda_plan.leaf_bits_args(plan, keyrec, nodes, sel)))
+        done = lib.emu_dpf_scan_mma(ctypes.c_int(plan.group_keys // 16), ctypes.c_int(layout == "fragments"), grid,
+                                    shared, *map(_arg, cuda_plan.mma_scan_args(plan, matrix, sel, out)))
+        assert done, f"the emulator builds no tensor-core scan of {plan.group_keys // 16} key tiles"
+
+    return _answers(plan, batch, scan)

@@ -1,0 +1,73 @@
+// Just enough of CUDA for the scan kernels' text to run on a CPU (tests/cuda_emulator): a block's
+// threads are OS threads, __syncthreads is a barrier among them, shared memory is the block's
+// buffer, and mma.sync's b1 AND.POPC product is computed from its 32 lanes' fragments as the PTX
+// ISA lays them out (m16n8k256: a0/a2 rows g, a1/a3 rows g + 8, k = 32t + i and 128 + 32t + i;
+// b0/b1 column g, the same k; d0, d1 row g, columns 2t, 2t + 1; d2, d3 row g + 8).
+#pragma once
+#include <barrier>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+#define __shared__ static  // static arrays only: `extern __shared__` is rewritten by the builder
+#define __align__(n) alignas(n)
+
+struct uint4 {
+    unsigned int x, y, z, w;
+};
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
+struct dim3 {
+    unsigned int x, y, z;
+};
+
+extern thread_local dim3 threadIdx;
+extern dim3 blockIdx, blockDim, gridDim;
+extern unsigned char* emu_dynamic_smem;
+
+void __syncthreads();
+void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1);
+// Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a block at a
+// time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).
+void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body);
+
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long min(int a, long long b) { return min((long long)a, b); }
+inline long long min(long long a, int b) { return min(a, (long long)b); }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+
+// the most significant 32 bits of hi:lo shifted left by shift & 31
+inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned shift) {
+    const unsigned long long v = ((unsigned long long)hi << 32) | lo;
+    return (unsigned)((v << (shift & 31)) >> 32);
+}
+
+// byte i of the result is byte (s >> 4i) & 7 of the 8 bytes y:x (x the low four)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+}
+
+inline unsigned long long atomicXor(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned atomicXor(unsigned* p, unsigned v) { return __atomic_fetch_xor(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
+
+[[noreturn]] inline void __trap() { __builtin_trap(); }

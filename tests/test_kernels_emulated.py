@@ -1,0 +1,118 @@
+"""The CUDA kernels' own text run on the CPU (tests/cuda_emulator) against the NumPy backend, where
+CI has no GPU: the tree's top, the ALU scans of both key formats over the pages layout, and on the
+(emulated) tensor cores v1 keys over the fragments layout and v2 keys over either (mma.sync; the
+wgmma scan is sm_90a assembly and is not emulated). The emulator's model of mma.sync was
+checked with the text the H100 had passed every GPU test with (ddde423): it matches here too."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_engine.backends import cuda_plan
+from gpu_engine.backends.cpu import NumpyBackend
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys
+from gpu_engine.matrix import random_matrix
+from tests import cuda_emulator
+
+pytestmark = pytest.mark.skipif(cuda_emulator.compiler() is None,
+                                reason=f"no C++ compiler {cuda_emulator.CXX!r} to build the emulated kernels")
+
+
+def _batch(num_keys: int, num_pages: int, domain_bits: int, seed: int, key_format: int = KEY_FORMAT_V1) -> KeyBatch:
+    rng = np.random.default_rng(seed)
+    return KeyBatch.from_keys([gen_keys(int(rng.integers(num_pages)), domain_bits, rng, key_format=key_format)[i % 2]
+                               for i in range(num_keys)])
+
+
+def _answers(matrix, batch) -> np.ndarray:
+    return np.asarray(NumpyBackend(workers=2).load(matrix).answer(batch)).view(np.uint32).reshape(
+        len(batch.root_seed), -1)
+
+
+@pytest.fixture(scope="module")
+def matrices():
+    cache = {}
+
+    def get(num_pages: int):
+        if num_pages not in cache:
+            matrix = random_matrix(num_pages, seed=num_pages)
+            pages = np.ascontiguousarray(matrix.block(0, num_pages))
+            cache[num_pages] = matrix, cuda_emulator.to_fragments(pages)
+        return cache[num_pages]
+
+    return get
+
+
+def test_the_fragments_layout_holds_each_page_bit_where_the_scans_read_it(matrices):
+    # bit b of word w of page p: chunk p // 1024, slice w // 8, at fragment_offset(pg, w % 8) + 32 b
+    # (bit_products.cuh) with pg = p % 1024 // 32, as bit p % 32 of that word
+    matrix, frags = matrices(1500)
+    pages = matrix.block(0, 1500)
+    rng = np.random.default_rng(5)
+    for p, w, b in zip(rng.integers(0, 1500, 200), rng.integers(0, 1024, 200), rng.integers(0, 32, 200)):
+        pg, c, ks_half, t = p % 1024 // 32, w % 8, (p % 1024 // 32) >> 2, (p % 1024 // 32) & 3
+        at = (p // 1024 * cuda_plan.MMA_SLICES + w // 8) * 8192 + ks_half * 1024 + c * 4 + t + 32 * b
+        assert (frags[at] >> (p % 32)) & 1 == (pages[p, w] >> b) & 1, (p, w, b, pg)
+    assert not np.any(frags == 0xDEADBEEF)  # every word written (the emulator's buffer starts so)
+
+
+def test_the_fragments_layout_gives_every_page_back(matrices):
+    # fragments_to_pages, what read_page and row writes read: each chunk whole, zeros past the end
+    matrix, frags = matrices(1500)
+    pages = matrix.block(0, 1500)
+    back = np.concatenate([cuda_emulator.chunk_pages(frags, chunk) for chunk in (0, 1)])
+    assert np.array_equal(back[:1500], pages) and not back[1500:].any()
+
+
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks", [
+    (1, 1, 264),      # one page, one key: the chunk is the whole tree
+    (255, 16, 264),   # one full group over one partial chunk
+    (600, 3, 264),    # one group of 3 keys (13 padding slots not expanded), 3 chunks
+    (700, 21, 264),   # two groups, the second of 5 keys
+    (4097, 33, 1),    # 6 chunks a block, the last of one page; three groups, the last of one key
+])
+def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks):
+    matrix, frags = matrices(num_pages)
+    batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=num_pages + num_keys)
+    expected = _answers(matrix, batch)
+    assert expected.any(axis=1).all()  # no answer is all zeros: a scan that wrote nothing fails
+    plan = cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks)
+    assert (plan.chunks_per_block > 1) == (resident_blocks == 1)
+    got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks)
+    assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
+
+
+@pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks", [
+    (1, 1, 264),       # the chunk (v2: the leaf) is the whole tree
+    (600, 3, 264),     # groups of 3
+    (4097, 7, 264),    # groups of 7 under a top stage (v1: 5 levels, v2: 6, to the leaves)
+    (4097, 17, 1),     # two groups of 9, the last padded with a copy of key 17; several chunks a block
+])
+def test_both_key_formats_over_the_pages_layout_match_numpy(matrices, key_format, num_pages, num_keys,
+                                                            resident_blocks):
+    matrix, _ = matrices(num_pages)
+    batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=num_pages * num_keys, key_format=key_format)
+    expected = _answers(matrix, batch)
+    assert expected.any(axis=1).all()
+    assert (cuda_emulator.alu_plan(num_pages, batch, resident_blocks).chunks_per_block > 1) == (resident_blocks == 1)
+    got = cuda_emulator.alu_answers(np.ascontiguousarray(matrix.block(0, num_pages)), batch, resident_blocks)
+    assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
+
+
+@pytest.mark.parametrize("layout", ["pages", "fragments"])
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks", [
+    (600, 3, 264),   # one key tile (13 rows of padding), one chunk of 1,024 pages, part live
+    (4097, 20, 2),   # two key tiles; 5 chunks, the last of one page, all in one run of each slice
+])
+def test_v2_keys_on_the_tensor_cores_match_numpy(matrices, layout, num_pages, num_keys, resident_blocks):
+    # dpf_leaf_bits, then dpf_scan_mma<T> (staging and transposing the pages) or dpf_scan_mma_frag<T>
+    matrix, frags = matrices(num_pages)
+    batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=7 * num_keys, key_format=KEY_FORMAT_V2)
+    expected = _answers(matrix, batch)
+    assert expected.any(axis=1).all()
+    scanned = np.ascontiguousarray(matrix.block(0, num_pages)) if layout == "pages" else frags
+    assert (cuda_emulator.tensor_core_plan(num_pages, batch, layout, resident_blocks).chunks_per_block > 1) == \
+        (resident_blocks == 2)
+    got = cuda_emulator.tensor_core_answers(num_pages, scanned, batch, layout, resident_blocks)
+    assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
