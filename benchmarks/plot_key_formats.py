@@ -1,13 +1,15 @@
 """Plots batch queries/s against Q for v1 keys, v2 keys on the ALU and v2 keys on the tensor cores.
 
     python3 benchmarks/plot_key_formats.py --out docs/benchmarks/keyformats_qps.png \
-        docs/benchmarks/keyformats_*.csv docs/benchmarks/wgmma_*.csv
+        docs/benchmarks/keyformats_*.csv docs/benchmarks/wgmma_*.csv \
+        docs/benchmarks/v1frag_mainnet.csv docs/benchmarks/v1frag_65536_fragments.csv
 
-v2 keys over a matrix in the fragments layout (wgmma_*.csv) are two series of their own: on
-Hopper's warpgroup products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv).
+Keys over a matrix in the fragments layout are series of their own: v2 keys on Hopper's warpgroup
+products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv), v1 keys on mma.sync (v1frag_*.csv).
 
 One panel per GPU and shape, with the memory floor (one read of the matrix per batch at the GPU's
-measured streaming read, docs/benchmarks/NOTES-cuda.md) and issue 16's v2 target drawn.
+measured streaming read, docs/benchmarks/NOTES-cuda.md) and issue 16's targets drawn: v2's at the
+best batch size (a line), v1's at their batch sizes (open diamonds).
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ READ_BYTES_PER_S = {"H100": 3.08e12, "H200": 4.47e12}
 PAGE_BYTES = 4096
 # issue 16's v2-key targets, queries/s at the best batch size, per page count
 V2_TARGET = {16817159: 2500.0, 65536: 150000.0}
+# issue 16's v1-key targets, queries/s at a batch size (Q: q/s), per page count; 65,536 pages: at
+# the best batch size, drawn at Q = 32
+V1_TARGETS = {16817159: {8: 280.0, 32: 300.0}, 65536: {32: 50000.0}}
 
 
 def label(header: dict) -> str:
@@ -33,14 +38,15 @@ def label(header: dict) -> str:
     on the tensor cores, or on the tensor cores over the fragments layout (wgmma or mma.sync)."""
     dispatch = header.get("dispatch", "")
     if "keys=v2" not in dispatch:
-        return "v1 keys (ALU)"
+        return "v1 keys, fragments, mma.sync" if "layout=fragments" in dispatch else "v1 keys (ALU)"
     if "layout=fragments" in dispatch:
         return "v2 keys, fragments, wgmma" if "wgmma" in dispatch else "v2 keys, fragments, mma.sync"
     return "v2 keys, tensor cores" if "scan=mma" in dispatch else "v2 keys, ALU"
 
 
 COLORS = {"v1 keys (ALU)": "tab:blue", "v2 keys, ALU": "tab:orange", "v2 keys, tensor cores": "tab:green",
-          "v2 keys, fragments, mma.sync": "tab:purple", "v2 keys, fragments, wgmma": "tab:brown"}
+          "v2 keys, fragments, mma.sync": "tab:purple", "v2 keys, fragments, wgmma": "tab:brown",
+          "v1 keys, fragments, mma.sync": "tab:cyan"}
 
 
 def gpu_model(header: dict) -> str:
@@ -76,6 +82,10 @@ def main() -> None:
             ax.plot(qs, [q / floor_s for q in qs], "k:", label=f"memory floor ({floor_s * 1e3:.3g} ms a batch)")
             if pages in V2_TARGET:
                 ax.axhline(V2_TARGET[pages], color="tab:red", ls="--", lw=1, label="issue 16 v2 target")
+            if pages in V1_TARGETS:
+                targets = V1_TARGETS[pages]
+                ax.plot(list(targets), list(targets.values()), "D", mfc="none", color="tab:red",
+                        label="issue 16 v1 targets")
             ax.set_yscale("log")
             ax.set_xlabel("queries per batch (Q, 3 keys each)")
             ax.set_ylabel("queries/s")
