@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import pyplot  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix  # noqa: E402
-from gpu_engine.costmodel import CostFit, CostModel  # noqa: E402
+from gpu_engine.costmodel import CostFit, FormatCosts  # noqa: E402
 from gpu_engine.dpf import gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, EngineBusy, static_policy  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
@@ -276,7 +276,7 @@ def probe_cost(engine: Engine, pool: Sequence[list], max_batch: int) -> CostFit:
     engine.set_policy_source(static_policy(LanePolicy(name="probe", max_batch=max_batch)))
     for b in (1, max_batch):  # first launches compile and allocate: keep them out of the fit
         engine.answer([list(q) for q in pool[:b]], timeout=120)
-    engine.cost = CostModel()
+    engine.cost = FormatCosts()
     for b in (1, max_batch, 1, max_batch, 1, max_batch):
         engine.answer([list(q) for q in pool[:b]], timeout=120)
     return engine.cost.fit()

@@ -1,11 +1,11 @@
-"""Online measurements the slo batcher plans with: launch cost t(b) = a + c*b and arrival rate."""
+"""Online measurements the slo batcher plans with: launch cost t(b) = a + c*b (per key format) and arrival rate."""
 from __future__ import annotations
 
 import math
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Optional, Tuple
+from typing import Deque, Dict, Iterable, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,54 @@ class CostModel:
 
     def fit(self) -> CostFit:
         return self._fit  # an immutable value: readers need no lock
+
+
+# Queries a launch is compared at, where the dearer of two fits is wanted: the batch of the
+# engine's classic cap (MAX_BATCH_QUERIES), where the formats' costs differ most in absolute terms
+REFERENCE_BATCH = 32
+
+
+class FormatCosts:
+    """A CostModel per key format: a launch of v1 keys costs several times one of v2 keys (6x over
+    the fragments layout on an H100, docs/benchmarks/NOTES-cuda.md), so one line through both
+    would plan every batch with a mixture of the two. A launch of several formats (they queue
+    together) is counted in each format's model: its time is what a launch of those keys took."""
+
+    def __init__(self, window: int = 128) -> None:
+        self._window = window
+        # (format, model) pairs, replaced whole when a format first launches: read without a lock
+        # on every scheduling decision
+        self._models: Tuple[Tuple[int, CostModel], ...] = ()
+        self._lock = threading.Lock()
+
+    def _model(self, key_format: int) -> CostModel:
+        for fmt, model in self._models:
+            if fmt == key_format:
+                return model
+        with self._lock:
+            models = dict(self._models)
+            model = models.setdefault(key_format, CostModel(self._window))
+            self._models = tuple(sorted(models.items()))
+            return model
+
+    def observe(self, key_formats: Iterable[int], batch: int, seconds: float) -> None:
+        for key_format in set(key_formats):
+            self._model(key_format).observe(batch, seconds)
+
+    def by_format(self) -> Dict[int, CostFit]:
+        """Each format's fit, of the formats that have launched."""
+        return {key_format: model.fit() for key_format, model in self._models}
+
+    def fit(self, key_formats: Optional[Iterable[int]] = None) -> CostFit:
+        """The fit to plan a launch of `key_formats` with (all formats seen when None): the dearest
+        at REFERENCE_BATCH of theirs that have samples, else the dearest of any (a format not yet
+        launched is planned like the others), else no fit."""
+        fits = [(fmt, model.fit()) for fmt, model in self._models]
+        fits = [(fmt, fit) for fmt, fit in fits if fit.samples]
+        if key_formats is not None:
+            wanted = set(key_formats)
+            fits = [(fmt, fit) for fmt, fit in fits if fmt in wanted] or fits
+        return max((fit for _, fit in fits), key=lambda fit: fit.predict(REFERENCE_BATCH), default=CostFit())
 
 
 class RateMeter:

@@ -15,7 +15,7 @@ import numpy as np
 
 from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
 from gpu_engine.choices import LabelledChoice
-from gpu_engine.costmodel import CostModel, RateMeter
+from gpu_engine.costmodel import FormatCosts, RateMeter
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, format_name, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import ServedEpoch
@@ -154,6 +154,11 @@ def static_policy(policy: LanePolicy) -> PolicySource:
     return lambda lane: policy
 
 
+def _fit_fields(fit) -> dict:
+    return {"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s, "samples": fit.samples,
+            "rmse_s": fit.rmse_s}
+
+
 def key_formats_of(engine) -> Tuple[int, ...]:
     """The key formats `engine` answers (docs/PROTOCOL.md section 3): an Engine's key_formats;
     v1 alone for one that does not say (a RemoteEngine, until its wire carries v2 keys and it
@@ -185,6 +190,7 @@ class Engine:
         self._resident: ResidentMatrix = load_placed(backend, epoch)
         self._queues: Dict[str, Deque[_Request]] = {lane: deque() for lane in LANES}
         self._depth: Dict[str, int] = {lane: 0 for lane in LANES}  # queries queued per lane
+        self._queued_formats: Dict[int, int] = {}  # requests queued per key format (all lanes)
         self._rates: Dict[str, RateMeter] = {lane: RateMeter() for lane in LANES}
         self._last_launch_end: Dict[str, float] = {}  # lane -> monotonic end of its last launch
         # operations run between launches, each with the future its caller waits on
@@ -202,7 +208,7 @@ class Engine:
         # why queries are refused while the engine runs on (hold()): it cannot serve the epoch
         # its party's database says is active, so it answers none rather than another epoch's
         self.held: Optional[str] = None
-        self.cost = CostModel()
+        self.cost = FormatCosts()  # launch costs per key format, measured
         self.stats = EngineStats(LANES)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -336,6 +342,8 @@ class Engine:
                 refused = None
                 self._queues[lane].append(request)
                 self._depth[lane] = depth + request.size
+                fmt = keys.key_format
+                self._queued_formats[fmt] = self._queued_formats.get(fmt, 0) + 1
                 self._rates[lane].add(request.size, request.arrived)
                 self._cond.notify()
         if refused is not None:
@@ -431,11 +439,10 @@ class Engine:
         On a backend that compiles kernels or captures graphs per shape (CUDA), each size from 1 to
         `max_batch` queries runs once per lane's dispatch shape, then once more, timed, for the
         cost model, and full batches twice at once (the second set of buffers a batch started
-        behind another one uses); elsewhere one small launch pages the matrix in. v2 keys (their
-        own kernels and buffers) run once per shape too, untimed: the cost model plans with v1
-        launches, the dearer ones (with v2 launches where the backend answers v2 alone). Runs
-        between launches. A max_batch above the backend's pass_queries warms up to pass_queries,
-        the most a launch holds."""
+        behind another one uses); elsewhere one small launch pages the matrix in. Each key format
+        the engine answers (their own kernels and buffers) is warmed up and timed so, for its own
+        cost model. Runs between launches. A max_batch above the backend's pass_queries warms up to
+        pass_queries, the most a launch holds."""
         max_batch = min(max_batch, self.pass_queries)
         sizes = range(1, max_batch + 1) if self.backend.warm_all_shapes else (1,)
 
@@ -445,18 +452,17 @@ class Engine:
             dispatches = {policy.dispatch for policy in self.policies().values()}
             for dispatch in dispatches:
                 for queries in sizes:
-                    # one batch of each format answered, the first (v1 where answered) timed
+                    # one batch of each format, answered on every replica's device, then timed
                     batches = [random_keys(queries * KEYS_PER_QUERY, self._epoch.matrix.domain_bits, rng, fmt)
                                for fmt in self.key_formats]
-                    copies = self._resident.each_copy()  # every replica's device
+                    copies = self._resident.each_copy()
+                    for fmt, batch in zip(self.key_formats, batches):
+                        for copy in copies:
+                            copy.answer(batch, dispatch)
+                        timed = time.perf_counter()
+                        self._resident.answer(batch, dispatch)
+                        self.cost.observe((fmt,), queries, time.perf_counter() - timed)
                     for copy in copies:
-                        copy.answer(batches[0], dispatch)
-                    timed = time.perf_counter()
-                    self._resident.answer(batches[0], dispatch)
-                    self.cost.observe(queries, time.perf_counter() - timed)
-                    for copy in copies:
-                        for other in batches[1:]:
-                            copy.answer(other, dispatch)
                         if queries == max_batch:  # a full batch may start while another runs
                             for full in batches:
                                 for pending in [copy.start(full, dispatch) for _ in range(2)]:
@@ -496,6 +502,8 @@ class Engine:
         queue = self._queues[lane]
         taken = [queue.popleft() for _ in range(count)]
         self._depth[lane] -= sum(r.size for r in taken)
+        for request in taken:
+            self._queued_formats[request.keys.key_format] -= 1
         return taken
 
     def _expire(self, policies: Mapping[str, LanePolicy], now: float) -> List[_Request]:
@@ -534,7 +542,8 @@ class Engine:
                     if expired:
                         break
                     queues = self._lane_queues(now)
-                    decision = decide(queues, policies, self.cost.fit(), now)
+                    queued = [fmt for fmt, count in self._queued_formats.items() if count]
+                    decision = decide(queues, policies, self.cost.fit(queued), now)
                     room = len(flights) < self._resident.max_in_flight
                     if isinstance(decision, Launch) and room and (
                             not flights or overlaps(decision, queues, policies)):
@@ -610,7 +619,7 @@ class Engine:
         # The cost model plans with how long a launch keeps the scheduler from the next one:
         # the device time and handing the answers out (futures' callbacks run here).
         self._answered_at = time.perf_counter()
-        self.cost.observe(flight.queries, self._answered_at - device_from)
+        self.cost.observe({r.keys.key_format for r in flight.batch}, flight.queries, self._answered_at - device_from)
         done = time.monotonic()
         decision, batch = flight.decision, flight.batch
         self._last_launch_end[decision.lane] = done
@@ -664,8 +673,8 @@ class Engine:
         data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
                     pass_queries=self.pass_queries,
                     placement=describe_placement(self._resident),
-                    cost={"intercept_s": fit.intercept_s, "per_query_s": fit.per_query_s,
-                          "samples": fit.samples, "rmse_s": fit.rmse_s})
+                    cost=_fit_fields(fit),  # the dearest format's: what admission and the dashboard plan with
+                    cost_by_format={format_name(fmt): _fit_fields(each) for fmt, each in self.cost.by_format().items()})
         for lane in LANES:
             policy = policies[lane]
             info = data["lanes"][lane]

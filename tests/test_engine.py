@@ -327,7 +327,19 @@ def test_snapshot_reports_what_metrics_and_admin_show(engine):
     assert lane["mean_batch_last_minute"] == pytest.approx(2.0)
     assert lane["arrival_rate"] > 0 and lane["queued"] == 0
     assert snap["cost"]["samples"] == 4 and snap["cost"]["intercept_s"] + snap["cost"]["per_query_s"] > 0
+    assert snap["cost_by_format"] == {"v1": snap["cost"]}  # every launch so far was of v1 keys
     assert snap["dispatch_modes"] == {"latency": 4} and snap["launch_reasons"] == {"now": 4}
+
+
+def test_launches_of_each_key_format_feed_their_own_cost_model(engine):
+    rng = np.random.default_rng(6)
+    d = engine.epoch.matrix.domain_bits
+    for size in (1, 2):
+        engine.answer([_query(t, d, rng, key_format=2)[0] for t in range(size)], timeout=30)
+    assert set(engine.snapshot()["cost_by_format"]) == {"v2"}
+    engine.answer([_query(5, d, rng)[0]], timeout=30)
+    by_format = engine.snapshot()["cost_by_format"]
+    assert (by_format["v1"]["samples"], by_format["v2"]["samples"]) == (1, 2)
 
 
 def test_policy_bounds():

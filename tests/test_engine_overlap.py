@@ -14,7 +14,7 @@ import pytest
 
 from gpu_engine.backends.base import PendingAnswer
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import random_keys
+from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, random_keys
 from gpu_engine.engine import Engine
 from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.protocol import KEYS_PER_QUERY
@@ -170,9 +170,11 @@ def test_warm_up_starts_two_full_batches_at_once(held):
                 batch.release.set()
     warming.result(20)
     sizes = [size for event, size in backend.log if event == "started"]
-    # each size: v1 twice (the second timed) and v2 once; full batches of each format twice at once
-    assert sizes == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4]
+    # each size: each format twice (the second timed, for its own cost model); full batches of
+    # each format twice at once
+    assert sizes == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3] + [4] * 8
     assert backend.log[-8:] == [("started", 4), ("started", 4), ("collected", 4), ("collected", 4)] * 2
+    assert {fmt: fit.samples for fmt, fit in engine.cost.by_format().items()} == {KEY_FORMAT_V1: 4, KEY_FORMAT_V2: 4}
 
 
 def test_a_replicated_epoch_keeps_two_full_batches_on_each_device():

@@ -5,7 +5,7 @@ import pytest
 
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.engine import POLICY_RECHECK_S
-from gpu_engine.costmodel import CostFit, CostModel, RateMeter, fit_line
+from gpu_engine.costmodel import REFERENCE_BATCH, CostFit, CostModel, FormatCosts, RateMeter, fit_line
 from gpu_engine.scheduler import (
     DEFAULT_POLICIES,
     QUIET_GAP_S,
@@ -324,6 +324,25 @@ def test_cost_model_keeps_the_fit_of_its_last_launches_as_they_come_and_go():
             assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-6, abs=1e-12)
     residuals = [t - (want.intercept_s + want.per_query_s * b) for b, t in points[-16:]]
     assert want.rmse_s == pytest.approx((sum(r * r for r in residuals) / 16) ** 0.5)
+
+
+def test_each_key_format_is_planned_with_its_own_launches():
+    costs = FormatCosts(window=8)
+    assert costs.fit() == CostFit() and costs.fit([1]) == CostFit()  # no launch yet: no fit
+    for b in (1, 8, 32):
+        costs.observe([1], b, 0.020 + 0.004 * b)  # v1: the dearer
+        costs.observe([2], b, 0.002 + 0.0005 * b)
+    v1, v2 = costs.fit([1]), costs.fit([2])
+    assert (v1.intercept_s, v1.per_query_s) == (pytest.approx(0.020), pytest.approx(0.004))
+    assert (v2.intercept_s, v2.per_query_s) == (pytest.approx(0.002), pytest.approx(0.0005))
+    # both queued, or asked for every format: the dearer at REFERENCE_BATCH queries
+    assert costs.fit([1, 2]) == v1 and costs.fit() == v1
+    assert v1.predict(REFERENCE_BATCH) > v2.predict(REFERENCE_BATCH)
+    # a launch of both formats counts in each; a format never launched is planned like the others
+    costs.observe([2, 1], 4, 0.05)
+    assert (costs.fit([1]).samples, costs.fit([2]).samples) == (4, 4)
+    assert costs.fit([3]) == costs.fit()
+    assert set(costs.by_format()) == {1, 2}
 
 
 def test_rate_meter_tracks_poisson_arrivals_and_forgets_after_idle():
