@@ -103,8 +103,9 @@ __device__ __forceinline__ uint4 and_mask(uint4 a, u32 on) {
 }
 
 // Writes the children of the parent at `slot` = node * G + key (its t bit `t`, its expansion
-// left/right/tl/tr) after the level's corrections. Nodes are stored key-minor ([node * G + key]). With `final_cw` non-null
-// the children are leaves: they are written as masks (seed ^ final_cw where t), t is not kept.
+// left/right/tl/tr) after the level's corrections. Nodes are stored key-minor ([node * G + key]).
+// With `final_cw` non-null the children are leaves: they are written as masks (seed ^ final_cw
+// where t), t is not kept.
 template <int G>
 __device__ __forceinline__ void store_children(
     int slot, u32 t, uint4 left, uint4 right, u32 tl, u32 tr, uint4* out_seed, u8* out_t,

@@ -2,6 +2,7 @@
 their logic is tested where there is no GPU (CI): see cuda_emu.h for what is emulated."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -112,8 +113,11 @@ def library() -> ctypes.CDLL:
     return built
 
 
-def _check_faults(before: int) -> None:
-    """Fails if a block of the launches since `before` (emu_faults then) wrote past its shared memory."""
+@contextlib.contextmanager
+def _within_shared_memory():
+    """Fails if a block of the launches made inside wrote past its dynamic shared memory."""
+    before = library().emu_faults()
+    yield
     after = library().emu_faults()
     assert after == before, f"{after - before} blocks wrote past their dynamic shared memory"
 
@@ -136,10 +140,9 @@ def to_fragments(pages: np.ndarray) -> np.ndarray:
     padded = np.zeros((chunks * cuda_plan.MMA_CHUNK_PAGES, WORDS), dtype=np.uint32)
     padded[: pages.shape[0]] = pages
     frags = np.full(padded.size, 0xDEADBEEF, dtype=np.uint32)  # every word must be written
-    before = library().emu_faults()
-    library().emu_pages_to_fragments(ctypes.c_uint(chunks * cuda_plan.MMA_SLICES), _arg(padded),
-                                     ctypes.c_longlong(pages.shape[0]), _arg(frags))
-    _check_faults(before)
+    with _within_shared_memory():
+        library().emu_pages_to_fragments(ctypes.c_uint(chunks * cuda_plan.MMA_SLICES), _arg(padded),
+                                         ctypes.c_longlong(pages.shape[0]), _arg(frags))
     return frags
 
 
@@ -147,10 +150,9 @@ def chunk_pages(frags: np.ndarray, chunk: int) -> np.ndarray:
     """Chunk `chunk` of a fragments-layout matrix back as (MMA_CHUNK_PAGES, 1024) u32 pages, by the
     emulated fragments_to_pages, as read_page and row writes read it."""
     pages = np.full((cuda_plan.MMA_CHUNK_PAGES, WORDS), 0xDEADBEEF, dtype=np.uint32)
-    before = library().emu_faults()
     start = chunk * cuda_plan.MMA_SLICES * cuda_plan.MMA_FRAGMENT_WORDS
-    library().emu_fragments_to_pages(ctypes.c_uint(cuda_plan.MMA_SLICES), _arg(frags[start:]), _arg(pages))
-    _check_faults(before)
+    with _within_shared_memory():
+        library().emu_fragments_to_pages(ctypes.c_uint(cuda_plan.MMA_SLICES), _arg(frags[start:]), _arg(pages))
     return pages
 
 
@@ -159,19 +161,18 @@ def _answers(plan, batch, scan) -> np.ndarray:
     records padded with the last key, the top stages by dpf_expand_top, then scan(lib, keyrec,
     nodes, out); only the batch's own rows come back."""
     lib = library()
-    before = lib.emu_faults()
     k, kp = batch.root_seed.shape[0], plan.padded_keys
     records = cuda_plan.pack_key_records(batch.root_seed, batch.root_t, batch.cw_seed, batch.cw_t,
                                          batch.final_cw)
     keyrec = np.ascontiguousarray(np.concatenate([records, np.repeat(records[-1:], kp - k, axis=0)]))
     nodes = [(np.zeros((kp, st.live_out, 4), dtype=np.uint32), np.zeros((kp, st.live_out), dtype=np.uint8))
              for st in plan.stages]
-    for i, st in enumerate(plan.stages):
-        lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
-                               *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
     out = np.zeros((kp, WORDS), dtype=np.uint32)
-    scan(lib, keyrec, nodes, out)
-    _check_faults(before)
+    with _within_shared_memory():
+        for i, st in enumerate(plan.stages):
+            lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
+                                   *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
+        scan(lib, keyrec, nodes, out)
     return out[:k]
 
 
