@@ -102,6 +102,18 @@ def http_json(url: str, body=None, timeout: float = 60.0):
         return exc.code, exc.headers, json.loads(exc.read())
 
 
+def every_web_process_serves(url: str, epoch_id: int, domain_bits: int, since: float, within: float = 1.5) -> None:
+    """Waits until `url`'s web processes all serve epoch `epoch_id` (domain_bits): 12 /epoch answers
+    in a row say so (a request reaches any worker). Fails if that takes past `within` seconds from
+    `since` (monotonic): an epoch switch reaches every web process within a second."""
+    consecutive = 0
+    while consecutive < 12:
+        epoch = http_json(url + "/epoch")[2]
+        seen = (epoch.get("epoch_id"), epoch.get("page_pir", {}).get("domain_bits")) == (epoch_id, domain_bits)
+        consecutive = consecutive + 1 if seen else 0
+        assert time.monotonic() - since < within, f"still {epoch}"
+
+
 class ServerProcess:
     """A Django server (runserver or gunicorn) in a child process, on a free local port."""
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from benchmarks.stack import Party
 from gpu_engine.dpf import gen_keys
 from gpu_engine.matrix import load_matrix, metadata_path, write_epoch_metadata, write_matrix_file
-from tests.conftest import REPO, http_json, server_env
+from tests.conftest import REPO, every_web_process_serves, http_json, server_env
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,8 @@ def test_the_engine_server_places_epochs_over_its_devices(party):
     assert read_page(made.url, 42, 8) == (health["epoch_id"], load_matrix(made.matrix).page(42))
 
     made.manage("load_epoch", str(second), "--placement", "shard", "--activate")
+    # each web worker checks keys against the epoch it follows (300 pages: domain_bits 9, not 8)
+    every_web_process_serves(made.url, 2, 9, since=time.monotonic())
     health = http_json(made.url + "/health")[2]
     assert health["epoch_id"] == 2 and health["placement"]["placement"] == "shard"
     assert [(d["device"], d["first_page"], d["stop_page"]) for d in health["placement"]["devices"]] == [
