@@ -824,7 +824,8 @@ def test_a_fragments_layout_is_scanned_on_the_tensor_cores_by_either_key_format(
     assert plan.scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_frag<16>")
     assert (plan.group_keys, plan.num_groups, plan.padded_keys, plan.chunk_levels) == (16, 2, 32, 8)
     assert plan.num_chunks == -(-MAINNET_PAGES // 256) and plan.stages[-1].live_out == plan.num_chunks
-    assert plan.shared_bytes == cuda_plan.scan_shared_bytes(16, 8) <= cuda_plan.MAX_SHARED_BYTES // 2
+    assert plan.shared_bytes == cuda_plan.v1_frag_shared_bytes() <= cuda_plan.MAX_SHARED_BYTES
+    assert plan.scan_threads == cuda_plan.V1_FRAG_THREADS == 512  # producers and multipliers
     small = cuda_plan.plan_scan(3, 2, 3, key_format=KEY_FORMAT_V1, layout="fragments")
     assert (small.chunk_levels, small.num_chunks, small.stages, small.shared_bytes) == (2, 1, (), plan.shared_bytes)
     for key_format, tensor_cores in ((KEY_FORMAT_V1, True), (KEY_FORMAT_V2, False)):

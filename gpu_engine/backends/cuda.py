@@ -88,7 +88,7 @@ class _MicroBatch:
                           cuda_plan.mma_scan_args(plan, pages, self.sel, self.out),
                           shared_mem=plan.shared_bytes)
             else:
-                self.scan((plan.grid,), (cuda_plan.SCAN_THREADS,),
+                self.scan((plan.grid,), (plan.scan_threads,),
                           cuda_plan.scan_args(plan, pages, self.keyrec, self.nodes, self.out),
                           shared_mem=plan.shared_bytes)
         runtime.memcpyAsync(out_host[self.start :].ctypes.data, self.out.data.ptr,
@@ -347,7 +347,7 @@ class CudaBackend(Backend):
         if layout == "fragments":
             # v2 keys' scan and v1 keys' (dpf_scan_v1_frag) must both fit a block
             need = max(cuda_plan.mma_shared_bytes(1, layout),
-                       cuda_plan.scan_shared_bytes(cuda_plan.V1_FRAG_GROUP_KEYS, cuda_plan.V1_FRAG_CHUNK_LEVELS))
+                       cuda_plan.v1_frag_shared_bytes())
             if not self.tensor_cores or need > shared_limit:
                 raise BackendUnavailable(
                     f"the fragments layout is read by the tensor cores (1-bit products, sm_80 or later, and "

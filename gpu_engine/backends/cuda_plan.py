@@ -62,11 +62,15 @@ MAX_LAUNCH_KEYS = MAX_LAUNCH_QUERIES * KEYS_PER_QUERY  # 222
 # thread each (MMA_THREADS), turned round in shared memory so its reads and writes are whole runs
 LEAF_BITS_TILE = 16
 MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or later
-# v1 keys over the fragments layout (dpf_scan_v1_frag<16> in dpf_scan.cu): dpf_scan<16>'s blocks
+# v1 keys over the fragments layout (dpf_scan_v1_frag<16> in dpf_scan.cu): dpf_scan<16>'s plan
 # and tree chunks of 2**V1_FRAG_CHUNK_LEVELS pages (one mma k-step), the masks multiplied on the
-# tensor cores residue by residue; one key tile a block
+# tensor cores residue by residue; one key tile a block, one block an SM, of two teams of
+# SCAN_THREADS: producers expand the next chunk while multipliers multiply this one
 V1_FRAG_GROUP_KEYS = 16
 V1_FRAG_CHUNK_LEVELS = 8
+V1_FRAG_THREADS = 2 * SCAN_THREADS  # 512
+V1_FRAG_AFRAG_BYTES = 128 * 32 * 16  # bytes: the A fragments of a chunk (128 residues x 32 lanes x uint4)
+V1_FRAG_WAVES = 2  # its blocks a launch over the SMs (WAVES_PER_LAUNCH's part): longer runs, fewer unoverlapped first chunks
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
 # together (few tiles, where the scan waits on memory), long ones save atomics and prologues
 # (many tiles); measured at mainnet on the H100 (docs/benchmarks/NOTES-cuda.md)
@@ -166,6 +170,7 @@ def kernel_defines() -> Dict[str, int]:
         "LEAF_BITS_TILE": LEAF_BITS_TILE,
         "V1_FRAG_GROUP_KEYS": V1_FRAG_GROUP_KEYS,
         "V1_FRAG_CHUNK_LEVELS": V1_FRAG_CHUNK_LEVELS,
+        "V1_FRAG_THREADS": V1_FRAG_THREADS,
     }
 
 
@@ -247,6 +252,12 @@ def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
     leaves = 1 << chunk_levels
     return group_keys * sum(size * count(leaves, chunk_levels)
                             for _, size, count in SCAN_SHARED_REGIONS)
+
+
+def v1_frag_shared_bytes() -> int:
+    """Dynamic shared memory of dpf_scan_v1_frag<16>: its A fragments, then dpf_scan<16>'s
+    regions for chunks of 2**V1_FRAG_CHUNK_LEVELS leaves."""
+    return V1_FRAG_AFRAG_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
 
 
 def check_layout(layout: str) -> None:
@@ -385,6 +396,14 @@ class ScanPlan:
         return "dpf_scan.cu", f"{self.scan_template}<{self.group_keys}>"
 
     @property
+    def scan_threads(self) -> int:
+        """Threads a block of the scan: MMA_THREADS (tensor-core scans of v2 keys), V1_FRAG_THREADS
+        (dpf_scan_v1_frag's two teams), SCAN_THREADS (a thread per 16-byte column of a page)."""
+        if self.tensor_cores:
+            return MMA_THREADS
+        return V1_FRAG_THREADS if self.scan_template == "dpf_scan_v1_frag" else SCAN_THREADS
+
+    @property
     def padded_leaves(self) -> int:
         """Leaves of the selection-bit array the tensor-core scan reads: whole chunks."""
         return self.num_chunks * MMA_CHUNK_LEAVES if self.tensor_cores else self.tree_leaves
@@ -439,16 +458,19 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
         raise ValueError(f"chunk_levels must be >= 1, got {chunk_levels}")
+    waves = WAVES_PER_LAUNCH
     if key_format == KEY_FORMAT_V1 and layout == "fragments":
-        # one key tile a block, chunks of one k-step (shared memory sized for it whatever c)
+        # one key tile a block, chunks of one k-step (shared memory sized for it whatever c); one
+        # block an SM, whose first chunk is expanded before any product: long runs overlap more
         group_keys, groups = V1_FRAG_GROUP_KEYS, -(-num_keys // V1_FRAG_GROUP_KEYS)
         chunk_levels = V1_FRAG_CHUNK_LEVELS
+        resident_blocks, waves = max(1, resident_blocks // 2), V1_FRAG_WAVES
     else:
         group_keys, groups = pick_group_keys(num_keys, max_group_keys)
     if key_format == KEY_FORMAT_V1:
         depth, leaves = domain_bits, num_pages
         c = min(chunk_levels, domain_bits)
-        shared = scan_shared_bytes(group_keys, chunk_levels if layout == "fragments" else c)
+        shared = v1_frag_shared_bytes() if layout == "fragments" else scan_shared_bytes(group_keys, c)
     else:
         depth, leaves = tree_depth(domain_bits, key_format), live_nodes(num_pages, LEAF_PAGE_BITS)
         c, shared = 0, 0  # dpf_scan_bits holds G leaves in static shared memory
@@ -458,7 +480,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
             f"over the {MAX_SHARED_BYTES}-byte limit"
         )
     chunks = live_nodes(leaves, c)
-    target_runs = max(1, -(-resident_blocks * WAVES_PER_LAUNCH // groups))
+    target_runs = max(1, -(-resident_blocks * waves // groups))
     runs = min(chunks, target_runs)
     per_block = -(-chunks // runs)
     runs = -(-chunks // per_block)

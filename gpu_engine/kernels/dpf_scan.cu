@@ -137,6 +137,27 @@ __device__ __forceinline__ void store_children(
 #define PRG_NODES_PER_STEP 2
 #endif
 
+// The threads that expand a tree level: the whole block (threadIdx.x of blockDim.x, meeting at
+// __syncthreads), or dpf_scan_v1_frag's producer warps, which meet at their own named barrier
+// while the block's other warps multiply.
+struct Team {
+    int tid, size, barrier;  // barrier 0: __syncthreads; else bar.sync barrier, size threads
+};
+
+__device__ __forceinline__ Team whole_block() { return {(int)threadIdx.x, (int)blockDim.x, 0}; }
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void team_sync(const Team& team) {
+    if (team.barrier == 0) {
+        __syncthreads();
+    } else {
+        named_barrier(team.barrier, team.size);
+    }
+}
+
 // The keys of a group of G that a level expands: the first `live` (a padded last group expands
 // only its real keys; its padding slots keep stale nodes, whose answers are never read). Work item
 // idx is node idx / live, key idx % live; inv = ceil(2^32 / live) makes that division one
@@ -164,12 +185,12 @@ __device__ __forceinline__ int live_slot(int idx, LiveKeys keys) {
 template <int G>
 __device__ __forceinline__ void expand_level(
     const uint4* in_seed, const u8* in_t, uint4* out_seed, u8* out_t, int n_par,
-    const uint4* cw_seed, const u8* cw_t, const uint4* final_cw, LiveKeys keys) {
+    const uint4* cw_seed, const u8* cw_t, const uint4* final_cw, LiveKeys keys, Team team) {
     const int total = n_par * keys.live;
-    int idx = threadIdx.x;
+    int idx = team.tid;
 #if PRG_NODES_PER_STEP > 1
-    for (; idx + (int)blockDim.x < total; idx += 2 * blockDim.x) {
-        const int at0 = live_slot<G>(idx, keys), at1 = live_slot<G>(idx + blockDim.x, keys);
+    for (; idx + team.size < total; idx += 2 * team.size) {
+        const int at0 = live_slot<G>(idx, keys), at1 = live_slot<G>(idx + team.size, keys);
         const uint4 s0 = in_seed[at0], s1 = in_seed[at1];
         const u32 t0 = in_t[at0], t1 = in_t[at1];
         uint4 l0, r0, l1, r1;
@@ -180,7 +201,7 @@ __device__ __forceinline__ void expand_level(
         store_children<G>(at1, t1, l1, r1, tl1, tr1, out_seed, out_t, cw_seed, cw_t, final_cw);
     }
 #endif
-    for (; idx < total; idx += blockDim.x) {
+    for (; idx < total; idx += team.size) {
         const int at = live_slot<G>(idx, keys);
         uint4 left, right;
         u32 tl, tr;
@@ -241,7 +262,7 @@ dpf_expand_top(const u32* __restrict__ keyrec, int krec, int domain_bits, long l
         const int n_par = (int)(live < (1LL << l) ? live : (1LL << l));
         const int src = (levels - l) & 1;
         expand_level<1>(buf_seed[src], buf_t[src], buf_seed[src ^ 1], buf_t[src ^ 1], n_par,
-                        &cw_seed[l], &cw_t[l], (const uint4*)0, live_keys(1));
+                        &cw_seed[l], &cw_t[l], (const uint4*)0, live_keys(1), whole_block());
         __syncthreads();
     }
     const long long first_out = node << levels;
@@ -322,35 +343,36 @@ __device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int k
 // keys key0 .. key0 + G - 1 (the first keys.live of them) in shared memory: its leaves land in
 // `big` as masks, [leaf * G + key].
 // Level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1)
-// land there; the chunk roots sit where level -1 would have written. Ends with a barrier.
+// land there; the chunk roots sit where level -1 would have written. The team's threads do the
+// work and meet at its barrier, last after the leaves.
 template <int G>
 __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leaves, int depth_top,
                                              const u32* keyrec, int krec, int key0,
                                              const uint4* root_seed, const u8* root_t, long long root_stride,
                                              uint4* big, uint4* half, u8* big_t, u8* half_t,
                                              const uint4* cw_seed, const u8* cw_t, const uint4* final_cw,
-                                             LiveKeys keys) {
+                                             LiveKeys keys, Team team) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
-    if (threadIdx.x < G) {
-        const int key = key0 + threadIdx.x;
+    if (team.tid < G) {
+        const int key = key0 + team.tid;
         if (depth_top == 0) {
             const u32* rec = keyrec + (long long)key * krec;
-            root_buf[threadIdx.x] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
-            root_buf_t[threadIdx.x] = (u8)rec[KREC_ROOT_T];
+            root_buf[team.tid] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+            root_buf_t[team.tid] = (u8)rec[KREC_ROOT_T];
         } else {
-            root_buf[threadIdx.x] = root_seed[key * root_stride + chunk];
-            root_buf_t[threadIdx.x] = root_t[key * root_stride + chunk];
+            root_buf[team.tid] = root_seed[key * root_stride + chunk];
+            root_buf_t[team.tid] = root_t[key * root_stride + chunk];
         }
     }
-    __syncthreads();
+    team_sync(team);
     for (int l = 0; l < c; ++l) {
         const int to_big = ((c - 1 - l) & 1) == 0;
         const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
         expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
                         to_big ? big : half, to_big ? big_t : half_t, n_par,
-                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys);
-        __syncthreads();
+                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
+        team_sync(team);
     }
 }
 
@@ -391,7 +413,7 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
         const long long leaf0 = chunk << c;
         const int n_leaves = (int)min((long long)L, num_pages - leaf0);
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
-                        big, half, big_t, half_t, cw_seed, cw_t, final_cw, live_keys(G));
+                        big, half, big_t, half_t, cw_seed, cw_t, final_cw, live_keys(G), whole_block());
 
         scan_column<G, U>(acc, pages + leaf0 * SCAN_THREADS + col, n_leaves,
                           [&](uint4 (&a)[G], const uint4& v, int p) { accumulate_page<G>(a, v, big + p * G); });
@@ -407,13 +429,17 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // 256 words w with w % 4 = r / 32). The fragments layout stores B fragments by slice of 8 words
 // (fragment_offset, bit_products.cuh), and words c and c + 4 of a slice share residue 32c + b, so
 // one m16n8k256 product takes its 8 columns from 4 slices: column n from slice 4j + n / 2, word
-// c + 4 (n % 2). A block is dpf_scan<16>'s (a key group of 16, a run of chunks of 256 pages, which
-// are mma k-steps, expanded in shared memory as there); per chunk the masks are turned into A
-// fragments, residue by residue, in place of the tree levels no longer needed, and warp W
-// multiplies them by slices 16W .. 16W + 15 of the chunk's pages read straight from global
-// memory. A product's popcounts live for one k-step: their low bits go to bit b of the warp's
-// answer words (64 registers a thread: 2 keys x 8 words x 4 column tiles, two words' halves
-// packed in each), which meet in global memory by XOR atomics once per block.
+// c + 4 (n % 2). A block holds one key group of 16 and a run of chunks of 256 pages (mma k-steps)
+// and is two teams of V1_FRAG_THREADS / 2 threads. The producers (warps 8..15) expand the next
+// chunk's tree in shared memory, dpf_scan<16>'s way, meeting at their own named barrier, while
+// the multipliers (warps 0..7) multiply the current chunk: the expansion (ChaCha8 on the ALU) and
+// the products (loads from L2 and DRAM, the tensor cores) overlap instead of taking turns. Between
+// chunks the producers turn the leaves' masks into the A fragments, residue by residue, in a
+// buffer of their own; multiplier warp W multiplies them by slices 16W .. 16W + 15 of the chunk's
+// pages read straight from global memory. A product's popcounts live for one k-step: their low
+// bits go to bit b of the warp's answer words (64 registers a thread: 2 keys x 8 words x 4 column
+// tiles, two words' halves packed in each), which meet in global memory by XOR atomics once per
+// block.
 // Residues (s) of the product loop unrolled together: 1, or a variant to time (-DV1F_UNROLL=n)
 #ifndef V1F_UNROLL
 #define V1F_UNROLL 1
@@ -421,6 +447,10 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 constexpr int kV1fUnroll = V1F_UNROLL;
 #define V1F_L (1 << V1_FRAG_CHUNK_LEVELS)  // leaves a chunk expands at most (the host sizes shared memory for it)
 #define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
+#define V1F_TEAM (V1_FRAG_THREADS / 2)  // threads a team: the producers, the multipliers
+#define V1F_RESIDUES 128  // residues of a 128-bit mask: an A fragment each, 32 lanes x uint4
+#define V1F_PRODUCER_BARRIER 1  // bar.sync ids: the producers' own (between tree levels)
+#define V1F_BLOCK_BARRIER 2  // both teams (a chunk's A fragments handed over)
 
 // x[i] <- word q of the mask of key k for page 32 pg + i (0 past the chunk's live leaves).
 template <int G>
@@ -434,23 +464,121 @@ __device__ __forceinline__ void v1f_load_masks(u32 (&x)[32], const uint4* big, i
 
 // After transpose32, x[b] is bit 32 q + b of key k's masks over pages 32 pg .. 32 pg + 31: the A
 // fragment word of residue 32 q + b, lane (k % 8, pg % 4), register k / 8 + 2 (pg / 4). afrag
-// holds 64 residues from its first, [residue][lane] uint4 (a0 .. a3).
+// holds the residues [residue][lane] uint4 (a0 .. a3).
 __device__ __forceinline__ void v1f_store_afrag(uint4* afrag, const u32 (&x)[32], int k, int pg, int q) {
     u32* dst = (u32*)(afrag + (k & 7) * 4 + (pg & 3)) + (k >> 3) + 2 * (pg >> 2);
 #pragma unroll
     for (int b = 0; b < 32; ++b) dst[(32 * q + b) * 32 * 4] = x[b];
 }
 
+// A producer's share of turning a chunk's masks (big) into its A fragments: producer p transposes
+// key p % 16, pages 32 ((p / 16) % 8) .., mask words p / 128 and p / 128 + 2.
 template <int G>
-__global__ void __launch_bounds__(SCAN_THREADS, 2)
+__device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, int p, int n_leaves) {
+    static_assert(V1F_TEAM == 256 && G == 16, "a producer transposes two (key, 32 pages, word) blocks");
+    const int k = p & 15, pg = (p >> 4) & 7, q = p >> 7;
+#pragma unroll 1
+    for (int qq = q; qq < 4; qq += 2) {
+        u32 x[32];
+        v1f_load_masks<G>(x, big, k, pg, qq, n_leaves);
+        transpose32(x);
+        v1f_store_afrag(afrag, x, k, pg, qq);
+    }
+}
+
+// Rows (residues b of a k-step: 128 bytes of a slice and half each) a multiplier warp asks L2 for
+// ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
+// at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only:
+// measured on the H100 at mainnet (docs/benchmarks/NOTES-cuda.md), 6 groups gained 12%, while 1
+// and 2 lost 12-33% (the blocks of a run drift apart and read their pages from DRAM twice).
+// Variants to time: V1F_PREFETCH_ROWS=0 (none), another distance or minimum.
+#ifndef V1F_PREFETCH_ROWS
+#define V1F_PREFETCH_ROWS 4
+#endif
+#ifndef V1F_PREFETCH_MIN_GROUPS
+#define V1F_PREFETCH_MIN_GROUPS 3
+#endif
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+}
+
+// The first word of the chunk at leaf0 (a k-step of 256 pages) in the fragments layout.
+__device__ __forceinline__ const u32* v1f_chunk_words(const u32* frags, long long leaf0) {
+    const int kstep = (int)((leaf0 % MMA_CHUNK_PAGES) / V1F_L);
+    return frags + (leaf0 / MMA_CHUNK_PAGES) * (long long)((PAGE_WORDS / MMA_SLICE_WORDS) * V1F_SLICE_WORDS)
+           + fragment_offset(8 * kstep, 0);
+}
+
+// A multiplier lane's prefetch line of a row (from a chunk's first word): slice 16 warp + lane / 2,
+// half lane % 2 (32 lanes: the warp's 16 slices x 2 halves, every line a row's loads read).
+__device__ __forceinline__ long long v1f_prefetch_line(int warp, int lane) {
+    return (long long)(16 * warp + (lane >> 1)) * V1F_SLICE_WORDS + (lane & 1) * 32 * 32;
+}
+
+// Multiplier warp `warp`'s products of one chunk (its first page leaf0) by its A fragments:
+// lane (g, t) reads B column g, slice 16 warp + 4j + g / 2, word c + 4 (g % 2), pages 32t ..
+// next_leaf0 is the next chunk the warp multiplies (its first rows are prefetched), or -1;
+// prefetch: whether to prefetch rows at all.
+__device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32* frags,
+                                             long long leaf0, long long next_leaf0, bool prefetch, int warp,
+                                             int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const u32* chunk_at = v1f_chunk_words(frags, leaf0);
+    // this lane's B words of the chunk's k-step (word c + 4 (g % 2) at + 4c, half 1 at + 32 * 32)
+    const u32* b_at = chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, 4 * (g & 1));
+    const long long line = v1f_prefetch_line(warp, lane);
+    const u32* pf_at = chunk_at + line;
+    const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
+        // residue to residue, never written 1 << s: the compiler turns a product by a shifted
+        // 1 into a shift (ALU pipe), and builds a mask it can see through in every fold
+        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
+#pragma unroll kV1fUnroll
+        for (int s = 0; s < 16; ++s) {
+            const int b = 16 * h + s;
+#if V1F_PREFETCH_ROWS > 0
+            if (!prefetch) {
+            } else if (b + V1F_PREFETCH_ROWS < 32) {
+                prefetch_l2(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
+            } else if (pf_next != 0) {
+                prefetch_l2(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
+            }
+#endif
+#pragma unroll
+            for (int cq = 0; cq < 4; ++cq) {
+                const uint4 a = afrag[(32 * cq + b) * 32 + lane];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
+                    int d[4] = {0, 0, 0, 0};
+                    mma_and_popc(d, a.x, a.y, a.z, a.w, __ldg(p), __ldg(p + 32 * 32));
+                    // a count is at most 256 (9 bits), so 2^s d0 + 2^(16+s) d1 never carries
+                    // into bit 16 + s: bits s and 16 + s are the two counts' low bits (two
+                    // IMADs on the FMA pipe and one LOP3 for two counts)
+                    acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
+                    acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
+                }
+            }
+            m_lo <<= 1;
+            m_hi <<= 1;
+            m <<= 1;
+        }
+    }
+}
+
+template <int G>
+__global__ void __launch_bounds__(V1_FRAG_THREADS, 1)
 dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_bits, int chunk_levels,
                  const u32* __restrict__ keyrec, int krec, int num_keys,
                  const uint4* __restrict__ root_seed, const u8* __restrict__ root_t, long long root_stride,
                  int num_groups, int chunks_per_block, u64* __restrict__ out) {
     static_assert(G == 16, "a key group is one m16 tile");
     static_assert(V1F_L == 256, "a chunk is one mma k-step of 256 pages");
-    static_assert(SCAN_THREADS == 256 && MMA_SLICE_WORDS == 8 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
-                  "8 warps of 16 slices; a thread transposes two (key, 32 pages, word) blocks");
+    static_assert(V1F_TEAM == 256 && MMA_SLICE_WORDS == 8 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
+                  "8 multiplier warps of 16 slices");
     extern __shared__ uint4 smem[];
     const int c = chunk_levels;  // 8, or the whole tree (one chunk) where domain_bits < 8
     uint4* big = smem;  // dpf_scan's regions, sized for V1F_L leaves whatever c
@@ -460,84 +588,54 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     u8* big_t = (u8*)(final_cw + G);
     u8* half_t = big_t + V1F_L * G;
     u8* cw_t = half_t + (V1F_L / 2) * G;
-    // A fragments: residues 0..63 over `half` (its level is spent once the leaves are in big),
-    // 64..127 over the masks of pages 128..255 (read into registers first)
-    uint4* afrag_lo = half;
-    uint4* afrag_hi = big + (V1F_L / 2) * G;
+    static_assert((V1F_L + V1F_L / 2 + V1_FRAG_CHUNK_LEVELS) * G % 16 == 0, "afrag starts 16-byte aligned");
+    uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);  // the chunk being multiplied, [residue][lane]
 
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
     const int key0 = group * G;
-    // the last group's padding keys (past num_keys) are not expanded: their A rows are stale
-    // masks and their answers are never read
-    const LiveKeys keys = live_keys(min(G, num_keys - key0));
     const int depth_top = domain_bits - c;
     const long long num_chunks = live_nodes(num_pages, c);
     const long long chunk_begin = run * chunks_per_block;
     const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    // this thread's transposes: key k, pages 32 pg .., mask words q and q + 2
-    const int k = threadIdx.x & 15, pg = (threadIdx.x >> 4) & 7, q = threadIdx.x >> 7;
-    // B column g of this lane: slice 16 warp + 4j + g / 2, word c + 4 (g % 2), pages 32t ..
-    const long long lane_slice = (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS;
 
     load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
+    __syncthreads();  // the corrections, loaded by the whole block, are read by the producers alone
 
+    // The teams run apart from here, meeting twice a chunk at barrier V1F_BLOCK_BARRIER (each its
+    // own loop, so the multipliers' 64 accumulators are not live while the producers expand).
+    if (threadIdx.x >= V1F_TEAM) {
+        // the last group's padding keys (past num_keys) are not expanded: their A rows are stale
+        // masks and their answers are never read
+        const LiveKeys keys = live_keys(min(G, num_keys - key0));
+        const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
+        for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+            const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
+            expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
+                            big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys, producers);
+            if (chunk > chunk_begin) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // the products of chunk - 1 are done
+            v1f_make_afrag<G>(afrag, big, producers.tid, n_leaves);
+            named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
+        }
+        return;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // [key g, g + 8][bit half h][c][column tile j]: bit 16h + s of word c in bit s, of word c + 4 in bit 16 + s
     u32 acc[2][2][4][4];
 #pragma unroll
     for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
-
+    const bool prefetch = V1F_PREFETCH_ROWS > 0 && num_groups >= V1F_PREFETCH_MIN_GROUPS;
+#if V1F_PREFETCH_ROWS > 0
+    if (prefetch && chunk_begin < chunk_end) {  // the first chunk's first rows, while the producers expand it
+        const u32* first = v1f_chunk_words(frags, chunk_begin << c) + v1f_prefetch_line(warp, lane);
+        for (int b = 0; b < V1F_PREFETCH_ROWS; ++b) prefetch_l2(first + b * 32);
+    }
+#endif
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        const long long leaf0 = chunk << c;
-        const int n_leaves = (int)min((long long)(1 << c), num_pages - leaf0);
-        expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
-                        big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys);
-        {
-            u32 x[32];
-            v1f_load_masks<G>(x, big, k, pg, q, n_leaves);
-            transpose32(x);
-            v1f_store_afrag(afrag_lo, x, k, pg, q);
-            v1f_load_masks<G>(x, big, k, pg, q + 2, n_leaves);
-            __syncthreads();  // every mask of pages 128..255 is read before afrag_hi overwrites them
-            transpose32(x);
-            v1f_store_afrag(afrag_hi, x, k, pg, q);
-            __syncthreads();
-        }
-        // this lane's B words of the chunk's k-step (word c + 4 (g % 2) at + 4c, half 1 at + 32 * 32)
-        const int kstep = (int)((leaf0 % MMA_CHUNK_PAGES) / V1F_L);
-        const u32* b_at = frags + (leaf0 / MMA_CHUNK_PAGES) * (long long)((PAGE_WORDS / MMA_SLICE_WORDS) * V1F_SLICE_WORDS)
-                          + lane_slice + fragment_offset(8 * kstep + t, 4 * (g & 1));
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
-            // residue to residue, never written 1 << s: the compiler turns a product by a shifted
-            // 1 into a shift (ALU pipe), and builds a mask it can see through in every fold
-            u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
-#pragma unroll kV1fUnroll
-            for (int s = 0; s < 16; ++s) {
-                const int b = 16 * h + s;
-#pragma unroll
-                for (int cq = 0; cq < 4; ++cq) {
-                    const uint4 a = (cq < 2 ? afrag_lo : afrag_hi)[((cq & 1) * 32 + b) * 32 + lane];
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
-                        int d[4] = {0, 0, 0, 0};
-                        mma_and_popc(d, a.x, a.y, a.z, a.w, __ldg(p), __ldg(p + 32 * 32));
-                        // a count is at most 256 (9 bits), so 2^s d0 + 2^(16+s) d1 never carries
-                        // into bit 16 + s: bits s and 16 + s are the two counts' low bits (two
-                        // IMADs on the FMA pipe and one LOP3 for two counts)
-                        acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
-                        acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
-                    }
-                }
-                m_lo <<= 1;
-                m_hi <<= 1;
-                m <<= 1;
-            }
-        }
-        __syncthreads();  // the next chunk's levels overwrite these A fragments
+        named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
+        v1f_multiply(acc, afrag, frags, chunk << c, chunk + 1 < chunk_end ? (chunk + 1) << c : -1, prefetch,
+                     warp, lane);
+        if (chunk + 1 < chunk_end) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // afrag may be overwritten
     }
     u32* out32 = (u32*)out;
 #pragma unroll

@@ -56,7 +56,8 @@ def _definition(source: str, head: str) -> str:
 
 # Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
 # CPU. mma.sync's product comes from the runtime; cp.async copies at once (the earliest a copy
-# may land: a buffer overwritten while still read shows, a missing wait does not).
+# may land: a buffer overwritten while still read shows, a missing wait does not); an L2 prefetch
+# is a hint, nothing; bar.sync's named barriers are the runtime's.
 EMULATED = {
     "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     emu_mma_and_popc(d, a0, a1, a2, a3, b0, b1);
@@ -68,6 +69,10 @@ EMULATED = {
     memcpy(dst, src, 16);
 }""",
     "__device__ __forceinline__ void cp_async_commit(": "__device__ __forceinline__ void cp_async_commit() {}",
+    "__device__ __forceinline__ void prefetch_l2(": "__device__ __forceinline__ void prefetch_l2(const void*) {}",
+    "__device__ __forceinline__ void named_barrier(": """__device__ __forceinline__ void named_barrier(int id, int threads) {
+    emu_named_barrier(id, threads);
+}""",
     "__device__ __forceinline__ void cp_async_wait(": "__device__ __forceinline__ void cp_async_wait() {}",
 }
 SOURCES = ("runtime.cpp", "scan_entries.cpp", "mma_entries.cpp")

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -33,6 +35,8 @@ extern dim3 blockIdx, blockDim, gridDim;
 extern unsigned char* emu_dynamic_smem;
 
 void __syncthreads();
+// bar.sync id, threads: a barrier of `threads` threads of the block (id 1..15), made at its first use
+void emu_named_barrier(int id, int threads);
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1);
 // Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a block at a
 // time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).

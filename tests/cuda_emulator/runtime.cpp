@@ -46,6 +46,11 @@ struct Warp {
 // as on a GPU) and its warps, made afresh for each block.
 std::unique_ptr<std::barrier<>> block_barrier;
 std::unique_ptr<Warp[]> warps;
+// The block's named barriers (bar.sync 1..15), each made by the first thread to reach it, with
+// the thread count it names; a thread that names another count for it is a kernel bug.
+std::unique_ptr<std::barrier<>> named_barriers[16];
+int named_counts[16];
+std::mutex named_mutex;
 
 // Bytes past a block's dynamic shared memory: a block that changed them wrote past its end
 const unsigned char kCanary[16] = {0xDE, 0xAD, 0xBE, 0xEF, 0xCA, 0xFE, 0xF0, 0x0D,
@@ -77,6 +82,7 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
                     std::memcpy(shared.data() + smem, kCanary, sizeof kCanary);
                     block_barrier = std::make_unique<std::barrier<>>(threads);
                     warps.reset(new Warp[(threads + 31) / 32]);
+                    for (auto& b : named_barriers) b.reset();
                 }
                 gate.arrive_and_wait();
                 body();
@@ -92,6 +98,21 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
 }
 
 void __syncthreads() { block_barrier->arrive_and_wait(); }
+
+void emu_named_barrier(int id, int threads) {
+    std::barrier<>* bar;
+    {
+        std::lock_guard<std::mutex> lock(named_mutex);
+        if (id < 1 || id > 15 || threads < 1 || threads % 32 != 0 || threads > (int)blockDim.x) std::abort();
+        if (!named_barriers[id]) {
+            named_barriers[id] = std::make_unique<std::barrier<>>(threads);
+            named_counts[id] = threads;
+        }
+        if (named_counts[id] != threads) std::abort();
+        bar = named_barriers[id].get();
+    }
+    bar->arrive_and_wait();
+}
 
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
     const int lane = threadIdx.x & 31;

@@ -52,7 +52,7 @@ void emu_dpf_scan_v1_frag(unsigned gx, size_t smem, const u32* frags, long long 
                           int chunk_levels, const u32* keyrec, int krec, int num_keys, const uint4* root_seed,
                           const u8* root_t, long long root_stride, int num_groups, int chunks_per_block,
                           u64* out) {
-    emu_launch(gx, 1, SCAN_THREADS, smem, [=] {
+    emu_launch(gx, 1, V1_FRAG_THREADS, smem, [=] {
         dpf_scan_v1_frag<V1_FRAG_GROUP_KEYS>(frags, num_pages, domain_bits, chunk_levels, keyrec, krec, num_keys,
                                              root_seed, root_t, root_stride, num_groups, chunks_per_block, out);
     });
