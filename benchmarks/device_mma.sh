@@ -4,7 +4,8 @@
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
 #   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
-#  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout)
+#  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
+#  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts NOTES-cuda.md quotes)
 set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-all}
@@ -23,7 +24,7 @@ if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (N
         timeout 200 "$NCU" --clock-control none -k "regex:${NCU_KERNEL:-dpf_scan_(wg)?mma}" --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             --section Occupancy --section WarpStateStats --section LaunchStats --section InstructionStats \
-            --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+            --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS} \
             python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format ${KEY_FORMAT:-v2} \
             --v2-scan mma --layout ${LAYOUT:-pages} > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" 2>&1
         grep -E "Duration|Throughput|Pipe|Busy|Hit Rate|Occupancy|Registers|Shared Memory Config|dram__|lts__|alu|Stall|Warp Cycles|Eligible|Issued" \
@@ -49,10 +50,15 @@ if [ "$stage" = layout ]; then  # v2 keys over the pages layout, the fragments l
     exit 0
 fi
 if [ "$stage" = v1frag ]; then  # v1 keys over the fragments layout against the pages layout (v1frag_*.csv)
-    bench v1frag_mainnet --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --layout fragments --q 1,8,32 --repeat 3 $G1
-    bench v1frag_mainnet_pages --pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --layout pages --q 8,32 --repeat 3 $G1
+    # (v1frag_mainnet_before.csv: the first line's command run from a checkout of the kernel before)
+    V1M="--pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --repeat 3 $G1"
+    bench v1frag_mainnet $V1M --layout fragments --q 1,8,16,32
+    bench v1frag_mainnet_pages $V1M --layout pages --q 1,8,16,32
+    bench v1frag_mainnet_prefetch_all $V1M --layout fragments --q 1,8,16 --define V1F_PREFETCH_MIN_GROUPS=1
+    bench v1frag_mainnet_prefetch_none $V1M --layout fragments --q 16,32 --define V1F_PREFETCH_ROWS=0
     for layout in fragments pages; do
-        bench v1frag_65536_$layout --pages 65536 --domain-bits 16 --key-format v1 --layout $layout --q 1,8,32 --repeat 9 $G1
+        bench v1frag_65536_$layout --pages 65536 --domain-bits 16 --key-format v1 --layout $layout \
+            --q 1,8,16,32,48,64,74 --repeat 9 $G1
     done
     exit 0
 fi

@@ -490,7 +490,7 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 // ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
 // at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only:
 // measured on the H100 at mainnet (docs/benchmarks/NOTES-cuda.md), 6 groups gained 12%, while 1
-// and 2 lost 12-33% (the blocks of a run drift apart and read their pages from DRAM twice).
+// and 2 lost 15-34% (the blocks of a run drift apart and read their pages from DRAM twice).
 // Variants to time: V1F_PREFETCH_ROWS=0 (none), another distance or minimum.
 #ifndef V1F_PREFETCH_ROWS
 #define V1F_PREFETCH_ROWS 4
