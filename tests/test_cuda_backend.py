@@ -826,6 +826,16 @@ def test_a_fragments_layout_is_scanned_on_the_tensor_cores_by_either_key_format(
     assert plan.num_chunks == -(-MAINNET_PAGES // 256) and plan.stages[-1].live_out == plan.num_chunks
     assert plan.shared_bytes == cuda_plan.v1_frag_shared_bytes() <= cuda_plan.MAX_SHARED_BYTES
     assert plan.scan_threads == cuda_plan.V1_FRAG_THREADS == 512  # producers and multipliers
+
+
+@pytest.mark.parametrize("sms", [132, 114, 108])
+def test_v1_fragments_launches_fill_whole_waves_of_one_block_an_sm(sms):
+    # a block past V1_FRAG_WAVES whole waves would run a whole run alone in a wave of its own
+    waves = sms * cuda_plan.V1_FRAG_WAVES
+    for queries in range(1, 75):
+        plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 3 * queries, key_format=KEY_FORMAT_V1, layout="fragments",
+                                   resident_blocks=2 * sms)
+        assert waves - plan.num_groups < plan.grid <= waves, (queries, plan.num_groups, plan.grid)
     small = cuda_plan.plan_scan(3, 2, 3, key_format=KEY_FORMAT_V1, layout="fragments")
     assert (small.chunk_levels, small.num_chunks, small.stages, small.shared_bytes) == (2, 1, (), plan.shared_bytes)
     for key_format, tensor_cores in ((KEY_FORMAT_V1, True), (KEY_FORMAT_V2, False)):

@@ -181,7 +181,6 @@ def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step
     _check_scan_carving("dpf_scan_v1_frag", {"G": g, "V1F_L": 1 << c, "V1_FRAG_CHUNK_LEVELS": c}, g, c)
     code = _code("dpf_scan.cu")
     assert "uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);" in code
-    assert re.search(r"#define V1F_RESIDUES 128\b", code)
     assert cuda_plan.V1_FRAG_AFRAG_BYTES == 128 * 32 * 16
     assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \
         cuda_plan.scan_shared_bytes(g, c) + cuda_plan.V1_FRAG_AFRAG_BYTES == cuda_plan.v1_frag_shared_bytes()

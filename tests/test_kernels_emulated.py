@@ -64,20 +64,22 @@ def test_the_fragments_layout_gives_every_page_back(matrices):
     assert np.array_equal(back[:1500], pages) and not back[1500:].any()
 
 
-@pytest.mark.parametrize("num_pages, num_keys, resident_blocks", [
-    (1, 1, 264),      # one page, one key: the chunk is the whole tree
-    (255, 16, 264),   # one full group over one partial chunk
-    (600, 3, 264),    # one group of 3 keys (13 padding slots not expanded), 3 chunks
-    (700, 21, 264),   # two groups, the second of 5 keys
-    (4097, 33, 1),    # 6 chunks a block, the last of one page; three groups, the last of one key
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block", [
+    (1, 1, 264, 1),      # one page, one key: the chunk is the whole tree
+    (255, 16, 264, 1),   # one full group over one partial chunk
+    (600, 3, 264, 1),    # one group of 3 keys (13 padding slots not expanded), 3 chunks
+    (700, 21, 264, 1),   # two groups, the second of 5 keys
+    (4097, 33, 1, 17),   # one run of 17 chunks, the last of one page; three groups, the last of one key
+    (4097, 17, 8, 5),    # runs of 5 chunks and a last of 2: two groups, the second of one key
 ])
-def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks):
+def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
+                                                       chunks_per_block):
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=num_pages + num_keys)
     expected = _answers(matrix, batch)
     assert expected.any(axis=1).all()  # no answer is all zeros: a scan that wrote nothing fails
     plan = cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks)
-    assert (plan.chunks_per_block > 1) == (resident_blocks == 1)
+    assert plan.chunks_per_block == chunks_per_block
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
 

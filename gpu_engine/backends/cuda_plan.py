@@ -255,8 +255,8 @@ def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
 
 
 def v1_frag_shared_bytes() -> int:
-    """Dynamic shared memory of dpf_scan_v1_frag<16>: its A fragments, then dpf_scan<16>'s
-    regions for chunks of 2**V1_FRAG_CHUNK_LEVELS leaves."""
+    """Dynamic shared memory of dpf_scan_v1_frag<16>: dpf_scan<16>'s regions for chunks of
+    2**V1_FRAG_CHUNK_LEVELS leaves, then its A fragments."""
     return V1_FRAG_AFRAG_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
 
 
@@ -458,15 +458,17 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         raise ValueError(f"num_pages {num_pages} is outside [1, 2**{domain_bits}]")
     if chunk_levels < 1:
         raise ValueError(f"chunk_levels must be >= 1, got {chunk_levels}")
-    waves = WAVES_PER_LAUNCH
     if key_format == KEY_FORMAT_V1 and layout == "fragments":
         # one key tile a block, chunks of one k-step (shared memory sized for it whatever c); one
-        # block an SM, whose first chunk is expanded before any product: long runs overlap more
+        # block an SM, whose first chunk is expanded before any product: long runs overlap more.
+        # At most V1_FRAG_WAVES whole waves (rounded down: a few blocks past them would each be a
+        # whole run in a wave of their own)
         group_keys, groups = V1_FRAG_GROUP_KEYS, -(-num_keys // V1_FRAG_GROUP_KEYS)
         chunk_levels = V1_FRAG_CHUNK_LEVELS
-        resident_blocks, waves = max(1, resident_blocks // 2), V1_FRAG_WAVES
+        target_runs = max(1, max(1, resident_blocks // 2) * V1_FRAG_WAVES // groups)
     else:
         group_keys, groups = pick_group_keys(num_keys, max_group_keys)
+        target_runs = max(1, -(-resident_blocks * WAVES_PER_LAUNCH // groups))
     if key_format == KEY_FORMAT_V1:
         depth, leaves = domain_bits, num_pages
         c = min(chunk_levels, domain_bits)
@@ -480,7 +482,6 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
             f"over the {MAX_SHARED_BYTES}-byte limit"
         )
     chunks = live_nodes(leaves, c)
-    target_runs = max(1, -(-resident_blocks * waves // groups))
     runs = min(chunks, target_runs)
     per_block = -(-chunks // runs)
     runs = -(-chunks // per_block)

@@ -354,7 +354,7 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              LiveKeys keys, Team team) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
-    if (team.tid < G) {
+    if ((unsigned)team.tid < (unsigned)G) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
         const int key = key0 + team.tid;
         if (depth_top == 0) {
             const u32* rec = keyrec + (long long)key * krec;
@@ -435,7 +435,8 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // the multipliers (warps 0..7) multiply the current chunk: the expansion (ChaCha8 on the ALU) and
 // the products (loads from L2 and DRAM, the tensor cores) overlap instead of taking turns. Between
 // chunks the producers turn the leaves' masks into the A fragments, residue by residue, in a
-// buffer of their own; multiplier warp W multiplies them by slices 16W .. 16W + 15 of the chunk's
+// buffer of their own (the teams meet at bar.sync, as CUTLASS's named barriers do: the hardware
+// counts warps, whichever instruction they wait at); multiplier warp W multiplies them by slices 16W .. 16W + 15 of the chunk's
 // pages read straight from global memory. A product's popcounts live for one k-step: their low
 // bits go to bit b of the warp's answer words (64 registers a thread: 2 keys x 8 words x 4 column
 // tiles, two words' halves packed in each), which meet in global memory by XOR atomics once per
@@ -448,7 +449,6 @@ constexpr int kV1fUnroll = V1F_UNROLL;
 #define V1F_L (1 << V1_FRAG_CHUNK_LEVELS)  // leaves a chunk expands at most (the host sizes shared memory for it)
 #define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
 #define V1F_TEAM (V1_FRAG_THREADS / 2)  // threads a team: the producers, the multipliers
-#define V1F_RESIDUES 128  // residues of a 128-bit mask: an A fragment each, 32 lanes x uint4
 #define V1F_PRODUCER_BARRIER 1  // bar.sync ids: the producers' own (between tree levels)
 #define V1F_BLOCK_BARRIER 2  // both teams (a chunk's A fragments handed over)
 
@@ -579,6 +579,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     static_assert(V1F_L == 256, "a chunk is one mma k-step of 256 pages");
     static_assert(V1F_TEAM == 256 && MMA_SLICE_WORDS == 8 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
                   "8 multiplier warps of 16 slices");
+    if (blockDim.x != V1_FRAG_THREADS) __trap();  // fewer and the teams' barriers would never open
     extern __shared__ uint4 smem[];
     const int c = chunk_levels;  // 8, or the whole tree (one chunk) where domain_bits < 8
     uint4* big = smem;  // dpf_scan's regions, sized for V1F_L leaves whatever c
@@ -589,7 +590,8 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     u8* half_t = big_t + V1F_L * G;
     u8* cw_t = half_t + (V1F_L / 2) * G;
     static_assert((V1F_L + V1F_L / 2 + V1_FRAG_CHUNK_LEVELS) * G % 16 == 0, "afrag starts 16-byte aligned");
-    uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);  // the chunk being multiplied, [residue][lane]
+    // the chunk being multiplied: 128 residues x 32 lanes (cuda_plan.V1_FRAG_AFRAG_BYTES)
+    uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);
 
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
