@@ -436,11 +436,11 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // the products (loads from L2 and DRAM, the tensor cores) overlap instead of taking turns. Between
 // chunks the producers turn the leaves' masks into the A fragments, residue by residue, in a
 // buffer of their own (the teams meet at bar.sync, as CUTLASS's named barriers do: the hardware
-// counts warps, whichever instruction they wait at); multiplier warp W multiplies them by slices 16W .. 16W + 15 of the chunk's
-// pages read straight from global memory. A product's popcounts live for one k-step: their low
-// bits go to bit b of the warp's answer words (64 registers a thread: 2 keys x 8 words x 4 column
-// tiles, two words' halves packed in each), which meet in global memory by XOR atomics once per
-// block.
+// counts warps, whichever instruction they wait at); multiplier warp W multiplies them by slices
+// 16W .. 16W + 15 of the chunk's pages read straight from global memory. A product's popcounts
+// live for one k-step: their low bits go to bit b of the warp's answer words (64 registers a
+// thread: 2 keys x 8 words x 4 column tiles, two words' halves packed in each), which meet in
+// global memory by XOR atomics once per block.
 // Residues (s) of the product loop unrolled together: 1, or a variant to time (-DV1F_UNROLL=n)
 #ifndef V1F_UNROLL
 #define V1F_UNROLL 1
@@ -540,11 +540,12 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
         for (int s = 0; s < 16; ++s) {
             const int b = 16 * h + s;
 #if V1F_PREFETCH_ROWS > 0
-            if (!prefetch) {
-            } else if (b + V1F_PREFETCH_ROWS < 32) {
-                prefetch_l2(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
-            } else if (pf_next != 0) {
-                prefetch_l2(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
+            if (prefetch) {  // row b + V1F_PREFETCH_ROWS: of this chunk, else of the next one (if any)
+                if (b + V1F_PREFETCH_ROWS < 32) {
+                    prefetch_l2(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
+                } else if (pf_next != 0) {
+                    prefetch_l2(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
+                }
             }
 #endif
 #pragma unroll
@@ -604,8 +605,9 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
     __syncthreads();  // the corrections, loaded by the whole block, are read by the producers alone
 
-    // The teams run apart from here, meeting twice a chunk at barrier V1F_BLOCK_BARRIER (each its
-    // own loop, so the multipliers' 64 accumulators are not live while the producers expand).
+    // The teams run apart from here, meeting at barrier V1F_BLOCK_BARRIER twice a chunk, once for
+    // a run's first (each its own loop, so the multipliers' 64 accumulators are not live while the
+    // producers expand).
     if (threadIdx.x >= V1F_TEAM) {
         // the last group's padding keys (past num_keys) are not expanded: their A rows are stale
         // masks and their answers are never read
