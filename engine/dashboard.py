@@ -13,6 +13,7 @@ from collections import deque
 from typing import Callable
 
 from django.contrib.admin.views.decorators import staff_member_required
+from django.db import close_old_connections
 from django.http import JsonResponse
 from django.shortcuts import render
 from prometheus_client import REGISTRY
@@ -178,6 +179,10 @@ class History:
                 self.sample()
             except Exception:  # a broken collector must not end the history
                 log.exception("dashboard history: sampling failed")
+            # The collectors read the database (pending row updates): each sample ends as a
+            # request does, so its connection lives no longer than DATABASE_CONN_MAX_AGE says and
+            # one broken by a database restart is not kept.
+            close_old_connections()
             time.sleep(SAMPLE_EVERY_S - time.time() % SAMPLE_EVERY_S)
 
 

@@ -92,8 +92,11 @@ class Watcher:
             _reset_db_connection()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.check_all()
+        try:
+            while not self._stop.wait(self.poll_s):
+                self.check_all()
+        finally:
+            _reset_db_connection()  # a stopped watcher holds no database connection open
 
 
 def _reset_db_connection() -> None:

@@ -191,8 +191,9 @@ def _fresh_request_counters():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _live_watcher_thread():
-    """This process's live watcher: no thread over SQLite, stopped at the end over PostgreSQL.
+def _live_watcher_thread(django_db_setup):
+    """This process's live watcher: no thread over SQLite, stopped at the end over PostgreSQL
+    (before the test database is dropped: this fixture needs it, so it is torn down first).
 
     The tests' SQLite database is one shared in-memory database, which refuses a write while another
     connection reads the table ("database table is locked") where a database file would wait: the
@@ -212,6 +213,35 @@ def _live_watcher_thread():
     yield
     patch.undo()
     watcher.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_watcher_thread_beside_a_test_transaction(request):
+    """Over PostgreSQL, a test wrapped in a transaction (`db`, not `transactional_db`) runs without
+    the watcher thread, as every test does over SQLite.
+
+    The thread's own connection sees none of the test's uncommitted rows, so a poll undoes what the
+    test set up: an engine held because the active epoch (the test's row) cannot be served was
+    freed by a sync that, in the thread's view, found no active epoch, and answered a query from
+    the epoch it still had (CI, test_placement). Tests whose rows are committed keep the thread."""
+    from django.db import connection
+
+    from engine.watcher import default_watcher
+
+    names = request.fixturenames
+    marker = request.node.get_closest_marker("django_db")
+    transactional = "transactional_db" in names or "live_server" in names or (
+        marker is not None and bool(marker.kwargs.get("transaction", marker.args[:1] == (True,))))
+    wrapped = ("db" in names or marker is not None) and not transactional
+    if connection.vendor == "sqlite" or not wrapped:
+        yield
+        return
+    watcher = default_watcher()
+    watcher.stop()
+    patch = pytest.MonkeyPatch()
+    patch.setattr(watcher, "start", lambda: None)
+    yield
+    patch.undo()
 
 
 # --- Redis servers of a test's own ------------------------------------------------------------
