@@ -64,24 +64,28 @@ def test_the_fragments_layout_gives_every_page_back(matrices):
     assert np.array_equal(back[:1500], pages) and not back[1500:].any()
 
 
-@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block", [
-    (1, 1, 264, 1),      # one page, one key: the chunk is the whole tree
-    (255, 16, 264, 1),   # one full group over one partial chunk
-    (600, 3, 264, 1),    # one group of 3 keys (13 padding slots not expanded), 3 chunks
-    (700, 21, 264, 1),   # two groups, the second of 5 keys
-    (4097, 33, 1, 17),   # one run of 17 chunks, the last of one page; three groups, the last of one key
-    (4097, 17, 8, 5),    # runs of 5 chunks and a last of 2: two groups, the second of one key
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, prefetching", [
+    (1, 1, 264, 1, False),      # one page, one key: the chunk is the whole tree
+    (255, 16, 264, 1, False),   # one full group over one partial chunk
+    (600, 3, 264, 1, False),    # one group of 3 keys (13 padding slots not expanded), 3 chunks
+    (700, 21, 264, 1, False),   # two groups, the second of 5 keys
+    (4097, 33, 1, 17, True),    # one run of 17 chunks, the last of one page; three groups, the last of one key
+    (4097, 17, 8, 5, False),    # runs of 5 chunks and a last of 2: two groups, the second of one key
 ])
 def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
-                                                       chunks_per_block):
+                                                       chunks_per_block, prefetching):
+    # the rows prefetched into L2 (launches of 3 key groups or more) all lie in the matrix:
+    # tensor_core_answers fails otherwise
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=num_pages + num_keys)
     expected = _answers(matrix, batch)
     assert expected.any(axis=1).all()  # no answer is all zeros: a scan that wrote nothing fails
     plan = cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks)
     assert plan.chunks_per_block == chunks_per_block
+    before = cuda_emulator.prefetches()
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
+    assert (cuda_emulator.prefetches() > before) == prefetching
 
 
 @pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])
@@ -102,13 +106,16 @@ def test_both_key_formats_over_the_pages_layout_match_numpy(matrices, key_format
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
 
 
+@pytest.mark.parametrize("copies_land", list(cuda_emulator.COPIES_LAND))
 @pytest.mark.parametrize("layout", ["pages", "fragments"])
 @pytest.mark.parametrize("num_pages, num_keys, resident_blocks", [
     (600, 3, 264),   # one key tile (13 rows of padding), one chunk of 1,024 pages, part live
     (4097, 20, 2),   # two key tiles; 5 chunks, the last of one page, all in one run of each slice
 ])
-def test_v2_keys_on_the_tensor_cores_match_numpy(matrices, layout, num_pages, num_keys, resident_blocks):
-    # dpf_leaf_bits, then dpf_scan_mma<T> (staging and transposing the pages) or dpf_scan_mma_frag<T>
+def test_v2_keys_on_the_tensor_cores_match_numpy(matrices, layout, num_pages, num_keys, resident_blocks,
+                                                 copies_land):
+    # dpf_leaf_bits, then dpf_scan_mma<T> (staging and transposing the pages) or dpf_scan_mma_frag<T>,
+    # their cp.async copies landing at the earliest and at the latest a GPU may land them
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=7 * num_keys, key_format=KEY_FORMAT_V2)
     expected = _answers(matrix, batch)
@@ -116,5 +123,6 @@ def test_v2_keys_on_the_tensor_cores_match_numpy(matrices, layout, num_pages, nu
     scanned = np.ascontiguousarray(matrix.block(0, num_pages)) if layout == "pages" else frags
     assert (cuda_emulator.tensor_core_plan(num_pages, batch, layout, resident_blocks).chunks_per_block > 1) == \
         (resident_blocks == 2)
-    got = cuda_emulator.tensor_core_answers(num_pages, scanned, batch, layout, resident_blocks)
+    with cuda_emulator.copies_landing(copies_land):
+        got = cuda_emulator.tensor_core_answers(num_pages, scanned, batch, layout, resident_blocks)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys

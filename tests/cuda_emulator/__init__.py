@@ -55,9 +55,9 @@ def _definition(source: str, head: str) -> str:
 
 
 # Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
-# CPU. mma.sync's product comes from the runtime; cp.async copies at once (the earliest a copy
-# may land: a buffer overwritten while still read shows, a missing wait does not); an L2 prefetch
-# is a hint, nothing; bar.sync's named barriers are the runtime's.
+# CPU. mma.sync's product comes from the runtime; cp.async copies land when issued or at the
+# wait_group that lets them (copies_landing: the earliest and the latest a copy may); an L2 prefetch
+# loads nothing, but is counted and its address checked; bar.sync's named barriers are the runtime's.
 EMULATED = {
     "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     emu_mma_and_popc(d, a0, a1, a2, a3, b0, b1);
@@ -66,14 +66,20 @@ EMULATED = {
     return (u32)((const unsigned char*)p - emu_dynamic_smem);
 }""",
     "__device__ __forceinline__ void cp_async16(": """__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    memcpy(dst, src, 16);
+    emu_cp_async16(dst, src);
 }""",
-    "__device__ __forceinline__ void cp_async_commit(": "__device__ __forceinline__ void cp_async_commit() {}",
-    "__device__ __forceinline__ void prefetch_l2(": "__device__ __forceinline__ void prefetch_l2(const void*) {}",
+    "__device__ __forceinline__ void cp_async_commit(": """__device__ __forceinline__ void cp_async_commit() {
+    emu_cp_async_commit();
+}""",
+    "__device__ __forceinline__ void prefetch_l2(": """__device__ __forceinline__ void prefetch_l2(const void* p) {
+    emu_prefetch_l2(p);
+}""",
     "__device__ __forceinline__ void named_barrier(": """__device__ __forceinline__ void named_barrier(int id, int threads) {
     emu_named_barrier(id, threads);
 }""",
-    "__device__ __forceinline__ void cp_async_wait(": "__device__ __forceinline__ void cp_async_wait() {}",
+    "__device__ __forceinline__ void cp_async_wait(": """__device__ __forceinline__ void cp_async_wait() {
+    emu_cp_async_wait(N);
+}""",
 }
 SOURCES = ("runtime.cpp", "scan_entries.cpp", "mma_entries.cpp")
 
@@ -114,17 +120,56 @@ def library() -> ctypes.CDLL:
     built = ctypes.CDLL(str(lib))
     for name in ("emu_dpf_scan", "emu_dpf_scan_bits", "emu_dpf_scan_mma"):
         getattr(built, name).restype = ctypes.c_bool
-    built.emu_faults.restype = ctypes.c_ulonglong
+    for name in ("emu_faults", "emu_barrier_faults", "emu_prefetches", "emu_stray_prefetches"):
+        getattr(built, name).restype = ctypes.c_ulonglong
+    built.emu_barrier_fault.restype = ctypes.c_char_p
     return built
+
+
+# When the emulated cp.async copies land (cuda_emu.h): when issued, or at the wait that lets them
+COPIES_LAND = {"at issue": 0, "at the wait": 1}
+
+
+@contextlib.contextmanager
+def copies_landing(when: str):
+    """Launches made inside land their cp.async copies `when` (a COPIES_LAND key); at issue after."""
+    library().emu_cp_async_landing(ctypes.c_int(COPIES_LAND[when]))
+    try:
+        yield
+    finally:
+        library().emu_cp_async_landing(ctypes.c_int(COPIES_LAND["at issue"]))
+
+
+def prefetches() -> int:
+    """L2 prefetches the emulated launches have made since the library loaded (tests take deltas)."""
+    return library().emu_prefetches()
 
 
 @contextlib.contextmanager
 def _within_shared_memory():
-    """Fails if a block of the launches made inside wrote past its dynamic shared memory."""
-    before = library().emu_faults()
+    """Fails if a block of the launches made inside wrote past its dynamic shared memory, or
+    misused a named barrier (on a GPU, a hang or undefined: the runtime says which)."""
+    lib = library()
+    before, broken = lib.emu_faults(), lib.emu_barrier_faults()
     yield
-    after = library().emu_faults()
+    assert lib.emu_barrier_faults() == broken, f"emulated kernel bug: {lib.emu_barrier_fault().decode()}"
+    after = lib.emu_faults()
     assert after == before, f"{after - before} blocks wrote past their dynamic shared memory"
+
+
+@contextlib.contextmanager
+def _prefetching_within(matrix: np.ndarray):
+    """Fails if a launch made inside prefetched an address outside `matrix`, the one buffer the
+    scans read pages from."""
+    lib = library()
+    lib.emu_prefetch_range(_arg(matrix), ctypes.c_size_t(matrix.nbytes))
+    before = lib.emu_stray_prefetches()
+    try:
+        yield
+    finally:
+        lib.emu_prefetch_range(None, ctypes.c_size_t(0))
+    assert lib.emu_stray_prefetches() == before, \
+        f"{lib.emu_stray_prefetches() - before} prefetches named addresses outside the matrix"
 
 
 def _arg(value):
@@ -222,7 +267,9 @@ def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str =
 
     def scan(lib, keyrec, nodes, out):
         if plan.key_format == KEY_FORMAT_V1:
-            lib.emu_dpf_scan_v1_frag(grid, shared, *map(_arg, cuda_plan.scan_args(plan, matrix, keyrec, nodes, out)))
+            with _prefetching_within(matrix):
+                lib.emu_dpf_scan_v1_frag(grid, shared,
+                                         *map(_arg, cuda_plan.scan_args(plan, matrix, keyrec, nodes, out)))
             return
         sel = np.zeros((plan.padded_keys, plan.padded_leaves, 4), dtype=np.uint32)
         lib.emu_dpf_leaf_bits(ctypes.c_uint(cuda_plan.leaf_bits_grid(plan)),

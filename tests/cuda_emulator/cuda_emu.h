@@ -37,6 +37,13 @@ extern unsigned char* emu_dynamic_smem;
 void __syncthreads();
 // bar.sync id, threads: a barrier of `threads` threads of the block (id 1..15), made at its first use
 void emu_named_barrier(int id, int threads);
+// cp.async.cg 16 bytes, commit_group, wait_group `pending` (emu_cp_async_landing says when copies land)
+void emu_cp_async16(void* dst, const void* src);
+void emu_cp_async_commit();
+void emu_cp_async_wait(int pending);
+// prefetch.global.L2: counted, and counted apart where it names an address outside the buffer the
+// tests said the launch reads (emu_prefetch_range)
+void emu_prefetch_l2(const void* p);
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1);
 // Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a block at a
 // time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).

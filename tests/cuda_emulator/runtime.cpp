@@ -2,6 +2,12 @@
 // static __shared__ arrays are process-wide here), its threads as OS threads.
 #include "cuda_emu.h"
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+
 thread_local dim3 threadIdx;
 dim3 blockIdx, blockDim, gridDim;
 unsigned char* emu_dynamic_smem;
@@ -46,10 +52,55 @@ struct Warp {
 // as on a GPU) and its warps, made afresh for each block.
 std::unique_ptr<std::barrier<>> block_barrier;
 std::unique_ptr<Warp[]> warps;
+// A named barrier misused (bar.sync's bounds, two counts for one id, a phase that never fills):
+// the first of the launch said here, and from then on the launch's named barriers wait for no one,
+// so it ends (racing) and its test fails with this text rather than hang to CI's time limit.
+std::atomic<bool> barriers_broken;
+std::atomic<unsigned long long> barrier_faults;  // launches whose named barriers broke
+char barrier_fault[256];
+
+void break_barriers(const char* what, int id, int threads) {
+    if (barriers_broken.exchange(true)) return;
+    std::snprintf(barrier_fault, sizeof barrier_fault, "%s (bar.sync %d, %d threads; block %u, thread %u)", what,
+                  id, threads, blockIdx.x, threadIdx.x);
+    ++barrier_faults;
+}
+
+// A named barrier (bar.sync id, count): `count` threads, in phases. A phase that does not fill
+// within kNamedWait means threads wait for others that never come (fewer threads name the
+// barrier than its count, or some wait at another barrier): on a GPU, a hang.
+constexpr auto kNamedWait = std::chrono::seconds(60);
+constexpr auto kNamedPoll = std::chrono::milliseconds(100);
+struct NamedBarrier {
+    explicit NamedBarrier(int count) : count(count) {}
+    void arrive_and_wait(int id) {
+        std::unique_lock<std::mutex> lock(mutex);
+        const unsigned long long phase = phases;
+        if (++arrived == count) {
+            arrived = 0;
+            ++phases;
+            opened.notify_all();
+            return;
+        }
+        const auto deadline = std::chrono::steady_clock::now() + kNamedWait;
+        // woken by the phase, else looks every kNamedPoll for another barrier's break
+        while (!opened.wait_for(lock, kNamedPoll, [&] { return phases != phase || barriers_broken; })) {
+            if (std::chrono::steady_clock::now() >= deadline) {
+                break_barriers("a named barrier's phase never filled", id, count);
+                return;
+            }
+        }
+    }
+    const int count;
+    int arrived = 0;
+    unsigned long long phases = 0;
+    std::mutex mutex;
+    std::condition_variable opened;
+};
+
 // The block's named barriers (bar.sync 1..15), each made by the first thread to reach it, with
-// the thread count it names; a thread that names another count for it is a kernel bug.
-std::unique_ptr<std::barrier<>> named_barriers[16];
-int named_counts[16];
+// the thread count it names.
+std::unique_ptr<NamedBarrier> named_barriers[16];
 std::mutex named_mutex;
 
 // Bytes past a block's dynamic shared memory: a block that changed them wrote past its end
@@ -57,10 +108,67 @@ const unsigned char kCanary[16] = {0xDE, 0xAD, 0xBE, 0xEF, 0xCA, 0xFE, 0xF0, 0x0
                                    0x12, 0x34, 0x56, 0x78, 0x9A, 0xBC, 0xDE, 0xF0};
 unsigned long long faults;  // blocks that wrote past their shared memory, since the library loaded
 
+// The buffer the launches may prefetch from (the matrix, set by the tests), and their L2
+// prefetches since the library loaded: all of them, and those that named an address outside it
+const unsigned char* prefetch_from;
+size_t prefetch_bytes;
+std::atomic<unsigned long long> prefetches, stray_prefetches;
+
+// cp.async: copies land when issued (kCopiesAtIssue, the earliest they may: a buffer overwritten
+// while still read shows) or when a wait_group lets them (kCopiesAtWait, the latest: a read before
+// its wait, or a wait for too few groups, shows). Each thread's copies not yet landed, by group.
+enum { kCopiesAtIssue = 0, kCopiesAtWait = 1 };
+int copies_land = kCopiesAtIssue;
+struct Copy16 {
+    void* dst;
+    const void* src;
+};
+thread_local std::vector<Copy16> copies_uncommitted;
+thread_local std::deque<std::vector<Copy16>> copy_groups;
+
 }  // namespace
+
+// When the launches' cp.async copies land: 0 when issued, 1 at the wait_group that lets them
+extern "C" void emu_cp_async_landing(int when) { copies_land = when; }
+
+void emu_cp_async16(void* dst, const void* src) {
+    if (copies_land == kCopiesAtIssue) std::memcpy(dst, src, 16);
+    else copies_uncommitted.push_back({dst, src});
+}
+
+void emu_cp_async_commit() {
+    copy_groups.push_back(std::move(copies_uncommitted));
+    copies_uncommitted.clear();
+}
+
+void emu_cp_async_wait(int pending) {
+    while ((int)copy_groups.size() > pending) {  // the oldest groups land; `pending` stay in flight
+        for (const Copy16& c : copy_groups.front()) std::memcpy(c.dst, c.src, 16);
+        copy_groups.pop_front();
+    }
+}
 
 // Blocks that wrote past their dynamic shared memory so far (the tests read it after each launch)
 extern "C" unsigned long long emu_faults() { return faults; }
+
+// Launches whose named barriers broke so far, and what broke the last one's
+extern "C" unsigned long long emu_barrier_faults() { return barrier_faults; }
+extern "C" const char* emu_barrier_fault() { return barrier_fault; }
+
+extern "C" void emu_prefetch_range(const void* from, size_t bytes) {
+    prefetch_from = (const unsigned char*)from;
+    prefetch_bytes = bytes;
+}
+extern "C" unsigned long long emu_prefetches() { return prefetches; }
+extern "C" unsigned long long emu_stray_prefetches() { return stray_prefetches; }
+
+void emu_prefetch_l2(const void* p) {
+    const unsigned char* at = (const unsigned char*)p;
+    ++prefetches;
+    // a GPU would ask L2 for whatever line is there: a stray address is a bug that costs
+    // bandwidth (or faults), never an answer, so only this count can show it
+    if (at < prefetch_from || at >= prefetch_from + prefetch_bytes) ++stray_prefetches;
+}
 
 void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body) {
     std::vector<unsigned char> shared(smem + sizeof kCanary);
@@ -69,6 +177,7 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
     gridDim = {gx, gy, 1};
     // The threads live for the whole launch (creating 256 a block cost more than most blocks' work);
     // between blocks they meet at `gate`, and thread 0 sets the next block up while the rest wait.
+    barriers_broken = false;
     std::barrier<> gate(threads);
     std::vector<std::thread> pool;
     pool.reserve(threads);
@@ -85,6 +194,8 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
                     for (auto& b : named_barriers) b.reset();
                 }
                 gate.arrive_and_wait();
+                copies_uncommitted.clear();  // a block's copies never land in the next one's memory
+                copy_groups.clear();
                 body();
                 block_barrier->arrive_and_drop();
                 gate.arrive_and_wait();
@@ -100,18 +211,23 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
 void __syncthreads() { block_barrier->arrive_and_wait(); }
 
 void emu_named_barrier(int id, int threads) {
-    std::barrier<>* bar;
+    NamedBarrier* bar;
     {
         std::lock_guard<std::mutex> lock(named_mutex);
-        if (id < 1 || id > 15 || threads < 1 || threads % 32 != 0 || threads > (int)blockDim.x) std::abort();
-        if (!named_barriers[id]) {
-            named_barriers[id] = std::make_unique<std::barrier<>>(threads);
-            named_counts[id] = threads;
+        if (barriers_broken) return;
+        if (id < 1 || id > 15 || threads < 1 || threads % 32 != 0 || threads > (int)blockDim.x) {
+            break_barriers("a named barrier out of bar.sync's bounds (id 1..15, a multiple of 32 threads, at most "
+                           "the block's)", id, threads);
+            return;
         }
-        if (named_counts[id] != threads) std::abort();
+        if (!named_barriers[id]) named_barriers[id] = std::make_unique<NamedBarrier>(threads);
+        if (named_barriers[id]->count != threads) {
+            break_barriers("a named barrier named with another thread count than at its first use", id, threads);
+            return;
+        }
         bar = named_barriers[id].get();
     }
-    bar->arrive_and_wait();
+    bar->arrive_and_wait(id);
 }
 
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
