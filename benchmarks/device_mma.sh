@@ -2,7 +2,7 @@
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
-#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|all   (CSVs and logs under $OUT)
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1xor|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
 #  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
 #  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts NOTES-cuda.md quotes)
@@ -60,6 +60,14 @@ if [ "$stage" = v1frag ]; then  # v1 keys over the fragments layout against the 
         bench v1frag_65536_$layout --pages 65536 --domain-bits 16 --key-format v1 --layout $layout \
             --q 1,8,16,32,48,64,74 --repeat 9 $G1
     done
+    exit 0
+fi
+if [ "$stage" = v1xor ]; then  # v1 queries of 1 and 2 over the fragments layout on the ALU (-DV1F_XOR_KEYS), beside the tensor cores and the pages layout (v1xor_*.csv)
+    V1M="--pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --repeat 3 $G1"
+    bench v1xor_mainnet_tensor $V1M --layout fragments --q 1,2
+    bench v1xor_mainnet_alu3 $V1M --layout fragments --q 1,2 --define V1F_XOR_KEYS=3
+    bench v1xor_mainnet_alu6 $V1M --layout fragments --q 1,2 --define V1F_XOR_KEYS=6
+    bench v1xor_mainnet_pages $V1M --layout pages --q 1,2
     exit 0
 fi
 if [ "$stage" = wgmma ]; then  # Hopper's warpgroup products against mma.sync, fragments layout (wgmma_*.csv)

@@ -570,6 +570,53 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
     }
 }
 
+// A launch of at most V1F_XOR_KEYS keys multiplies on the ALU instead (0: none does; a variant to
+// time, -DV1F_XOR_KEYS=3, a single query). A fragments word holds bit b of word w of 32 pages:
+// ANDed with the A fragments word of residue 32 (w % 4) + b (those pages' mask bits) and XORed
+// with the k-step's 7 other such words of (w, b), the parity of what it holds is this k-step's
+// share of answer bit b of word w: 8 LOP3, a POPC and two more a key for 8 words, where a
+// tensor-core product carries 16 key rows whatever the batch.
+#ifndef V1F_XOR_KEYS
+#define V1F_XOR_KEYS 0
+#endif
+
+// Multiplier warp `warp`'s share of one chunk (its first page leaf0) on the ALU, for keys 0 .. K - 1
+// of the group. Lane (q, c) reads word c of slices 16 warp + 4 i + q (i = 0..3), the whole k-step:
+// a row's 16 bytes 4 c .. (pages 32 t .., t = 0..3) of each half, and keeps bit b of answer word
+// c of slice 16 warp + 4 i + q of key k in bit b of ans[i][k]; 8 independent 16-byte loads a bit.
+template <int K>
+__device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], const uint4* afrag, const u32* frags,
+                                             long long leaf0, int warp, int lane) {
+    static_assert(K >= 1 && K <= 8, "keys 0 .. 7 of a group: their A words are a fragment's .x and .z");
+    const int c = lane & 7, q = lane >> 3;
+    // row b of half h of a slice: 32 words (4 c + t) from 32 b + 1024 h, as uint4 8 b + 256 h + c
+    const uint4* rows = (const uint4*)(v1f_chunk_words(frags, leaf0) + (long long)(16 * warp + q) * V1F_SLICE_WORDS) + c;
+    // bit b's mask, carried from bit to bit (never 1 << b: the compiler would make the product a shift)
+    u32 m = 1u;
+#pragma unroll 1
+    for (int b = 0; b < 32; ++b) {
+        uint4 lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo[i] = __ldg(rows + (long long)(4 * i) * (V1F_SLICE_WORDS / 4) + 8 * b);
+            hi[i] = __ldg(rows + (long long)(4 * i) * (V1F_SLICE_WORDS / 4) + 8 * b + 256);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            // key k's mask bits of residue 32 (c % 4) + b over pages 32 t ..: .x (half 0), .z (half 1)
+            const uint4* a = afrag + (32 * (c & 3) + b) * 32 + 4 * k;
+            const uint4 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 x = (lo[i].x & a0.x) ^ (lo[i].y & a1.x) ^ (lo[i].z & a2.x) ^ (lo[i].w & a3.x) ^
+                              (hi[i].x & a0.z) ^ (hi[i].y & a1.z) ^ (hi[i].z & a2.z) ^ (hi[i].w & a3.z);
+                ans[i][k] ^= ((u32)__popc(x) * m) & m;  // the count's low bit to bit b
+            }
+        }
+        m <<= 1;
+    }
+}
+
 template <int G>
 __global__ void __launch_bounds__(V1_FRAG_THREADS, 1)
 dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_bits, int chunk_levels,
@@ -624,6 +671,27 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
         return;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if V1F_XOR_KEYS > 0
+    if (num_keys <= V1F_XOR_KEYS) {  // one group: key0 is 0
+        u32 ans[4][V1F_XOR_KEYS];
+#pragma unroll
+        for (int i = 0; i < 4 * V1F_XOR_KEYS; ++i) (&ans[0][0])[i] = 0u;
+        for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+            named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
+            v1f_xor_scan<V1F_XOR_KEYS>(ans, afrag, frags, chunk << c, warp, lane);
+            if (chunk + 1 < chunk_end) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // afrag may be overwritten
+        }
+        u32* out32 = (u32*)out;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int k = 0; k < V1F_XOR_KEYS; ++k)
+                if (k < num_keys && ans[i][k])
+                    atomicXor(&out32[(long long)k * PAGE_WORDS + (16 * warp + 4 * i + (lane >> 3)) * MMA_SLICE_WORDS +
+                                     (lane & 7)], ans[i][k]);
+        return;
+    }
+#endif
     // [key g, g + 8][bit half h][c][column tile j]: bit 16h + s of word c in bit s, of word c + 4 in bit 16 + s
     u32 acc[2][2][4][4];
 #pragma unroll

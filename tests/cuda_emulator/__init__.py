@@ -95,10 +95,12 @@ def emulated_text(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL:
-    """The emulated kernels as a shared library, built once per text (cached on disk)."""
+def library(variant: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The emulated kernels as a shared library, built once per text (cached on disk); `variant`:
+    more -D options (NAME=VALUE), a kernel variant the GPU benchmarks time."""
     kernels = {"EMU_SCAN_KERNELS": emulated_text("dpf_scan.cu"), "EMU_MMA_KERNELS": emulated_text("dpf_scan_mma.cu")}
     defines = [f"-D{name}={value}" for name, value in cuda_plan.kernel_defines().items()]
+    defines += [f"-D{define}" for define in variant]
     ours = [(HERE / name).read_text() for name in ("cuda_emu.h", *SOURCES)]
     tag = hashlib.sha256("\0".join([*kernels.values(), *ours, *defines, CXX, *CXX_FLAGS]).encode()).hexdigest()[:16]
     cache = Path(tempfile.gettempdir()) / f"morpho-cuda-emulator-{os.getuid()}"
@@ -146,10 +148,11 @@ def prefetches() -> int:
 
 
 @contextlib.contextmanager
-def _within_shared_memory():
-    """Fails if a block of the launches made inside wrote past its dynamic shared memory, or
-    misused a named barrier (on a GPU, a hang or undefined: the runtime says which)."""
-    lib = library()
+def _within_shared_memory(lib: Optional[ctypes.CDLL] = None):
+    """Fails if a block of the launches made inside (by `lib`, library() by default) wrote past its
+    dynamic shared memory, or misused a named barrier (on a GPU, a hang or undefined: the runtime
+    says which)."""
+    lib = lib or library()
     before, broken = lib.emu_faults(), lib.emu_barrier_faults()
     yield
     assert lib.emu_barrier_faults() == broken, f"emulated kernel bug: {lib.emu_barrier_fault().decode()}"
@@ -158,10 +161,9 @@ def _within_shared_memory():
 
 
 @contextlib.contextmanager
-def _prefetching_within(matrix: np.ndarray):
-    """Fails if a launch made inside prefetched an address outside `matrix`, the one buffer the
-    scans read pages from."""
-    lib = library()
+def _prefetching_within(lib: ctypes.CDLL, matrix: np.ndarray):
+    """Fails if a launch made inside (by `lib`) prefetched an address outside `matrix`, the one
+    buffer the scans read pages from."""
     lib.emu_prefetch_range(_arg(matrix), ctypes.c_size_t(matrix.nbytes))
     before = lib.emu_stray_prefetches()
     try:
@@ -206,11 +208,11 @@ def chunk_pages(frags: np.ndarray, chunk: int) -> np.ndarray:
     return pages
 
 
-def _answers(plan, batch, scan) -> np.ndarray:
+def _answers(plan, batch, scan, variant: tuple[str, ...] = ()) -> np.ndarray:
     """(K, 1024) u32 answers of KeyBatch `batch` under `plan` as CudaBackend launches them: the key
     records padded with the last key, the top stages by dpf_expand_top, then scan(lib, keyrec,
-    nodes, out); only the batch's own rows come back."""
-    lib = library()
+    nodes, out) with library(variant); only the batch's own rows come back."""
+    lib = library(variant)
     k, kp = batch.root_seed.shape[0], plan.padded_keys
     records = cuda_plan.pack_key_records(batch.root_seed, batch.root_t, batch.cw_seed, batch.cw_t,
                                          batch.final_cw)
@@ -218,7 +220,7 @@ def _answers(plan, batch, scan) -> np.ndarray:
     nodes = [(np.zeros((kp, st.live_out, 4), dtype=np.uint32), np.zeros((kp, st.live_out), dtype=np.uint8))
              for st in plan.stages]
     out = np.zeros((kp, WORDS), dtype=np.uint32)
-    with _within_shared_memory():
+    with _within_shared_memory(lib):
         for i, st in enumerate(plan.stages):
             lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
                                    *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
@@ -257,17 +259,18 @@ def tensor_core_plan(num_pages: int, batch, layout: str = "pages", resident_bloc
 
 
 def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str = "pages",
-                        resident_blocks: int = 132 * 2) -> np.ndarray:
+                        resident_blocks: int = 132 * 2, variant: tuple[str, ...] = ()) -> np.ndarray:
     """Answers of a KeyBatch on the (emulated) tensor cores over `matrix`: (P, 1024) u32 pages, or
     to_fragments of num_pages pages for layout "fragments". v1 keys: dpf_scan_v1_frag (fragments
     only); v2 keys: dpf_leaf_bits, then dpf_scan_mma<T> or dpf_scan_mma_frag<T> (mma.sync; T one of
-    mma_entries.cpp's EMU_TILES). Fewer resident_blocks give each block more chunks."""
+    mma_entries.cpp's EMU_TILES). Fewer resident_blocks give each block more chunks; `variant`: the
+    kernels' -D options of a variant (library)."""
     plan = tensor_core_plan(num_pages, batch, layout, resident_blocks)
     grid, shared = ctypes.c_uint(plan.grid), ctypes.c_size_t(plan.shared_bytes)
 
     def scan(lib, keyrec, nodes, out):
         if plan.key_format == KEY_FORMAT_V1:
-            with _prefetching_within(matrix):
+            with _prefetching_within(lib, matrix):
                 lib.emu_dpf_scan_v1_frag(grid, shared,
                                          *map(_arg, cuda_plan.scan_args(plan, matrix, keyrec, nodes, out)))
             return
@@ -278,4 +281,4 @@ def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str =
                                     shared, *map(_arg, cuda_plan.mma_scan_args(plan, matrix, sel, out)))
         assert done, f"the emulator builds no tensor-core scan of {plan.group_keys // 16} key tiles"
 
-    return _answers(plan, batch, scan)
+    return _answers(plan, batch, scan, variant)

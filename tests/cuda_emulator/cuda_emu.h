@@ -59,6 +59,7 @@ inline long long min(long long a, int b) { return min(a, (long long)b); }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 
 // the most significant 32 bits of hi:lo shifted left by shift & 31
