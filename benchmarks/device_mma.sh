@@ -65,7 +65,7 @@ fi
 if [ "$stage" = v1xor ]; then  # v1 queries of 1 and 2 over the fragments layout on the ALU (-DV1F_XOR_KEYS), beside the tensor cores and the pages layout (v1xor_*.csv)
     V1M="--pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --repeat 3 $G1"
     bench v1xor_mainnet_tensor $V1M --layout fragments --q 1,2
-    bench v1xor_mainnet_alu3 $V1M --layout fragments --q 1,2 --define V1F_XOR_KEYS=3
+    bench v1xor_mainnet_alu3 $V1M --layout fragments --q 1 --define V1F_XOR_KEYS=3
     bench v1xor_mainnet_alu6 $V1M --layout fragments --q 1,2 --define V1F_XOR_KEYS=6
     bench v1xor_mainnet_pages $V1M --layout pages --q 1,2
     exit 0

@@ -88,24 +88,30 @@ def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_
     assert (cuda_emulator.prefetches() > before) == prefetching
 
 
-@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, xor_keys", [
-    (1, 1, 264, 3),      # one page, one key
-    (600, 3, 264, 3),    # a single query's 3 keys, 3 chunks (the last part live)
-    (4097, 2, 1, 3),     # one run of 17 chunks, the last of one page
-    (4097, 3, 8, 3),     # runs of 5 chunks and a last of 2
-    (4097, 4, 8, 3),     # more keys than the variant's: the tensor cores, in the same build
-    (4097, 6, 8, 6),     # two queries' keys
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, xor_keys", [
+    (1, 1, 264, 1, 3),      # one page, one key
+    (600, 3, 264, 1, 3),    # a single query's 3 keys, 3 chunks (the last part live), a block each
+    (4097, 2, 1, 9, 3),     # runs of 9 chunks and 8, the last of one page
+    (4097, 3, 4, 5, 3),     # runs of 5 chunks and a last of 2
+    (4097, 4, 4, 5, 3),     # more keys than the variant's: the tensor cores, in the same build
+    (4097, 6, 8, 3, 6),     # two queries' keys, runs of 3 chunks and a last of 2
 ])
 def test_v1_keys_on_the_alu_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
-                                                                  xor_keys):
+                                                                  chunks_per_block, xor_keys):
     # the variant that multiplies launches of at most xor_keys keys on the ALU (-DV1F_XOR_KEYS)
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=3 * num_pages + num_keys)
     expected = _answers(matrix, batch)
     assert expected.any(axis=1).all()
+    assert cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks).chunks_per_block == \
+        chunks_per_block
+    variant = (f"V1F_XOR_KEYS={xor_keys}",)
+    mma_before = cuda_emulator.library(variant).emu_mma_calls()
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks,
-                                            variant=(f"V1F_XOR_KEYS={xor_keys}",))
+                                            variant=variant)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
+    # the ALU took the launch (no mma.sync) exactly when it has at most xor_keys keys
+    assert (cuda_emulator.library(variant).emu_mma_calls() == mma_before) == (num_keys <= xor_keys)
 
 
 @pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])

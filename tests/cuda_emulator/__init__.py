@@ -122,7 +122,8 @@ def library(variant: tuple[str, ...] = ()) -> ctypes.CDLL:
     built = ctypes.CDLL(str(lib))
     for name in ("emu_dpf_scan", "emu_dpf_scan_bits", "emu_dpf_scan_mma"):
         getattr(built, name).restype = ctypes.c_bool
-    for name in ("emu_faults", "emu_barrier_faults", "emu_prefetches", "emu_stray_prefetches"):
+    for name in ("emu_faults", "emu_barrier_faults", "emu_prefetches", "emu_stray_prefetches", "emu_mma_calls",
+                 "emu_misaligned_loads"):
         getattr(built, name).restype = ctypes.c_ulonglong
     built.emu_barrier_fault.restype = ctypes.c_char_p
     return built
@@ -150,12 +151,14 @@ def prefetches() -> int:
 @contextlib.contextmanager
 def _within_shared_memory(lib: Optional[ctypes.CDLL] = None):
     """Fails if a block of the launches made inside (by `lib`, library() by default) wrote past its
-    dynamic shared memory, or misused a named barrier (on a GPU, a hang or undefined: the runtime
-    says which)."""
+    dynamic shared memory, misused a named barrier (on a GPU, a hang or undefined: the runtime
+    says which), or loaded 16 bytes from an address not a multiple of 16 (a GPU faults)."""
     lib = lib or library()
-    before, broken = lib.emu_faults(), lib.emu_barrier_faults()
+    before, broken, misaligned = lib.emu_faults(), lib.emu_barrier_faults(), lib.emu_misaligned_loads()
     yield
     assert lib.emu_barrier_faults() == broken, f"emulated kernel bug: {lib.emu_barrier_fault().decode()}"
+    assert lib.emu_misaligned_loads() == misaligned, \
+        f"{lib.emu_misaligned_loads() - misaligned} 16-byte loads from addresses not a multiple of 16"
     after = lib.emu_faults()
     assert after == before, f"{after - before} blocks wrote past their dynamic shared memory"
 

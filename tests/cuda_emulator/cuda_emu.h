@@ -49,8 +49,13 @@ void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsign
 // time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).
 void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body);
 
+// 16-byte global loads of a misaligned address (a GPU faults on them; x86 would not), counted
+void emu_misaligned_load();
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+    if (sizeof(T) == 16 && ((unsigned long long)p & 15)) emu_misaligned_load();
+    return *p;
+}
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }

@@ -113,6 +113,8 @@ unsigned long long faults;  // blocks that wrote past their shared memory, since
 const unsigned char* prefetch_from;
 size_t prefetch_bytes;
 std::atomic<unsigned long long> prefetches, stray_prefetches;
+std::atomic<unsigned long long> mma_calls;  // mma.sync products (a lane's call each)
+std::atomic<unsigned long long> misaligned_loads;  // 16-byte __ldg of an address not a multiple of 16
 
 // cp.async: copies land when issued (kCopiesAtIssue, the earliest they may: a buffer overwritten
 // while still read shows) or when a wait_group lets them (kCopiesAtWait, the latest: a read before
@@ -161,6 +163,9 @@ extern "C" void emu_prefetch_range(const void* from, size_t bytes) {
 }
 extern "C" unsigned long long emu_prefetches() { return prefetches; }
 extern "C" unsigned long long emu_stray_prefetches() { return stray_prefetches; }
+extern "C" unsigned long long emu_mma_calls() { return mma_calls; }
+extern "C" unsigned long long emu_misaligned_loads() { return misaligned_loads; }
+void emu_misaligned_load() { ++misaligned_loads; }
 
 void emu_prefetch_l2(const void* p) {
     const unsigned char* at = (const unsigned char*)p;
@@ -231,6 +236,7 @@ void emu_named_barrier(int id, int threads) {
 }
 
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    ++mma_calls;
     const int lane = threadIdx.x & 31;
     Warp& w = warps[threadIdx.x >> 5];
     const int p = w.mma.calls[lane]++ & 1;
