@@ -190,6 +190,16 @@ def _fresh_request_counters():
     reset_counter()
 
 
+def _hold_off_watcher_thread(patch: pytest.MonkeyPatch):
+    """Stop this process's live watcher thread and keep it from starting again until `patch` is
+    undone (a test that wants a poll calls check_all())."""
+    from engine.watcher import default_watcher
+
+    watcher = default_watcher()
+    watcher.stop()
+    patch.setattr(watcher, "start", lambda: None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _live_watcher_thread(django_db_setup):
     """This process's live watcher: no thread over SQLite, stopped at the end over PostgreSQL
@@ -205,14 +215,12 @@ def _live_watcher_thread(django_db_setup):
 
     from engine.watcher import default_watcher
 
-    watcher = default_watcher()
     patch = pytest.MonkeyPatch()
     if connection.vendor == "sqlite":
-        watcher.stop()
-        patch.setattr(watcher, "start", lambda: None)
+        _hold_off_watcher_thread(patch)
     yield
     patch.undo()
-    watcher.stop()
+    default_watcher().stop()
 
 
 @pytest.fixture(autouse=True)
@@ -226,8 +234,6 @@ def _no_watcher_thread_beside_a_test_transaction(request):
     the epoch it still had (CI, test_placement). Tests whose rows are committed keep the thread."""
     from django.db import connection
 
-    from engine.watcher import default_watcher
-
     names = request.fixturenames
     marker = request.node.get_closest_marker("django_db")
     transactional = "transactional_db" in names or "live_server" in names or (
@@ -236,10 +242,8 @@ def _no_watcher_thread_beside_a_test_transaction(request):
     if connection.vendor == "sqlite" or not wrapped:
         yield
         return
-    watcher = default_watcher()
-    watcher.stop()
     patch = pytest.MonkeyPatch()
-    patch.setattr(watcher, "start", lambda: None)
+    _hold_off_watcher_thread(patch)
     yield
     patch.undo()
 

@@ -82,10 +82,10 @@ def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_
     assert expected.any(axis=1).all()  # no answer is all zeros: a scan that wrote nothing fails
     plan = cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks)
     assert plan.chunks_per_block == chunks_per_block
-    before = cuda_emulator.prefetches()
+    before = cuda_emulator.library().emu_prefetches()
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
-    assert (cuda_emulator.prefetches() > before) == prefetching
+    assert (cuda_emulator.library().emu_prefetches() > before) == prefetching
 
 
 @pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, xor_keys", [
@@ -149,6 +149,6 @@ def test_v2_keys_on_the_tensor_cores_match_numpy(matrices, layout, num_pages, nu
     scanned = np.ascontiguousarray(matrix.block(0, num_pages)) if layout == "pages" else frags
     assert (cuda_emulator.tensor_core_plan(num_pages, batch, layout, resident_blocks).chunks_per_block > 1) == \
         (resident_blocks == 2)
-    with cuda_emulator.copies_landing(copies_land):
-        got = cuda_emulator.tensor_core_answers(num_pages, scanned, batch, layout, resident_blocks)
+    got = cuda_emulator.tensor_core_answers(num_pages, scanned, batch, layout, resident_blocks,
+                                            copies_land=copies_land)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys

@@ -56,7 +56,7 @@ def _definition(source: str, head: str) -> str:
 
 # Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
 # CPU. mma.sync's product comes from the runtime; cp.async copies land when issued or at the
-# wait_group that lets them (copies_landing: the earliest and the latest a copy may); an L2 prefetch
+# wait_group that lets them (COPIES_LAND: the earliest and the latest a copy may); an L2 prefetch
 # loads nothing, but is counted and its address checked; bar.sync's named barriers are the runtime's.
 EMULATED = {
     "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -134,21 +134,6 @@ COPIES_LAND = {"at issue": 0, "at the wait": 1}
 
 
 @contextlib.contextmanager
-def copies_landing(when: str):
-    """Launches made inside land their cp.async copies `when` (a COPIES_LAND key); at issue after."""
-    library().emu_cp_async_landing(ctypes.c_int(COPIES_LAND[when]))
-    try:
-        yield
-    finally:
-        library().emu_cp_async_landing(ctypes.c_int(COPIES_LAND["at issue"]))
-
-
-def prefetches() -> int:
-    """L2 prefetches the emulated launches have made since the library loaded (tests take deltas)."""
-    return library().emu_prefetches()
-
-
-@contextlib.contextmanager
 def _within_shared_memory(lib: Optional[ctypes.CDLL] = None):
     """Fails if a block of the launches made inside (by `lib`, library() by default) wrote past its
     dynamic shared memory, misused a named barrier (on a GPU, a hang or undefined: the runtime
@@ -211,10 +196,11 @@ def chunk_pages(frags: np.ndarray, chunk: int) -> np.ndarray:
     return pages
 
 
-def _answers(plan, batch, scan, variant: tuple[str, ...] = ()) -> np.ndarray:
+def _answers(plan, batch, scan, variant: tuple[str, ...] = (), copies_land: str = "at issue") -> np.ndarray:
     """(K, 1024) u32 answers of KeyBatch `batch` under `plan` as CudaBackend launches them: the key
     records padded with the last key, the top stages by dpf_expand_top, then scan(lib, keyrec,
-    nodes, out) with library(variant); only the batch's own rows come back."""
+    nodes, out) with library(variant), its cp.async copies landing `copies_land` (COPIES_LAND);
+    only the batch's own rows come back."""
     lib = library(variant)
     k, kp = batch.root_seed.shape[0], plan.padded_keys
     records = cuda_plan.pack_key_records(batch.root_seed, batch.root_t, batch.cw_seed, batch.cw_t,
@@ -223,11 +209,15 @@ def _answers(plan, batch, scan, variant: tuple[str, ...] = ()) -> np.ndarray:
     nodes = [(np.zeros((kp, st.live_out, 4), dtype=np.uint32), np.zeros((kp, st.live_out), dtype=np.uint8))
              for st in plan.stages]
     out = np.zeros((kp, WORDS), dtype=np.uint32)
-    with _within_shared_memory(lib):
-        for i, st in enumerate(plan.stages):
-            lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
-                                   *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
-        scan(lib, keyrec, nodes, out)
+    lib.emu_cp_async_landing(ctypes.c_int(COPIES_LAND[copies_land]))
+    try:
+        with _within_shared_memory(lib):
+            for i, st in enumerate(plan.stages):
+                lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
+                                       *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
+            scan(lib, keyrec, nodes, out)
+    finally:
+        lib.emu_cp_async_landing(ctypes.c_int(COPIES_LAND["at issue"]))
     return out[:k]
 
 
@@ -262,12 +252,13 @@ def tensor_core_plan(num_pages: int, batch, layout: str = "pages", resident_bloc
 
 
 def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str = "pages",
-                        resident_blocks: int = 132 * 2, variant: tuple[str, ...] = ()) -> np.ndarray:
+                        resident_blocks: int = 132 * 2, variant: tuple[str, ...] = (),
+                        copies_land: str = "at issue") -> np.ndarray:
     """Answers of a KeyBatch on the (emulated) tensor cores over `matrix`: (P, 1024) u32 pages, or
     to_fragments of num_pages pages for layout "fragments". v1 keys: dpf_scan_v1_frag (fragments
     only); v2 keys: dpf_leaf_bits, then dpf_scan_mma<T> or dpf_scan_mma_frag<T> (mma.sync; T one of
     mma_entries.cpp's EMU_TILES). Fewer resident_blocks give each block more chunks; `variant`: the
-    kernels' -D options of a variant (library)."""
+    kernels' -D options of a variant (library); copies_land: when cp.async copies land (COPIES_LAND)."""
     plan = tensor_core_plan(num_pages, batch, layout, resident_blocks)
     grid, shared = ctypes.c_uint(plan.grid), ctypes.c_size_t(plan.shared_bytes)
 
@@ -284,4 +275,4 @@ def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str =
                                     shared, *map(_arg, cuda_plan.mma_scan_args(plan, matrix, sel, out)))
         assert done, f"the emulator builds no tensor-core scan of {plan.group_keys // 16} key tiles"
 
-    return _answers(plan, batch, scan, variant)
+    return _answers(plan, batch, scan, variant, copies_land)
