@@ -13,7 +13,6 @@ from collections import deque
 from typing import Callable
 
 from django.contrib.admin.views.decorators import staff_member_required
-from django.db import close_old_connections
 from django.http import JsonResponse
 from django.shortcuts import render
 from prometheus_client import REGISTRY
@@ -179,13 +178,6 @@ class History:
                 self.sample()
             except Exception:  # a broken collector must not end the history
                 log.exception("dashboard history: sampling failed")
-            try:
-                # The collectors read the database (pending row updates): each sample ends as a
-                # request does, so its connection lives no longer than DATABASE_CONN_MAX_AGE says
-                # and one broken by a database restart is not kept.
-                close_old_connections()
-            except Exception as exc:  # noqa: BLE001 - as the collectors, which count at debug level
-                log.debug("dashboard history: database connection not checked: %s", exc)
             time.sleep(SAMPLE_EVERY_S - time.time() % SAMPLE_EVERY_S)
 
 
