@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.define:
         from gpu_engine.backends import cuda_module
 
-        cuda_module.NVRTC_OPTIONS += tuple(f"-D{define}" for define in args.define)
+        cuda_module.add_defines(args.define)
     if args.wgmma == "auto":
         backend = create_backend(args.backend, layout=args.layout)
     else:

@@ -2,9 +2,10 @@
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
-#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1xor|all   (CSVs and logs under $OUT)
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1alu|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
 #  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
+#  NCU_DEFINE=V1F_XOR_PREFETCH=0 profiles a kernel variant, as --define does for backend_batch.py;
 #  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts NOTES-cuda.md quotes)
 set -u
 export PYTHONUNBUFFERED=1
@@ -26,9 +27,10 @@ if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (N
             --section Occupancy --section WarpStateStats --section LaunchStats --section InstructionStats \
             --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS} \
             python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format ${KEY_FORMAT:-v2} \
-            --v2-scan mma --layout ${LAYOUT:-pages} > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" 2>&1
+            --v2-scan mma --layout ${LAYOUT:-pages} ${NCU_DEFINE:+--define $NCU_DEFINE} \
+            > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys${NCU_DEFINE:+-$NCU_DEFINE}.log" 2>&1
         grep -E "Duration|Throughput|Pipe|Busy|Hit Rate|Occupancy|Registers|Shared Memory Config|dram__|lts__|alu|Stall|Warp Cycles|Eligible|Issued" \
-            "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys.log" | head -60
+            "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys${NCU_DEFINE:+-$NCU_DEFINE}.log" | head -60
     done
     exit 0
 fi
@@ -62,12 +64,13 @@ if [ "$stage" = v1frag ]; then  # v1 keys over the fragments layout against the 
     done
     exit 0
 fi
-if [ "$stage" = v1xor ]; then  # v1 queries of 1 and 2 over the fragments layout on the ALU (-DV1F_XOR_KEYS), beside the tensor cores and the pages layout (v1xor_*.csv)
+if [ "$stage" = v1alu ]; then  # v1 queries of 1 and 2 over the fragments layout on the ALU (launches of <= V1_FRAG_ALU_KEYS keys), its prefetch distance, the tensor cores and the pages layout beside (v1alu_*.csv)
     V1M="--pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --repeat 3 $G1"
-    bench v1xor_mainnet_tensor $V1M --layout fragments --q 1,2
-    bench v1xor_mainnet_alu3 $V1M --layout fragments --q 1 --define V1F_XOR_KEYS=3
-    bench v1xor_mainnet_alu6 $V1M --layout fragments --q 1,2 --define V1F_XOR_KEYS=6
-    bench v1xor_mainnet_pages $V1M --layout pages --q 1,2
+    bench v1alu_mainnet $V1M --layout fragments --q 1,2
+    bench v1alu_mainnet_prefetch_none $V1M --layout fragments --q 1,2 --define V1F_XOR_PREFETCH=0
+    bench v1alu_mainnet_prefetch_4 $V1M --layout fragments --q 1 --define V1F_XOR_PREFETCH=4
+    bench v1alu_mainnet_tensor $V1M --layout fragments --q 1,2 --define V1_FRAG_ALU_KEYS=0
+    bench v1alu_mainnet_pages $V1M --layout pages --q 1,2
     exit 0
 fi
 if [ "$stage" = wgmma ]; then  # Hopper's warpgroup products against mma.sync, fragments layout (wgmma_*.csv)

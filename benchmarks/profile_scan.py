@@ -35,7 +35,13 @@ def main() -> None:
     ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1")
     ap.add_argument("--v2-scan", choices=V2_SCANS, default=None)
     ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE, one more -D option for the kernels (a variant to profile)")
     args = ap.parse_args()
+    if args.define:
+        from gpu_engine.backends import cuda_module
+
+        cuda_module.add_defines(args.define)
 
     d = domain_bits_for(args.pages, args.domain_bits)
     resident = create_backend("cuda", layout=args.layout).generate(args.pages, seed=5, domain_bits=d)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_engine.backends.cuda_module import NVRTC_OPTIONS, kernel_source  # noqa: E402
+from gpu_engine.backends import cuda_module  # noqa: E402
 
 OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -43,12 +43,13 @@ def main() -> None:
     ap.add_argument("file", help="a kernel file, e.g. dpf_scan.cu")
     ap.add_argument("kernel", help="part of the kernel's (mangled) name, e.g. dpf_scan_v1_frag")
     ap.add_argument("--contains", default=None, help="only loops holding this opcode (e.g. BMMA)")
-    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, another -D option")
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, another -D option (or the host's value of NAME replaced)")
     args = ap.parse_args()
+    cuda_module.add_defines(args.define)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / args.file, Path(tmp) / "k.cubin"
-        src.write_text(kernel_source(args.file))
-        build = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", *NVRTC_OPTIONS, *(f"-D{d}" for d in args.define),
+        src.write_text(cuda_module.kernel_source(args.file))
+        build = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", *cuda_module.NVRTC_OPTIONS,
                                 "-Xptxas", "-v", "-o", str(cubin), str(src)], capture_output=True, text=True,
                                check=True, cwd=tmp)
         sass = subprocess.run(["nvdisasm", "-c", str(cubin)], capture_output=True, text=True, check=True).stdout

@@ -845,6 +845,16 @@ def test_v1_fragments_launches_fill_whole_waves_of_one_block_an_sm(sms):
         cuda_plan.plan_scan(300, 9, 3, layout="tiles")
 
 
+def test_plans_name_the_path_a_v1_launch_over_the_fragments_layout_takes():
+    # one or two queries on the ALU, more on the tensor cores (the kernel branches on the same constant)
+    def path(keys):
+        plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, keys, key_format=KEY_FORMAT_V1, layout="fragments")
+        return cuda_plan.describe_plan(plan).split()[1]
+
+    assert cuda_plan.V1_FRAG_ALU_KEYS == 6
+    assert [path(keys) for keys in (3, 6, 9, 96)] == ["alu-frag", "alu-frag", "mma-frag", "mma-frag"]
+
+
 @pytest.mark.parametrize("shared_kib, pages_tiles, fragments_tiles", [
     (227, 11, 11), (163, 5, 10), (99, 0, 0)])  # sm_90, sm_80, sm_86/89
 def test_the_fragments_layout_fits_more_tiles_where_shared_memory_is_short(shared_kib, pages_tiles, fragments_tiles):

@@ -61,13 +61,24 @@ def test_the_host_constants_are_the_compilers_d_options():
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
                             "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS", "V1_FRAG_CHUNK_LEVELS",
-                            "V1_FRAG_THREADS"}
+                            "V1_FRAG_THREADS", "V1_FRAG_ALU_KEYS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
         f"-D{name}={getattr(cuda_plan, name)}" for name in defines]
     assert cuda_plan.SCAN_THREADS * 16 == 4096  # a thread per 16-byte column of a page
     assert cuda_plan.LEAF_PAGES == 128  # a v2 leaf: 128 selection bits, 4 words of 32 pages
+
+
+def test_a_variants_define_replaces_the_hosts_value_of_its_name():
+    # a benchmark's --define V1_FRAG_ALU_KEYS=0 must not leave the host's -DV1_FRAG_ALU_KEYS=6 beside it
+    options = cuda_plan.define_options(["V1_FRAG_ALU_KEYS=0", "V1F_XOR_PREFETCH=4"])
+    assert [o for o in options if o.startswith("-DV1_FRAG_ALU_KEYS=")] == ["-DV1_FRAG_ALU_KEYS=0"]
+    assert options[-1] == "-DV1F_XOR_PREFETCH=4"
+    assert len(options) == len(cuda_plan.kernel_defines()) + 1
+    for bad in ("V1F_XOR_PREFETCH", "=4", "NOT A NAME=1"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            cuda_plan.define_options([bad])
 
 
 def test_every_macro_the_scan_kernels_use_is_defined_in_them_or_by_the_host_not_both():

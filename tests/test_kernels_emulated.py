@@ -75,43 +75,53 @@ def test_the_fragments_layout_gives_every_page_back(matrices):
 def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
                                                        chunks_per_block, prefetching):
     # the rows prefetched into L2 (launches of 3 key groups or more) all lie in the matrix:
-    # tensor_core_answers fails otherwise
+    # tensor_core_answers fails otherwise. The tensor cores take every launch here, those of at
+    # most V1_FRAG_ALU_KEYS keys too (a variant without the ALU path; the next test has it)
+    variant = ("V1_FRAG_ALU_KEYS=0",)
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=num_pages + num_keys)
     expected = _answers(matrix, batch)
     assert expected.any(axis=1).all()  # no answer is all zeros: a scan that wrote nothing fails
     plan = cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks)
     assert plan.chunks_per_block == chunks_per_block
-    before = cuda_emulator.library().emu_prefetches()
-    got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks)
+    before = cuda_emulator.library(variant).emu_prefetches()
+    got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks, variant=variant)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
-    assert (cuda_emulator.library().emu_prefetches() > before) == prefetching
+    assert (cuda_emulator.library(variant).emu_prefetches() > before) == prefetching
 
 
-@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, xor_keys", [
-    (1, 1, 264, 1, 3),      # one page, one key
-    (600, 3, 264, 1, 3),    # a single query's 3 keys, 3 chunks (the last part live), a block each
-    (4097, 2, 1, 9, 3),     # runs of 9 chunks and 8, the last of one page
-    (4097, 3, 4, 5, 3),     # runs of 5 chunks and a last of 2
-    (4097, 4, 4, 5, 3),     # more keys than the variant's: the tensor cores, in the same build
-    (4097, 6, 8, 3, 6),     # two queries' keys, runs of 3 chunks and a last of 2
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, alu_keys, prefetch", [
+    (1, 1, 264, 1, 6, 2),      # one page, one key (the default build: 6 keys, 2 bits ahead)
+    (600, 3, 264, 1, 6, 2),    # a single query's 3 keys, 3 chunks (the last part live), a block each
+    (4097, 6, 8, 3, 6, 2),     # two queries' keys (the build for 6), runs of 3 chunks and a last of 2
+    (4097, 5, 4, 5, 6, 0),     # 5 keys, no prefetch, runs of 5 chunks and a last of 2
+    (4097, 7, 4, 5, 6, 2),     # more keys than the ALU's: the tensor cores, in the same build
+    (4097, 2, 1, 9, 3, 0),     # a variant of at most 3 keys: runs of 9 chunks and 8, the last of one page
+    (4097, 4, 4, 5, 3, 0),     # more keys than that variant's: the tensor cores
+    (4097, 3, 1, 9, 3, 4),     # L2 prefetches 4 bits ahead, into the next chunk's
+    (4097, 1, 4, 5, 3, 32),    # a whole chunk ahead
 ])
 def test_v1_keys_on_the_alu_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
-                                                                  chunks_per_block, xor_keys):
-    # the variant that multiplies launches of at most xor_keys keys on the ALU (-DV1F_XOR_KEYS)
+                                                                  chunks_per_block, alu_keys, prefetch):
+    # launches of at most alu_keys keys multiply on the ALU (V1_FRAG_ALU_KEYS, the host's 6 unless a
+    # variant's), prefetching rows `prefetch` bits ahead into L2 (V1F_XOR_PREFETCH):
+    # tensor_core_answers fails if a prefetch names an address outside the matrix
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=3 * num_pages + num_keys)
     expected = _answers(matrix, batch)
     assert expected.any(axis=1).all()
     assert cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks).chunks_per_block == \
         chunks_per_block
-    variant = (f"V1F_XOR_KEYS={xor_keys}",)
+    variant = (f"V1_FRAG_ALU_KEYS={alu_keys}", f"V1F_XOR_PREFETCH={prefetch}")
     mma_before = cuda_emulator.library(variant).emu_mma_calls()
+    prefetches_before = cuda_emulator.library(variant).emu_prefetches()
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks,
                                             variant=variant)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
-    # the ALU took the launch (no mma.sync) exactly when it has at most xor_keys keys
-    assert (cuda_emulator.library(variant).emu_mma_calls() == mma_before) == (num_keys <= xor_keys)
+    # the ALU took the launch (no mma.sync) exactly when it has at most alu_keys keys
+    on_alu = num_keys <= alu_keys
+    assert (cuda_emulator.library(variant).emu_mma_calls() == mma_before) == on_alu
+    assert (cuda_emulator.library(variant).emu_prefetches() > prefetches_before) == (on_alu and prefetch > 0)
 
 
 @pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import threading
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Iterable, Tuple
 
 import numpy as np
 
@@ -14,14 +14,24 @@ from gpu_engine.backends.cuda_plan import (
     V1_FRAG_GROUP_KEYS,
     WGMMA_CAPABILITY,
     WGMMA_TILE_COUNTS,
-    kernel_defines,
+    define_options,
 )
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 # NVRTC and the CI nvcc check compile with the same options, so CI tests the text NVRTC gets;
 # the constants the kernels share with the host come from cuda_plan, as -D options.
-NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + tuple(
-    f"-D{name}={value}" for name, value in kernel_defines().items())
+NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++17",) + define_options()
+_VARIANT_DEFINES: Tuple[str, ...] = ()
+
+
+def add_defines(defines: Iterable[str]) -> None:
+    """Each NAME=VALUE a -D option of every kernel built after, in place of the host's value of
+    that name if it has one: a variant to time."""
+    global NVRTC_OPTIONS, _VARIANT_DEFINES
+    _VARIANT_DEFINES += tuple(defines)
+    NVRTC_OPTIONS = ("--std=c++17",) + define_options(_VARIANT_DEFINES)
+
+
 # The kernels of each file, by the names get_kernel() takes (a template instantiation by its name
 # expression, which NVRTC must be told to keep); the CI nvcc check holds each file to its list.
 KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {

@@ -7,7 +7,7 @@ them to the compiler as -D options (cuda_module.NVRTC_OPTIONS), and the kernel t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -70,6 +70,10 @@ V1_FRAG_GROUP_KEYS = 16
 V1_FRAG_CHUNK_LEVELS = 8
 V1_FRAG_THREADS = 2 * SCAN_THREADS  # 512
 V1_FRAG_AFRAG_BYTES = 128 * 32 * 16  # bytes: the A fragments of a chunk (128 residues x 32 lanes x uint4)
+# launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
+# the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
+# batch): at mainnet on the H100 one query took 23.9 ms there against 26.5 on the tensor cores
+V1_FRAG_ALU_KEYS = 2 * KEYS_PER_QUERY  # 6
 V1_FRAG_WAVES = 2  # its blocks a launch over the SMs (WAVES_PER_LAUNCH's part): longer runs, fewer unoverlapped first chunks
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
 # together (few tiles, where the scan waits on memory), long ones save atomics and prologues
@@ -171,7 +175,20 @@ def kernel_defines() -> Dict[str, int]:
         "V1_FRAG_GROUP_KEYS": V1_FRAG_GROUP_KEYS,
         "V1_FRAG_CHUNK_LEVELS": V1_FRAG_CHUNK_LEVELS,
         "V1_FRAG_THREADS": V1_FRAG_THREADS,
+        "V1_FRAG_ALU_KEYS": V1_FRAG_ALU_KEYS,
     }
+
+
+def define_options(overrides: Iterable[str] = ()) -> Tuple[str, ...]:
+    """kernel_defines() as -DNAME=value options, each NAME=VALUE of `overrides` (a kernel variant
+    to time) replacing its name's value or added after them."""
+    values = {name: str(value) for name, value in kernel_defines().items()}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"a kernel define is NAME=VALUE, got {item!r}")
+        values[name] = value
+    return tuple(f"-D{name}={value}" for name, value in values.items())
 
 
 def live_nodes(num_leaves: int, height: int) -> int:
@@ -601,7 +618,8 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 def describe_plan(plan: ScanPlan) -> str:
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
     scan = {"dpf_scan_mma": "mma ", "dpf_scan_mma_frag": "mma-frag ", "dpf_scan_wgmma_frag": "wgmma-frag ",
-            "dpf_scan_v1_frag": "mma-frag "}.get(plan.scan_template, "")
+            "dpf_scan_v1_frag": "alu-frag " if plan.num_keys <= V1_FRAG_ALU_KEYS else "mma-frag "
+            }.get(plan.scan_template, "")
     return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
             f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "
@@ -614,7 +632,7 @@ def sizes_text(nbytes: int) -> str:
 
 __all__ = [
     "ScanPlan", "TopStage", "plan_scan", "pick_group_keys", "top_stages", "scan_shared_bytes",
-    "kernel_defines", "top_args", "scan_args", "pick_mma_tiles", "mma_shared_bytes",
+    "kernel_defines", "define_options", "top_args", "scan_args", "pick_mma_tiles", "mma_shared_bytes",
     "check_layout", "mma_chunks", "mma_max_tiles", "pass_queries",
     "leaf_bits_args", "leaf_bits_grid", "mma_scan_args", "use_tensor_cores",
     "split_micro_batches", "pack_key_records", "krec_words", "check_array", "check_key_batch",

@@ -570,51 +570,119 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
     }
 }
 
-// A launch of at most V1F_XOR_KEYS keys multiplies on the ALU instead (0: none does; a variant to
-// time, -DV1F_XOR_KEYS=3, a single query). A fragments word holds bit b of word w of 32 pages:
-// ANDed with the A fragments word of residue 32 (w % 4) + b (those pages' mask bits) and XORed
-// with the k-step's 7 other such words of (w, b), the parity of what it holds is this k-step's
-// share of answer bit b of word w: 8 LOP3, a POPC and two more a key for 8 words, where a
-// tensor-core product carries 16 key rows whatever the batch.
-#ifndef V1F_XOR_KEYS
-#define V1F_XOR_KEYS 0
+// A launch of at most V1_FRAG_ALU_KEYS keys (the host's; one or two queries) multiplies on the ALU
+// instead: memory binds a single query, and a tensor-core product carries 16 key rows whatever the
+// batch. A fragments word holds bit b of word w of 32 pages: ANDed with the A fragments word of
+// residue 32 (w % 4) + b (those pages' mask bits) and XORed with the k-step's 7 other such words of
+// (w, b), the parity of what it holds is this k-step's share of answer bit b of word w: 8 LOP3, a
+// POPC and two more a key for 8 words. Launches of at most V1F_ALU_FEW_KEYS keys (one query's)
+// take a build for that many, the rest one for V1_FRAG_ALU_KEYS.
+#define V1F_ALU_FEW_KEYS ((V1_FRAG_ALU_KEYS + 1) / 2)
+
+// Lane (q, c) of multiplier warp `warp` on the ALU reads word c of slices 16 warp + 4 i + q
+// (i = 0..3), the whole k-step: a row's 16 bytes 4 c .. (pages 32 t .., t = 0..3) of each half.
+// Row b of half h of a slice: 32 words (4 c + t) from 32 b + 1024 h, as uint4 8 b + 256 h + c.
+__device__ __forceinline__ const uint4* v1f_xor_rows(const u32* frags, long long leaf0, int warp, int lane) {
+    return (const uint4*)(v1f_chunk_words(frags, leaf0) + (long long)(16 * warp + (lane >> 3)) * V1F_SLICE_WORDS) +
+           (lane & 7);
+}
+
+// The lane's 8 independent 16-byte loads of one bit (row_b: v1f_xor_rows + 8 b).
+__device__ __forceinline__ void v1f_xor_load(uint4 (&lo)[4], uint4 (&hi)[4], const uint4* row_b) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo[i] = __ldg(row_b + (long long)(4 * i) * (V1F_SLICE_WORDS / 4));
+        hi[i] = __ldg(row_b + (long long)(4 * i) * (V1F_SLICE_WORDS / 4) + 256);
+    }
+}
+
+// Bit b (mask m = 2^b) of keys 0 .. K - 1 from that bit's rows: bit b of answer word c of slice
+// 16 warp + 4 i + q of key k goes to bit b of ans[i][k].
+template <int K>
+__device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[4], const uint4 (&hi)[4],
+                                            const uint4* afrag, int b, u32 m, int lane) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        // key k's mask bits of residue 32 (c % 4) + b over pages 32 t ..: .x (half 0), .z (half 1)
+        const uint4* a = afrag + (32 * (lane & 3) + b) * 32 + 4 * k;
+        const uint4 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 x = (lo[i].x & a0.x) ^ (lo[i].y & a1.x) ^ (lo[i].z & a2.x) ^ (lo[i].w & a3.x) ^
+                          (hi[i].x & a0.z) ^ (hi[i].y & a1.z) ^ (hi[i].z & a2.z) ^ (hi[i].w & a3.z);
+            ans[i][k] ^= ((u32)__popc(x) * m) & m;  // the count's low bit to bit b
+        }
+    }
+}
+
+// Multiplier warp `warp`'s share of one chunk on the ALU, for keys 0 .. K - 1 of the group. Loads
+// run one bit ahead of the arithmetic (two sets of rows, taking turns), and the last bit's turn
+// loads the next chunk's first (`next`, null for none) before the barriers between chunks: with one
+// bit's loads in flight only while it waited for them, a warp left the memory idle through its
+// arithmetic and through each chunk's barriers. On entry lo/hi hold bit 0 of `rows`.
+// Each lane also asks L2 for one of its q's 8 lines (i = c % 4, half c / 4) of bit
+// b + V1F_XOR_PREFETCH (of `next` past bit 31). Measured at mainnet for one query on the H100
+// (NOTES-cuda.md): 23.9 ms at 2 bits ahead, 24.3 with none, 24.5 at 4 and 31.6 at 8 (L2 thrashes).
+// Variants to time: 0 (none), another distance.
+#ifndef V1F_XOR_PREFETCH
+#define V1F_XOR_PREFETCH 2
 #endif
 
-// Multiplier warp `warp`'s share of one chunk (its first page leaf0) on the ALU, for keys 0 .. K - 1
-// of the group. Lane (q, c) reads word c of slices 16 warp + 4 i + q (i = 0..3), the whole k-step:
-// a row's 16 bytes 4 c .. (pages 32 t .., t = 0..3) of each half, and keeps bit b of answer word
-// c of slice 16 warp + 4 i + q of key k in bit b of ans[i][k]; 8 independent 16-byte loads a bit.
+__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int b, int lane) {
+#if V1F_XOR_PREFETCH > 0
+    const uint4* base = b + V1F_XOR_PREFETCH < 32 ? rows + 8 * (b + V1F_XOR_PREFETCH)
+                                                  : (next != 0 ? next + 8 * (b + V1F_XOR_PREFETCH - 32) : 0);
+    if (base != 0)
+        prefetch_l2(base - (lane & 7) + (long long)(4 * (lane & 3)) * (V1F_SLICE_WORDS / 4) + 256 * ((lane >> 2) & 1));
+#endif
+}
+
 template <int K>
-__device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], const uint4* afrag, const u32* frags,
-                                             long long leaf0, int warp, int lane) {
+__device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], uint4 (&hi)[4], const uint4* afrag,
+                                             const uint4* rows, const uint4* next, int lane) {
     static_assert(K >= 1 && K <= 8, "keys 0 .. 7 of a group: their A words are a fragment's .x and .z");
-    const int c = lane & 7, q = lane >> 3;
-    // row b of half h of a slice: 32 words (4 c + t) from 32 b + 1024 h, as uint4 8 b + 256 h + c
-    const uint4* rows = (const uint4*)(v1f_chunk_words(frags, leaf0) + (long long)(16 * warp + q) * V1F_SLICE_WORDS) + c;
+    static_assert(V1F_XOR_PREFETCH >= 0 && V1F_XOR_PREFETCH <= 32, "at most a chunk ahead");
     // bit b's mask, carried from bit to bit (never 1 << b: the compiler would make the product a shift)
     u32 m = 1u;
 #pragma unroll 1
-    for (int b = 0; b < 32; ++b) {
-        uint4 lo[4], hi[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            lo[i] = __ldg(rows + (long long)(4 * i) * (V1F_SLICE_WORDS / 4) + 8 * b);
-            hi[i] = __ldg(rows + (long long)(4 * i) * (V1F_SLICE_WORDS / 4) + 8 * b + 256);
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            // key k's mask bits of residue 32 (c % 4) + b over pages 32 t ..: .x (half 0), .z (half 1)
-            const uint4* a = afrag + (32 * (c & 3) + b) * 32 + 4 * k;
-            const uint4 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const u32 x = (lo[i].x & a0.x) ^ (lo[i].y & a1.x) ^ (lo[i].z & a2.x) ^ (lo[i].w & a3.x) ^
-                              (hi[i].x & a0.z) ^ (hi[i].y & a1.z) ^ (hi[i].z & a2.z) ^ (hi[i].w & a3.z);
-                ans[i][k] ^= ((u32)__popc(x) * m) & m;  // the count's low bit to bit b
-            }
-        }
-        m <<= 1;
+    for (int b = 0; b < 32; b += 2) {
+        uint4 lo1[4], hi1[4];
+        v1f_xor_load(lo1, hi1, rows + 8 * (b + 1));
+        v1f_xor_prefetch(rows, next, b, lane);
+        v1f_xor_prefetch(rows, next, b + 1, lane);
+        v1f_xor_bit<K>(ans, lo, hi, afrag, b, m, lane);
+        const uint4* after = b + 2 < 32 ? rows + 8 * (b + 2) : next;
+        if (after != 0) v1f_xor_load(lo, hi, after);
+        v1f_xor_bit<K>(ans, lo1, hi1, afrag, b + 1, m << 1, lane);
+        m <<= 2;
     }
+}
+
+// The multipliers' side of a launch of at most K keys on the ALU: chunk by chunk as the producers
+// hand them over, then each lane's answer words to the output by XOR atomics.
+template <int K>
+__device__ __forceinline__ void v1f_alu_run(const uint4* afrag, const u32* frags, int c, long long chunk_begin,
+                                            long long chunk_end, int num_keys, int warp, int lane, u64* out) {
+    u32 ans[4][K];
+#pragma unroll
+    for (int i = 0; i < 4 * K; ++i) (&ans[0][0])[i] = 0u;
+    uint4 lo[4], hi[4];  // the rows of the bit to multiply next
+    if (chunk_begin < chunk_end) v1f_xor_load(lo, hi, v1f_xor_rows(frags, chunk_begin << c, warp, lane));
+    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+        const bool more = chunk + 1 < chunk_end;
+        named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
+        v1f_xor_scan<K>(ans, lo, hi, afrag, v1f_xor_rows(frags, chunk << c, warp, lane),
+                        more ? v1f_xor_rows(frags, (chunk + 1) << c, warp, lane) : (const uint4*)0, lane);
+        if (more) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // afrag may be overwritten
+    }
+    u32* out32 = (u32*)out;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+            if (k < num_keys && ans[i][k])
+                atomicXor(&out32[(long long)k * PAGE_WORDS + (16 * warp + 4 * i + (lane >> 3)) * MMA_SLICE_WORDS +
+                                 (lane & 7)], ans[i][k]);
 }
 
 template <int G>
@@ -671,24 +739,13 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
         return;
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#if V1F_XOR_KEYS > 0
-    if (num_keys <= V1F_XOR_KEYS) {  // one group: key0 is 0
-        u32 ans[4][V1F_XOR_KEYS];
-#pragma unroll
-        for (int i = 0; i < 4 * V1F_XOR_KEYS; ++i) (&ans[0][0])[i] = 0u;
-        for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-            named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
-            v1f_xor_scan<V1F_XOR_KEYS>(ans, afrag, frags, chunk << c, warp, lane);
-            if (chunk + 1 < chunk_end) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // afrag may be overwritten
+#if V1_FRAG_ALU_KEYS > 0
+    if (num_keys <= V1_FRAG_ALU_KEYS) {  // one group: key0 is 0
+        if (num_keys <= V1F_ALU_FEW_KEYS) {
+            v1f_alu_run<V1F_ALU_FEW_KEYS>(afrag, frags, c, chunk_begin, chunk_end, num_keys, warp, lane, out);
+        } else {
+            v1f_alu_run<V1_FRAG_ALU_KEYS>(afrag, frags, c, chunk_begin, chunk_end, num_keys, warp, lane, out);
         }
-        u32* out32 = (u32*)out;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int k = 0; k < V1F_XOR_KEYS; ++k)
-                if (k < num_keys && ans[i][k])
-                    atomicXor(&out32[(long long)k * PAGE_WORDS + (16 * warp + 4 * i + (lane >> 3)) * MMA_SLICE_WORDS +
-                                     (lane & 7)], ans[i][k]);
         return;
     }
 #endif

@@ -99,8 +99,7 @@ def library(variant: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The emulated kernels as a shared library, built once per text (cached on disk); `variant`:
     more -D options (NAME=VALUE), a kernel variant the GPU benchmarks time."""
     kernels = {"EMU_SCAN_KERNELS": emulated_text("dpf_scan.cu"), "EMU_MMA_KERNELS": emulated_text("dpf_scan_mma.cu")}
-    defines = [f"-D{name}={value}" for name, value in cuda_plan.kernel_defines().items()]
-    defines += [f"-D{define}" for define in variant]
+    defines = list(cuda_plan.define_options(variant))
     ours = [(HERE / name).read_text() for name in ("cuda_emu.h", *SOURCES)]
     tag = hashlib.sha256("\0".join([*kernels.values(), *ours, *defines, CXX, *CXX_FLAGS]).encode()).hexdigest()[:16]
     cache = Path(tempfile.gettempdir()) / f"morpho-cuda-emulator-{os.getuid()}"
