@@ -5,7 +5,7 @@
 #   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1alu|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
 #  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
-#  NCU_DEFINE=V1F_XOR_PREFETCH=0 profiles a kernel variant, as --define does for backend_batch.py;
+#  NCU_DEFINE="V1_FRAG_ALU_KEYS=3 V1F_XOR_PREFETCH=0" profiles a kernel variant, as --define does for backend_batch.py;
 #  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts NOTES-cuda.md quotes)
 set -u
 export PYTHONUNBUFFERED=1
@@ -21,16 +21,18 @@ fi
 [ "$stage" = tests ] && exit 0
 if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    ncu_defines=$(for d in ${NCU_DEFINE:-}; do printf -- '--define %s ' "$d"; done)  # NCU_DEFINE's items as options,
+    ncu_tag=$(for d in ${NCU_DEFINE:-}; do printf -- '-%s' "$d"; done)  # and in the logs' names
     for keys in ${NCU_KEYS:-96 3}; do
         timeout 200 "$NCU" --clock-control none -k "regex:${NCU_KERNEL:-dpf_scan_(wg)?mma}" --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
             --section Occupancy --section WarpStateStats --section LaunchStats --section InstructionStats \
             --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS} \
             python3 benchmarks/profile_scan.py --pages 1048593 --domain-bits 25 --keys $keys --key-format ${KEY_FORMAT:-v2} \
-            --v2-scan mma --layout ${LAYOUT:-pages} ${NCU_DEFINE:+--define $NCU_DEFINE} \
-            > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys${NCU_DEFINE:+-$NCU_DEFINE}.log" 2>&1
+            --v2-scan mma --layout ${LAYOUT:-pages} $ncu_defines \
+            > "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys$ncu_tag.log" 2>&1
         grep -E "Duration|Throughput|Pipe|Busy|Hit Rate|Occupancy|Registers|Shared Memory Config|dram__|lts__|alu|Stall|Warp Cycles|Eligible|Issued" \
-            "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys${NCU_DEFINE:+-$NCU_DEFINE}.log" | head -60
+            "$OUT/ncu-mma-${LAYOUT:-pages}-k$keys$ncu_tag.log" | head -60
     done
     exit 0
 fi

@@ -81,6 +81,22 @@ def test_a_variants_define_replaces_the_hosts_value_of_its_name():
             cuda_plan.define_options([bad])
 
 
+def test_a_benchmarks_defines_add_up_and_a_bad_one_changes_nothing(monkeypatch):
+    from gpu_engine.backends import cuda_module
+
+    monkeypatch.setattr(cuda_module, "NVRTC_OPTIONS", cuda_module.NVRTC_OPTIONS)
+    monkeypatch.setattr(cuda_module, "_VARIANT_DEFINES", ())
+    cuda_module.add_defines(["V1F_XOR_PREFETCH=4"])
+    cuda_module.add_defines(["V1_FRAG_ALU_KEYS=0"])
+    options = cuda_module.NVRTC_OPTIONS
+    assert "-DV1F_XOR_PREFETCH=4" in options and "-DV1_FRAG_ALU_KEYS=0" in options
+    assert "-DV1_FRAG_ALU_KEYS=6" not in options and options[0] == "--std=c++17"
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        cuda_module.add_defines(["V1F_XOR_PREFETCH"])
+    cuda_module.add_defines([])
+    assert cuda_module.NVRTC_OPTIONS == options
+
+
 def test_every_macro_the_scan_kernels_use_is_defined_in_them_or_by_the_host_not_both():
     host = set(cuda_plan.kernel_defines())
     used_somewhere = set()

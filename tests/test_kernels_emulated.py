@@ -122,6 +122,14 @@ def test_v1_keys_on_the_alu_over_the_fragments_layout_match_numpy(matrices, num_
     on_alu = num_keys <= alu_keys
     assert (cuda_emulator.library(variant).emu_mma_calls() == mma_before) == on_alu
     assert (cuda_emulator.library(variant).emu_prefetches() > prefetches_before) == (on_alu and prefetch > 0)
+    if on_alu:
+        # every line the launch loads was prefetched, but for rows 0 .. prefetch - 1 of each run's
+        # first chunk (a chunk: 128 slices x 2 halves x 32 rows of 128 bytes); no prefetched line
+        # goes unloaded (tensor_core_answers): a prefetch of the wrong line, or a bit too late, fails
+        chunks = -(-num_pages // 256)
+        runs = -(-chunks // chunks_per_block)
+        rows_unprefetched = 32 * chunks if prefetch == 0 else min(prefetch, 32) * runs
+        assert cuda_emulator.library(variant).emu_last_loaded_unprefetched_lines() == 128 * 2 * rows_unprefetched
 
 
 @pytest.mark.parametrize("key_format", [KEY_FORMAT_V1, KEY_FORMAT_V2])

@@ -28,8 +28,9 @@ def add_defines(defines: Iterable[str]) -> None:
     """Each NAME=VALUE a -D option of every kernel built after, in place of the host's value of
     that name if it has one: a variant to time."""
     global NVRTC_OPTIONS, _VARIANT_DEFINES
-    _VARIANT_DEFINES += tuple(defines)
-    NVRTC_OPTIONS = ("--std=c++17",) + define_options(_VARIANT_DEFINES)
+    variant = _VARIANT_DEFINES + tuple(defines)
+    NVRTC_OPTIONS = ("--std=c++17",) + define_options(variant)  # raises on a bad one, changing nothing
+    _VARIANT_DEFINES = variant
 
 
 # The kernels of each file, by the names get_kernel() takes (a template instantiation by its name

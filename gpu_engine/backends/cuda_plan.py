@@ -72,7 +72,7 @@ V1_FRAG_THREADS = 2 * SCAN_THREADS  # 512
 V1_FRAG_AFRAG_BYTES = 128 * 32 * 16  # bytes: the A fragments of a chunk (128 residues x 32 lanes x uint4)
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
-# batch): at mainnet on the H100 one query took 23.9 ms there against 26.5 on the tensor cores
+# batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores
 V1_FRAG_ALU_KEYS = 2 * KEYS_PER_QUERY  # 6
 V1_FRAG_WAVES = 2  # its blocks a launch over the SMs (WAVES_PER_LAUNCH's part): longer runs, fewer unoverlapped first chunks
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
@@ -616,6 +616,8 @@ def check_rows(rows, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def describe_plan(plan: ScanPlan) -> str:
+    # alu-frag / mma-frag for v1 keys over the fragments layout by the host's V1_FRAG_ALU_KEYS (a
+    # benchmark's --define of another value is not seen here)
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
     scan = {"dpf_scan_mma": "mma ", "dpf_scan_mma_frag": "mma-frag ", "dpf_scan_wgmma_frag": "wgmma-frag ",
             "dpf_scan_v1_frag": "alu-frag " if plan.num_keys <= V1_FRAG_ALU_KEYS else "mma-frag "

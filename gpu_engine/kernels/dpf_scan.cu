@@ -622,7 +622,8 @@ __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[
 // arithmetic and through each chunk's barriers. On entry lo/hi hold bit 0 of `rows`.
 // Each lane also asks L2 for one of its q's 8 lines (i = c % 4, half c / 4) of bit
 // b + V1F_XOR_PREFETCH (of `next` past bit 31). Measured at mainnet for one query on the H100
-// (NOTES-cuda.md): 23.9 ms at 2 bits ahead, 24.3 with none, 24.5 at 4 and 31.6 at 8 (L2 thrashes).
+// (NOTES-cuda.md): 23.1 ms at 2 bits ahead, 24.3 with none, 24.9 at 4 (one call); 31.6 at 8 against
+// 23.9 at 2 in another (L2 thrashes).
 // Variants to time: 0 (none), another distance.
 #ifndef V1F_XOR_PREFETCH
 #define V1F_XOR_PREFETCH 2

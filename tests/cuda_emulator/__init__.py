@@ -122,7 +122,7 @@ def library(variant: tuple[str, ...] = ()) -> ctypes.CDLL:
     for name in ("emu_dpf_scan", "emu_dpf_scan_bits", "emu_dpf_scan_mma"):
         getattr(built, name).restype = ctypes.c_bool
     for name in ("emu_faults", "emu_barrier_faults", "emu_prefetches", "emu_stray_prefetches", "emu_mma_calls",
-                 "emu_misaligned_loads"):
+                 "emu_misaligned_loads", "emu_last_unused_prefetched_lines", "emu_last_loaded_unprefetched_lines"):
         getattr(built, name).restype = ctypes.c_ulonglong
     built.emu_barrier_fault.restype = ctypes.c_char_p
     return built
@@ -150,15 +150,17 @@ def _within_shared_memory(lib: Optional[ctypes.CDLL] = None):
 @contextlib.contextmanager
 def _prefetching_within(lib: ctypes.CDLL, matrix: np.ndarray):
     """Fails if a launch made inside (by `lib`) prefetched an address outside `matrix`, the one
-    buffer the scans read pages from."""
+    buffer the scans read pages from, or a line of it that no load of the launch read."""
     lib.emu_prefetch_range(_arg(matrix), ctypes.c_size_t(matrix.nbytes))
     before = lib.emu_stray_prefetches()
     try:
         yield
     finally:
-        lib.emu_prefetch_range(None, ctypes.c_size_t(0))
+        lib.emu_prefetch_range(None, ctypes.c_size_t(0))  # counts the lines (emu_last_*_lines)
     assert lib.emu_stray_prefetches() == before, \
         f"{lib.emu_stray_prefetches() - before} prefetches named addresses outside the matrix"
+    unused = lib.emu_last_unused_prefetched_lines()
+    assert unused == 0, f"{unused} lines of the matrix were prefetched and never loaded"
 
 
 def _arg(value):

@@ -42,8 +42,12 @@ void emu_cp_async16(void* dst, const void* src);
 void emu_cp_async_commit();
 void emu_cp_async_wait(int pending);
 // prefetch.global.L2: counted, and counted apart where it names an address outside the buffer the
-// tests said the launch reads (emu_prefetch_range)
+// tests said the launch reads (emu_prefetch_range); inside it, the 128-byte lines prefetched and
+// those __ldg loaded are marked, so a prefetch of a line the launch never loads shows
 void emu_prefetch_l2(const void* p);
+extern uintptr_t emu_watch_from;  // the buffer emu_prefetch_range named (0 bytes: none)
+extern size_t emu_watch_bytes;
+extern unsigned char* emu_loaded_lines;  // a byte a 128-byte line of it, from its start
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1);
 // Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a block at a
 // time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).
@@ -54,6 +58,8 @@ void emu_misaligned_load();
 template <typename T>
 inline T __ldg(const T* p) {
     if (sizeof(T) == 16 && ((unsigned long long)p & 15)) emu_misaligned_load();
+    const uintptr_t off = (uintptr_t)p - emu_watch_from;  // wraps round below the buffer
+    if (off < emu_watch_bytes) __atomic_store_n(&emu_loaded_lines[off >> 7], (unsigned char)1, __ATOMIC_RELAXED);
     return *p;
 }
 

@@ -108,11 +108,11 @@ const unsigned char kCanary[16] = {0xDE, 0xAD, 0xBE, 0xEF, 0xCA, 0xFE, 0xF0, 0x0
                                    0x12, 0x34, 0x56, 0x78, 0x9A, 0xBC, 0xDE, 0xF0};
 unsigned long long faults;  // blocks that wrote past their shared memory, since the library loaded
 
-// The buffer the launches may prefetch from (the matrix, set by the tests), and their L2
-// prefetches since the library loaded: all of them, and those that named an address outside it
-const unsigned char* prefetch_from;
-size_t prefetch_bytes;
+// The launches' L2 prefetches since the library loaded: all of them, and those that named an
+// address outside the buffer they may prefetch from (emu_watch_*, the matrix, set by the tests);
+// inside it, the 128-byte lines prefetched since it was set
 std::atomic<unsigned long long> prefetches, stray_prefetches;
+std::vector<unsigned char> prefetched_lines, loaded_lines;
 std::atomic<unsigned long long> mma_calls;  // mma.sync products (a lane's call each)
 std::atomic<unsigned long long> misaligned_loads;  // 16-byte __ldg of an address not a multiple of 16
 
@@ -157,10 +157,31 @@ extern "C" unsigned long long emu_faults() { return faults; }
 extern "C" unsigned long long emu_barrier_faults() { return barrier_faults; }
 extern "C" const char* emu_barrier_fault() { return barrier_fault; }
 
+uintptr_t emu_watch_from;
+size_t emu_watch_bytes;
+unsigned char* emu_loaded_lines;
+
+// Of the buffer watched last (until emu_prefetch_range set another): its lines prefetched that no
+// __ldg loaded (bandwidth for nothing), and those loaded that no prefetch named
+unsigned long long last_unused_prefetched, last_loaded_unprefetched;
+
+// The buffer launches may prefetch from, until set again (bytes 0: none), its lines' marks cleared;
+// the marks of the one before counted first
 extern "C" void emu_prefetch_range(const void* from, size_t bytes) {
-    prefetch_from = (const unsigned char*)from;
-    prefetch_bytes = bytes;
+    emu_watch_bytes = 0;  // __ldg marks nothing while the marks are replaced
+    last_unused_prefetched = last_loaded_unprefetched = 0;
+    for (size_t i = 0; i < prefetched_lines.size(); ++i) {
+        last_unused_prefetched += prefetched_lines[i] && !loaded_lines[i];
+        last_loaded_unprefetched += loaded_lines[i] && !prefetched_lines[i];
+    }
+    prefetched_lines.assign((bytes + 127) / 128, 0);
+    loaded_lines.assign((bytes + 127) / 128, 0);
+    emu_loaded_lines = loaded_lines.data();
+    emu_watch_from = (uintptr_t)from;
+    emu_watch_bytes = bytes;
 }
+extern "C" unsigned long long emu_last_unused_prefetched_lines() { return last_unused_prefetched; }
+extern "C" unsigned long long emu_last_loaded_unprefetched_lines() { return last_loaded_unprefetched; }
 extern "C" unsigned long long emu_prefetches() { return prefetches; }
 extern "C" unsigned long long emu_stray_prefetches() { return stray_prefetches; }
 extern "C" unsigned long long emu_mma_calls() { return mma_calls; }
@@ -168,11 +189,12 @@ extern "C" unsigned long long emu_misaligned_loads() { return misaligned_loads; 
 void emu_misaligned_load() { ++misaligned_loads; }
 
 void emu_prefetch_l2(const void* p) {
-    const unsigned char* at = (const unsigned char*)p;
+    const uintptr_t off = (uintptr_t)p - emu_watch_from;  // wraps round below the buffer
     ++prefetches;
     // a GPU would ask L2 for whatever line is there: a stray address is a bug that costs
-    // bandwidth (or faults), never an answer, so only this count can show it
-    if (at < prefetch_from || at >= prefetch_from + prefetch_bytes) ++stray_prefetches;
+    // bandwidth (or faults), never an answer, so only these counts can show it
+    if (off >= emu_watch_bytes) ++stray_prefetches;
+    else __atomic_store_n(&prefetched_lines[off >> 7], (unsigned char)1, __ATOMIC_RELAXED);
 }
 
 void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body) {
