@@ -2,10 +2,14 @@
 
     python3 benchmarks/plot_key_formats.py --out docs/benchmarks/keyformats_qps.png \
         docs/benchmarks/keyformats_*.csv docs/benchmarks/wgmma_*.csv \
-        docs/benchmarks/v1frag_mainnet.csv docs/benchmarks/v1frag_65536_fragments.csv
+        docs/benchmarks/v1frag_mainnet.csv docs/benchmarks/v1frag_mainnet_waves.csv \
+        docs/benchmarks/v1frag_65536_fragments.csv docs/benchmarks/v1alu_mainnet.csv \
+        docs/benchmarks/v1frag_h200_mainnet.csv docs/benchmarks/v1frag_h200_65536_fragments.csv
 
 Keys over a matrix in the fragments layout are series of their own: v2 keys on Hopper's warpgroup
-products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv), v1 keys on mma.sync (v1frag_*.csv).
+products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv), v1 keys on the ALU for one or two
+queries and on mma.sync above (v1frag_*.csv, v1alu_mainnet.csv). Files of one series and panel
+make one line, by Q: where two hold the same Q, the later file's figure is drawn.
 
 One panel per GPU and shape, with the memory floor (one read of the matrix per batch at the GPU's
 measured streaming read, docs/benchmarks/NOTES-cuda.md) and issue 16's targets drawn: v2's at the
@@ -38,7 +42,7 @@ def label(header: dict) -> str:
     on the tensor cores, or on the tensor cores over the fragments layout (wgmma or mma.sync)."""
     dispatch = header.get("dispatch", "")
     if "keys=v2" not in dispatch:
-        return "v1 keys, fragments, mma.sync" if "layout=fragments" in dispatch else "v1 keys (ALU)"
+        return "v1 keys, fragments (ALU <= 2 queries)" if "layout=fragments" in dispatch else "v1 keys (ALU)"
     if "layout=fragments" in dispatch:
         return "v2 keys, fragments, wgmma" if "wgmma" in dispatch else "v2 keys, fragments, mma.sync"
     return "v2 keys, tensor cores" if "scan=mma" in dispatch else "v2 keys, ALU"
@@ -46,7 +50,7 @@ def label(header: dict) -> str:
 
 COLORS = {"v1 keys (ALU)": "tab:blue", "v2 keys, ALU": "tab:orange", "v2 keys, tensor cores": "tab:green",
           "v2 keys, fragments, mma.sync": "tab:purple", "v2 keys, fragments, wgmma": "tab:brown",
-          "v1 keys, fragments, mma.sync": "tab:cyan"}
+          "v1 keys, fragments (ALU <= 2 queries)": "tab:cyan"}
 
 
 def gpu_model(header: dict) -> str:
@@ -62,20 +66,20 @@ def main() -> None:
 
     plt = pyplot()
 
-    panels = defaultdict(list)  # (gpu, pages) -> [(label, qs, qps)]
+    panels = defaultdict(lambda: defaultdict(dict))  # (gpu, pages) -> label -> {q: queries/s}
     for path in args.csvs:
         header, rows = read_csv(path)
         pages = int(header["shape"].split(",")[0].split("=")[1])
-        qs = [int(r["q"]) for r in rows]
-        panels[(gpu_model(header), pages)].append((label(header), qs, [float(r["batch_qps"]) for r in rows]))
+        panels[(gpu_model(header), pages)][label(header)].update({int(r["q"]): float(r["batch_qps"]) for r in rows})
     gpus = sorted({gpu for gpu, _ in panels})
     shapes = sorted({pages for _, pages in panels}, reverse=True)
     fig, axes = plt.subplots(len(gpus), len(shapes), figsize=(6 * len(shapes), 4.3 * len(gpus)), squeeze=False)
     for row, gpu in enumerate(gpus):
         for ax, pages in zip(axes[row], shapes):
             top = 1
-            for name, qs, qps in sorted(panels[(gpu, pages)]):
-                ax.plot(qs, qps, marker="o", ms=3, label=name, color=COLORS[name])
+            for name, by_q in sorted(panels[(gpu, pages)].items()):
+                qs = sorted(by_q)
+                ax.plot(qs, [by_q[q] for q in qs], marker="o", ms=3, label=name, color=COLORS[name])
                 top = max(top, max(qs))
             floor_s = pages * PAGE_BYTES / READ_BYTES_PER_S[gpu]
             qs = list(range(1, top + 1))
