@@ -6,7 +6,8 @@ Generates the matrix on the GPU, then runs each batch size `--batches` times (th
 and allocates) and prints, per batch, its wall time, the GPU time from its first kernel's start to
 its last kernel's end, and each kernel's time summed over its launches, from CUDA events recorded
 around every launch (so graphs are off: one kernel at a time). Figures of NOTES-cuda.md ("Where a
-74-query batch went"). v2 keys, 3 a query. Needs CuPy.
+74-query batch went"). 3 keys a query, v2 unless --key-format says otherwise; --define builds the
+kernels with a variant's -D option. Needs CuPy.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, describe_plan  # noqa: E402
 from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
-from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
+from gpu_engine.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
 
 
 class TimedKernel:
@@ -64,11 +65,19 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, required=True)
     ap.add_argument("--domain-bits", type=int, default=None)
     ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="fragments")
-    ap.add_argument("--q", default="32,74", help="comma-separated query counts (3 v2 keys each)")
+    ap.add_argument("--q", default="32,74", help="comma-separated query counts (3 keys each)")
     ap.add_argument("--batches", type=int, default=4, help="batches per query count")
+    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v2", help="docs/PROTOCOL.md 3, 3.1")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE: build the kernels with this -D option too (a variant to time)")
     args = ap.parse_args(argv)
 
     import cupy
+
+    if args.define:
+        from gpu_engine.backends import cuda_module
+
+        cuda_module.add_defines(args.define)
 
     d = domain_bits_for(args.pages, args.domain_bits)
     events: list = []
@@ -76,7 +85,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     resident = create_backend("cuda", layout=args.layout).generate(args.pages, seed=5, domain_bits=d)
     print(f"matrix: {args.pages} pages, d={d}, {args.layout}, {time.perf_counter() - t0:.1f} s", flush=True)
-    fmt = format_by_name("v2")
+    fmt = format_by_name(args.key_format)
     rng = np.random.default_rng(5)
     for q in (int(x) for x in args.q.split(",")):
         keys = KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng, key_format=fmt)[0]

@@ -61,7 +61,7 @@ def test_the_host_constants_are_the_compilers_d_options():
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
                             "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS", "V1_FRAG_CHUNK_LEVELS",
-                            "V1_FRAG_THREADS", "V1_FRAG_ALU_KEYS"}
+                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_FRAG_ALU_KEYS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -202,13 +202,15 @@ def test_argument_builders_follow_the_kernel_signatures():
 
 def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step():
     # dpf_scan_v1_frag<16> carves the regions of SCAN_SHARED_REGIONS for 2**V1_FRAG_CHUNK_LEVELS
-    # leaves, whatever the plan's c, then its A fragments (128 residues x 32 lanes x 16 bytes) past
-    # cw_t, and the host sizes its launches for that
+    # leaves, whatever the plan's c, then its A fragments (128 residues x 32 lanes x 16 bytes in
+    # padded rows of 36 uint4s, 16 bytes more a 32 residues) past cw_t, and the host sizes its
+    # launches for that
     c, g = cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_GROUP_KEYS
     _check_scan_carving("dpf_scan_v1_frag", {"G": g, "V1F_L": 1 << c, "V1_FRAG_CHUNK_LEVELS": c}, g, c)
     code = _code("dpf_scan.cu")
     assert "uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);" in code
-    assert cuda_plan.V1_FRAG_AFRAG_BYTES == 128 * 32 * 16
+    assert cuda_plan.V1_FRAG_AFRAG_BYTES == (128 * 36 + 4) * 16
+    assert "return r * V1_FRAG_AFRAG_ROW + (r >> 5) + lane;" in code
     assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \
         cuda_plan.scan_shared_bytes(g, c) + cuda_plan.V1_FRAG_AFRAG_BYTES == cuda_plan.v1_frag_shared_bytes()
 

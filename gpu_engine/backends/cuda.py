@@ -41,7 +41,8 @@ class _MicroBatch:
     """One micro-batch: its plan, buffers, stream and, once captured, its CUDA graph.
 
     The kernels run plan.padded_keys keys (whole key groups); the padding repeats the
-    micro-batch's last key and its answers are never copied back.
+    micro-batch's last key and its answers are never copied back (the top stages skip it where the
+    scan does: plan.top_keys).
     """
 
     def __init__(self, plan: cuda_plan.ScanPlan, start: int, stop: int, stream) -> None:
@@ -79,7 +80,7 @@ class _MicroBatch:
         runtime.memsetAsync(self.out.data.ptr, 0, self.out.nbytes, s)
         with self.stream:
             for i, st in enumerate(plan.stages):
-                self.top((st.live_in, kp), (cuda_plan.TOP_THREADS,),
+                self.top((st.live_in, plan.top_keys), (cuda_plan.TOP_THREADS,),
                          cuda_plan.top_args(plan, i, self.keyrec, self.nodes))
             if plan.tensor_cores:
                 self.leaf_bits((cuda_plan.leaf_bits_grid(plan),), (cuda_plan.MMA_THREADS,),

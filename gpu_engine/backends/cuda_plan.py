@@ -69,7 +69,10 @@ MMA_MIN_CAPABILITY = (8, 0)  # mma.sync ... b1.b1.s32.and.popc needs sm_80 or la
 V1_FRAG_GROUP_KEYS = 16
 V1_FRAG_CHUNK_LEVELS = 8
 V1_FRAG_THREADS = 2 * SCAN_THREADS  # 512
-V1_FRAG_AFRAG_BYTES = 128 * 32 * 16  # bytes: the A fragments of a chunk (128 residues x 32 lanes x uint4)
+# uint4s a residue's row of A fragments takes: its 32 lanes, then 4 of padding (with 16 bytes more
+# after each 32 residues, so the ALU path's reads of 16 residues at once take 8 bank slots)
+V1_FRAG_AFRAG_ROW = 36
+V1_FRAG_AFRAG_BYTES = (128 * V1_FRAG_AFRAG_ROW + 4) * 16  # bytes: the A fragments of a chunk (128 residues)
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
 # batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores
@@ -175,6 +178,7 @@ def kernel_defines() -> Dict[str, int]:
         "V1_FRAG_GROUP_KEYS": V1_FRAG_GROUP_KEYS,
         "V1_FRAG_CHUNK_LEVELS": V1_FRAG_CHUNK_LEVELS,
         "V1_FRAG_THREADS": V1_FRAG_THREADS,
+        "V1_FRAG_AFRAG_ROW": V1_FRAG_AFRAG_ROW,
         "V1_FRAG_ALU_KEYS": V1_FRAG_ALU_KEYS,
     }
 
@@ -379,6 +383,14 @@ class ScanPlan:
     def padded_keys(self) -> int:
         """Keys the kernels run: whole groups of group_keys."""
         return self.group_keys * self.num_groups
+
+    @property
+    def top_keys(self) -> int:
+        """Keys the top stages expand: the batch's own where the scan expands no padding
+        (dpf_scan_v1_frag: one query's top is 3 trees, not 16), else padded_keys."""
+        if self.key_format == KEY_FORMAT_V1 and self.layout == "fragments":
+            return self.num_keys
+        return self.padded_keys
 
     @property
     def tree_depth(self) -> int:

@@ -150,6 +150,12 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(threads) : "memory");
 }
 
+// A producer's side of a named barrier: counts as arrived and goes on (what it wrote before is
+// seen by the threads that bar.sync on it), as CUTLASS's NamedBarrier::arrive does.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" : : "r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void team_sync(const Team& team) {
     if (team.barrier == 0) {
         __syncthreads();
@@ -450,7 +456,12 @@ constexpr int kV1fUnroll = V1F_UNROLL;
 #define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
 #define V1F_TEAM (V1_FRAG_THREADS / 2)  // threads a team: the producers, the multipliers
 #define V1F_PRODUCER_BARRIER 1  // bar.sync ids: the producers' own (between tree levels)
-#define V1F_BLOCK_BARRIER 2  // both teams (a chunk's A fragments handed over)
+// both teams, a chunk's A fragments handed over: the producers arrive at READY once they are in
+// place (the multipliers wait for it), the multipliers at FREE once they have read them (the
+// producers wait for it before they write the next chunk's), so neither team waits for the other
+// more than that
+#define V1F_AFRAG_READY 2
+#define V1F_AFRAG_FREE 3
 
 // x[i] <- word q of the mask of key k for page 32 pg + i (0 past the chunk's live leaves).
 template <int G>
@@ -462,27 +473,41 @@ __device__ __forceinline__ void v1f_load_masks(u32 (&x)[32], const uint4* big, i
     }
 }
 
-// After transpose32, x[b] is bit 32 q + b of key k's masks over pages 32 pg .. 32 pg + 31: the A
-// fragment word of residue 32 q + b, lane (k % 8, pg % 4), register k / 8 + 2 (pg / 4). afrag
-// holds the residues [residue][lane] uint4 (a0 .. a3).
-__device__ __forceinline__ void v1f_store_afrag(uint4* afrag, const u32 (&x)[32], int k, int pg, int q) {
-    u32* dst = (u32*)(afrag + (k & 7) * 4 + (pg & 3)) + (k >> 3) + 2 * (pg >> 2);
-#pragma unroll
-    for (int b = 0; b < 32; ++b) dst[(32 * q + b) * 32 * 4] = x[b];
+// Where lane `lane`'s A fragment (uint4 a0 .. a3, as mma.sync takes them: in another order the
+// compiler moved them into place for every product) of residue r lies in afrag (uint4s): rows of
+// V1_FRAG_AFRAG_ROW = 36 (the 32 lanes, then 64 bytes of padding), and 16 bytes more after each
+// 32 residues. A tensor-core product reads one residue's 32 lanes (no conflict whatever the
+// padding); a quarter warp of the ALU path reads 4 residues 32 apart, a half warp 8 (two
+// neighbours of each), which 512-byte rows would put in one bank slot (16-way conflicts a warp):
+// with the padding they take 8 slots, and a key's 4 lanes stay 4 uint4s in a row.
+__device__ __forceinline__ int v1f_afrag_index(int r, int lane) {
+    return r * V1_FRAG_AFRAG_ROW + (r >> 5) + lane;
 }
 
-// A producer's share of turning a chunk's masks (big) into its A fragments: producer p transposes
-// key p % 16, pages 32 ((p / 16) % 8) .., mask words p / 128 and p / 128 + 2.
+// After transpose32, x[b] is bit 32 q + b of key k's masks over pages 32 pg .. 32 pg + 31: the A
+// fragment word of residue 32 q + b, lane (k % 8, pg % 4), register k / 8 + 2 (pg / 4).
+__device__ __forceinline__ void v1f_store_afrag(uint4* afrag, const u32 (&x)[32], int k, int pg, int q) {
+    const int lane = (k & 7) * 4 + (pg & 3), reg = (k >> 3) + 2 * (pg >> 2);
+#pragma unroll
+    for (int b = 0; b < 32; ++b) ((u32*)(afrag + v1f_afrag_index(32 * q + b, lane)))[reg] = x[b];
+}
+
+// A producer's share of turning a chunk's masks (big) into its A fragments: the live keys' 32
+// blocks (32 pages x a mask word) each, item i of them key i % live, block i / live (pages 32 of
+// its low 3 bits .., mask word its high 2), so with every key live producer p transposes key p % 16,
+// pages 32 ((p / 16) % 8) .., mask words p / 128 and p / 128 + 2, and with one query's 3 keys 96
+// producers one block each, not all 256 two (the multipliers wait for this between chunks; the
+// padding keys' A rows keep stale masks, as their trees do).
 template <int G>
-__device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, int p, int n_leaves) {
-    static_assert(V1F_TEAM == 256 && G == 16, "a producer transposes two (key, 32 pages, word) blocks");
-    const int k = p & 15, pg = (p >> 4) & 7, q = p >> 7;
+__device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, int p, int n_leaves, LiveKeys keys) {
+    static_assert(V1F_TEAM == 256 && G == 16, "a producer transposes at most two (key, 32 pages, word) blocks");
 #pragma unroll 1
-    for (int qq = q; qq < 4; qq += 2) {
+    for (int item = p; item < 32 * keys.live; item += V1F_TEAM) {
+        const int slot = live_slot<G>(item, keys), k = slot % G, block = slot / G;
         u32 x[32];
-        v1f_load_masks<G>(x, big, k, pg, qq, n_leaves);
+        v1f_load_masks<G>(x, big, k, block & 7, block >> 3, n_leaves);
         transpose32(x);
-        v1f_store_afrag(afrag, x, k, pg, qq);
+        v1f_store_afrag(afrag, x, k, block & 7, block >> 3);
     }
 }
 
@@ -548,9 +573,10 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
                 }
             }
 #endif
+            const uint4* a_row = afrag + v1f_afrag_index(b, lane);  // residue b; 32 cq + b is cq (32 rows + 1) on
 #pragma unroll
             for (int cq = 0; cq < 4; ++cq) {
-                const uint4 a = afrag[(32 * cq + b) * 32 + lane];
+                const uint4 a = a_row[cq * (32 * V1_FRAG_AFRAG_ROW + 1)];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
@@ -579,111 +605,186 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 // take a build for that many, the rest one for V1_FRAG_ALU_KEYS.
 #define V1F_ALU_FEW_KEYS ((V1_FRAG_ALU_KEYS + 1) / 2)
 
-// Lane (q, c) of multiplier warp `warp` on the ALU reads word c of slices 16 warp + 4 i + q
-// (i = 0..3), the whole k-step: a row's 16 bytes 4 c .. (pages 32 t .., t = 0..3) of each half.
-// Row b of half h of a slice: 32 words (4 c + t) from 32 b + 1024 h, as uint4 8 b + 256 h + c.
+// A chunk is 32 steps j of a multiplier warp on the ALU. Warp W takes bit quad W (bits 4 W .. + 3)
+// of every slice, lane (r, c) bit 4 W + r of word c, and step j slices 4 j .. 4 j + 3, both halves.
+// Row b of half h of a slice is 32 words (4 c + t, word c of the slice for pages 32 t ..) from
+// 32 b + 1024 h, uint4 8 b + 256 h + c, so a quad's 4 rows are 512 contiguous bytes: each of a
+// step's 8 loads takes 512 contiguous bytes a warp, and the 8 warps of a step the whole 4 KiB of a
+// slice's half (as dpf_scan reads a page), where one bit a step took 128 bytes from 32 places.
+// A lane's residue, 32 (c % 4) + 4 W + r, is the same at every step: its A words are loaded once
+// a chunk (up to V1F_XOR_KEEP_A_KEYS keys; the build for 6 keys reloads them each step, volatile:
+// kept, 48 registers would spill the rows in flight).
+// v1f_xor_rows is the lane's uint4 of step 0 of the chunk at leaf0; step j is 4 j V1F_SLICE4 on.
+#define V1F_SLICE4 (V1F_SLICE_WORDS / 4)  // uint4s from a slice of a chunk to the next
+#define V1F_XOR_KEEP_A_KEYS 4
+#define V1F_MULTIPLIER_BARRIER 4  // bar.sync id: the multipliers' own (their answers' reduction)
 __device__ __forceinline__ const uint4* v1f_xor_rows(const u32* frags, long long leaf0, int warp, int lane) {
-    return (const uint4*)(v1f_chunk_words(frags, leaf0) + (long long)(16 * warp + (lane >> 3)) * V1F_SLICE_WORDS) +
-           (lane & 7);
+    return (const uint4*)v1f_chunk_words(frags, leaf0) + 8 * (4 * warp + (lane >> 3)) + (lane & 7);
 }
 
-// The lane's 8 independent 16-byte loads of one bit (row_b: v1f_xor_rows + 8 b).
-__device__ __forceinline__ void v1f_xor_load(uint4 (&lo)[4], uint4 (&hi)[4], const uint4* row_b) {
+// The lane's 8 independent 16-byte loads of one step (row_j: the lane's uint4 of it).
+__device__ __forceinline__ void v1f_xor_load(uint4 (&lo)[4], uint4 (&hi)[4], const uint4* row_j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        lo[i] = __ldg(row_b + (long long)(4 * i) * (V1F_SLICE_WORDS / 4));
-        hi[i] = __ldg(row_b + (long long)(4 * i) * (V1F_SLICE_WORDS / 4) + 256);
+        lo[i] = __ldg(row_j + i * V1F_SLICE4);
+        hi[i] = __ldg(row_j + i * V1F_SLICE4 + 256);
     }
 }
 
-// Bit b (mask m = 2^b) of keys 0 .. K - 1 from that bit's rows: bit b of answer word c of slice
-// 16 warp + 4 i + q of key k goes to bit b of ans[i][k].
+// Key k's A words of the lane's residue (a: its fragments) over pages 32 t .. of half 0 (ax: a0 of
+// lane 4 k + t) and half 1 (az: its a2); volatile: loaded where written, each step.
+template <bool Volatile>
+__device__ __forceinline__ void v1f_xor_a(u32 (&ax)[4], u32 (&az)[4], const uint4* a, int k) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        if (Volatile) {
+            const volatile u32* w = (const volatile u32*)(a + 4 * k + t);
+            ax[t] = w[0];
+            az[t] = w[2];
+        } else {
+            const uint4 w = a[4 * k + t];
+            ax[t] = w.x;
+            az[t] = w.z;
+        }
+    }
+}
+
+// Step j (mask m = 2^j) of keys 0 .. K - 1 from that step's rows: the lane's bit of answer word c
+// of slice 4 j + i of key k goes to bit j of ans[i][k] (v1f_alu_run puts it in place once a run is
+// done). ax/az: the keys' A words (K <= V1F_XOR_KEEP_A_KEYS), else loaded here from a.
 template <int K>
 __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[4], const uint4 (&hi)[4],
-                                            const uint4* afrag, int b, u32 m, int lane) {
+                                            const u32 (&ax)[K][4], const u32 (&az)[K][4], const uint4* a, u32 m) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        // key k's mask bits of residue 32 (c % 4) + b over pages 32 t ..: .x (half 0), .z (half 1)
-        const uint4* a = afrag + (32 * (lane & 3) + b) * 32 + 4 * k;
-        const uint4 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+        u32 x4[4], z4[4];
+        if constexpr (K > V1F_XOR_KEEP_A_KEYS) {
+            v1f_xor_a<true>(x4, z4, a, k);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 4; ++t) x4[t] = ax[k][t], z4[t] = az[k][t];
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const u32 x = (lo[i].x & a0.x) ^ (lo[i].y & a1.x) ^ (lo[i].z & a2.x) ^ (lo[i].w & a3.x) ^
-                          (hi[i].x & a0.z) ^ (hi[i].y & a1.z) ^ (hi[i].z & a2.z) ^ (hi[i].w & a3.z);
-            ans[i][k] ^= ((u32)__popc(x) * m) & m;  // the count's low bit to bit b
+            const u32 x = (lo[i].x & x4[0]) ^ (lo[i].y & x4[1]) ^ (lo[i].z & x4[2]) ^ (lo[i].w & x4[3]) ^
+                          (hi[i].x & z4[0]) ^ (hi[i].y & z4[1]) ^ (hi[i].z & z4[2]) ^ (hi[i].w & z4[3]);
+            ans[i][k] ^= ((u32)__popc(x) * m) & m;  // the count's low bit to bit j
         }
     }
 }
 
 // Multiplier warp `warp`'s share of one chunk on the ALU, for keys 0 .. K - 1 of the group. Loads
-// run one bit ahead of the arithmetic (two sets of rows, taking turns), and the last bit's turn
+// run one step ahead of the arithmetic (two sets of rows, taking turns), and the last step's turn
 // loads the next chunk's first (`next`, null for none) before the barriers between chunks: with one
-// bit's loads in flight only while it waited for them, a warp left the memory idle through its
-// arithmetic and through each chunk's barriers. On entry lo/hi hold bit 0 of `rows`.
-// Each lane also asks L2 for one of its q's 8 lines (i = c % 4, half c / 4) of bit
-// b + V1F_XOR_PREFETCH (of `next` past bit 31). Measured at mainnet for one query on the H100
-// (NOTES-cuda.md): 23.1 ms at 2 bits ahead, 24.3 with none, 24.9 at 4 (one call); 31.6 at 8 against
-// 23.9 at 2 in another (L2 thrashes).
+// step's loads in flight only while it waited for them, a warp left the memory idle through its
+// arithmetic and through each chunk's barriers. On entry lo/hi hold step 0 of `rows`.
+// Each lane also asks L2 for one of the 32 lines of step j + V1F_XOR_PREFETCH (of `next` past
+// step 31): its row, slice 4 j + lane % 4, half (lane / 4) % 2. Measured at mainnet for one query
+// on the H100 (NOTES-cuda.md): 22.7 ms at 2 steps ahead and at 1, 23.9 at 3 (one call); with the
+// read orders before, 2 ahead beat none, 4 and 8.
 // Variants to time: 0 (none), another distance.
 #ifndef V1F_XOR_PREFETCH
 #define V1F_XOR_PREFETCH 2
 #endif
 
-__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int b, int lane) {
+__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int j, int pf_lane) {
 #if V1F_XOR_PREFETCH > 0
-    const uint4* base = b + V1F_XOR_PREFETCH < 32 ? rows + 8 * (b + V1F_XOR_PREFETCH)
-                                                  : (next != 0 ? next + 8 * (b + V1F_XOR_PREFETCH - 32) : 0);
-    if (base != 0)
-        prefetch_l2(base - (lane & 7) + (long long)(4 * (lane & 3)) * (V1F_SLICE_WORDS / 4) + 256 * ((lane >> 2) & 1));
+    const int step = j + V1F_XOR_PREFETCH;
+    const uint4* base = step < 32 ? rows + 4 * step * V1F_SLICE4 : (next != 0 ? next + 4 * (step - 32) * V1F_SLICE4 : 0);
+    if (base != 0) prefetch_l2(base + pf_lane);
 #endif
 }
 
 template <int K>
-__device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], uint4 (&hi)[4], const uint4* afrag,
+__device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], uint4 (&hi)[4], const uint4* a,
                                              const uint4* rows, const uint4* next, int lane) {
     static_assert(K >= 1 && K <= 8, "keys 0 .. 7 of a group: their A words are a fragment's .x and .z");
     static_assert(V1F_XOR_PREFETCH >= 0 && V1F_XOR_PREFETCH <= 32, "at most a chunk ahead");
-    // bit b's mask, carried from bit to bit (never 1 << b: the compiler would make the product a shift)
+    // the lane's prefetch line of a step, from its own uint4: slice lane % 4 of the step's 4, half (lane / 4) % 2
+    const int pf_lane = -(lane & 7) + (lane & 3) * V1F_SLICE4 + 256 * ((lane >> 2) & 1);
+    u32 ax[K][4], az[K][4];
+    if constexpr (K <= V1F_XOR_KEEP_A_KEYS) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) v1f_xor_a<false>(ax[k], az[k], a, k);
+        // the chunk's A words are in registers: the producers may write the next chunk's already
+        // (so their transposes overlap this chunk's loads instead of stalling the multipliers)
+        if (next != 0) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);
+    }
+    // step j's mask, carried from step to step (never 1 << j: the compiler would make the product a shift)
     u32 m = 1u;
 #pragma unroll 1
-    for (int b = 0; b < 32; b += 2) {
+    for (int j = 0; j < 32; j += 2) {
+        const uint4* at = rows + 4 * j * V1F_SLICE4;
         uint4 lo1[4], hi1[4];
-        v1f_xor_load(lo1, hi1, rows + 8 * (b + 1));
-        v1f_xor_prefetch(rows, next, b, lane);
-        v1f_xor_prefetch(rows, next, b + 1, lane);
-        v1f_xor_bit<K>(ans, lo, hi, afrag, b, m, lane);
-        const uint4* after = b + 2 < 32 ? rows + 8 * (b + 2) : next;
+        v1f_xor_load(lo1, hi1, at + 4 * V1F_SLICE4);
+        v1f_xor_prefetch(rows, next, j, pf_lane);
+        v1f_xor_prefetch(rows, next, j + 1, pf_lane);
+        v1f_xor_bit<K>(ans, lo, hi, ax, az, a, m);
+        const uint4* after = j + 2 < 32 ? at + 8 * V1F_SLICE4 : next;
         if (after != 0) v1f_xor_load(lo, hi, after);
-        v1f_xor_bit<K>(ans, lo1, hi1, afrag, b + 1, m << 1, lane);
+        v1f_xor_bit<K>(ans, lo1, hi1, ax, az, a, m << 1);
         m <<= 2;
     }
+    if (K > V1F_XOR_KEEP_A_KEYS && next != 0) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // afrag read
 }
 
 // The multipliers' side of a launch of at most K keys on the ALU: chunk by chunk as the producers
-// hand them over, then each lane's answer words to the output by XOR atomics.
+// hand them over, then the answers to the output. red: shared memory the producers are done with
+// once they hand over a run's last chunk (4 KiB a key). Not inlined (one call a block): inlined,
+// the kernel's one register allocation spilled a word of the tensor-core path's.
 template <int K>
-__device__ __forceinline__ void v1f_alu_run(const uint4* afrag, const u32* frags, int c, long long chunk_begin,
-                                            long long chunk_end, int num_keys, int warp, int lane, u64* out) {
+__device__ __noinline__ void v1f_alu_run(const uint4* afrag, u32* red, const u32* frags, int c,
+                                            long long chunk_begin, long long chunk_end, int num_keys, int warp,
+                                            int lane, u64* out) {
     u32 ans[4][K];
 #pragma unroll
     for (int i = 0; i < 4 * K; ++i) (&ans[0][0])[i] = 0u;
-    uint4 lo[4], hi[4];  // the rows of the bit to multiply next
+    // the lane's A fragments: residue 32 (c % 4) + 4 W + r
+    const uint4* a = afrag + v1f_afrag_index(32 * (lane & 3) + 4 * warp + (lane >> 3), 0);
+    uint4 lo[4], hi[4];  // the rows of the step to multiply next
     if (chunk_begin < chunk_end) v1f_xor_load(lo, hi, v1f_xor_rows(frags, chunk_begin << c, warp, lane));
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const bool more = chunk + 1 < chunk_end;
-        named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
-        v1f_xor_scan<K>(ans, lo, hi, afrag, v1f_xor_rows(frags, chunk << c, warp, lane),
+        named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
+        v1f_xor_scan<K>(ans, lo, hi, a, v1f_xor_rows(frags, chunk << c, warp, lane),
                         more ? v1f_xor_rows(frags, (chunk + 1) << c, warp, lane) : (const uint4*)0, lane);
-        if (more) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // afrag may be overwritten
     }
-    u32* out32 = (u32*)out;
+    // Bit j of ans[i][k] in lane (r, c) of warp W is bit 4 W + r of word c of slice 4 j + i. The 4
+    // lanes of a c gather nibbles: lane (q, c) takes j = 8 q + t (t = 0..7) of each, nibble t of its
+    // word holding the 4 lanes' bits (r = 0..3); the 8 warps' nibbles of a word (bits 4 W ..) meet
+    // in red by shared-memory XOR, [key][slice][word] (v1f_xor_rows's 128 slices x 8 words).
+    static_assert(V1F_L * V1_FRAG_GROUP_KEYS * 16 >= K * PAGE_WORDS * 4, "red fits in big");
+    const int tid = 32 * warp + lane, r = lane >> 3;
+    for (int w = tid; w < K * PAGE_WORDS; w += V1F_TEAM) red[w] = 0u;
+    named_barrier(V1F_MULTIPLIER_BARRIER, V1F_TEAM);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int k = 0; k < K; ++k)
-            if (k < num_keys && ans[i][k])
-                atomicXor(&out32[(long long)k * PAGE_WORDS + (16 * warp + 4 * i + (lane >> 3)) * MMA_SLICE_WORDS +
-                                 (lane & 7)], ans[i][k]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                // bits 8 q .. 8 q + 7 of the lane's word, spread to bits 4 t, then moved to 4 t + r
+                u32 v = (ans[i][k] >> (8 * q)) & 0xFFu;
+                v = (v | (v << 12)) & 0x000F000Fu;
+                v = (v | (v << 6)) & 0x03030303u;
+                v = (v | (v << 3)) & 0x11111111u;
+                v <<= r;
+                v ^= __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+                v ^= __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+                if (r == q) {
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) {
+                        const u32 nibble = (v >> (4 * t)) & 0xFu;
+                        if (nibble)
+                            atomicXor(&red[k * PAGE_WORDS + (4 * (8 * q + t) + i) * MMA_SLICE_WORDS + (lane & 7)],
+                                      nibble << (4 * warp));
+                    }
+                }
+            }
+    named_barrier(V1F_MULTIPLIER_BARRIER, V1F_TEAM);
+    u32* out32 = (u32*)out;
+    for (int w = tid; w < num_keys * PAGE_WORDS; w += V1F_TEAM)
+        if (red[w]) atomicXor(&out32[w], red[w]);
 }
 
 template <int G>
@@ -707,7 +808,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     u8* half_t = big_t + V1F_L * G;
     u8* cw_t = half_t + (V1F_L / 2) * G;
     static_assert((V1F_L + V1F_L / 2 + V1_FRAG_CHUNK_LEVELS) * G % 16 == 0, "afrag starts 16-byte aligned");
-    // the chunk being multiplied: 128 residues x 32 lanes (cuda_plan.V1_FRAG_AFRAG_BYTES)
+    // the chunk being multiplied: 128 residues x 32 lanes, padded (v1f_afrag_index, cuda_plan.V1_FRAG_AFRAG_BYTES)
     uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);
 
     const int group = blockIdx.x % num_groups;
@@ -721,9 +822,9 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
     __syncthreads();  // the corrections, loaded by the whole block, are read by the producers alone
 
-    // The teams run apart from here, meeting at barrier V1F_BLOCK_BARRIER twice a chunk, once for
-    // a run's first (each its own loop, so the multipliers' 64 accumulators are not live while the
-    // producers expand).
+    // The teams run apart from here, meeting at barriers V1F_AFRAG_READY and V1F_AFRAG_FREE once
+    // a chunk each (FREE not after a run's last), each team its own loop (so the multipliers' 64
+    // accumulators are not live while the producers expand).
     if (threadIdx.x >= V1F_TEAM) {
         // the last group's padding keys (past num_keys) are not expanded: their A rows are stale
         // masks and their answers are never read
@@ -733,9 +834,10 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
             const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
             expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
                             big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys, producers);
-            if (chunk > chunk_begin) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // the products of chunk - 1 are done
-            v1f_make_afrag<G>(afrag, big, producers.tid, n_leaves);
-            named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
+            if (chunk > chunk_begin) named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // chunk - 1's A fragments read
+            v1f_make_afrag<G>(afrag, big, producers.tid, n_leaves, keys);
+            named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
+            team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
         }
         return;
     }
@@ -743,9 +845,11 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #if V1_FRAG_ALU_KEYS > 0
     if (num_keys <= V1_FRAG_ALU_KEYS) {  // one group: key0 is 0
         if (num_keys <= V1F_ALU_FEW_KEYS) {
-            v1f_alu_run<V1F_ALU_FEW_KEYS>(afrag, frags, c, chunk_begin, chunk_end, num_keys, warp, lane, out);
+            v1f_alu_run<V1F_ALU_FEW_KEYS>(afrag, (u32*)big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
+                                           out);
         } else {
-            v1f_alu_run<V1_FRAG_ALU_KEYS>(afrag, frags, c, chunk_begin, chunk_end, num_keys, warp, lane, out);
+            v1f_alu_run<V1_FRAG_ALU_KEYS>(afrag, (u32*)big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
+                                           out);
         }
         return;
     }
@@ -762,10 +866,10 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     }
 #endif
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // chunk's A fragments are in place
+        named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
         v1f_multiply(acc, afrag, frags, chunk << c, chunk + 1 < chunk_end ? (chunk + 1) << c : -1, prefetch,
                      warp, lane);
-        if (chunk + 1 < chunk_end) named_barrier(V1F_BLOCK_BARRIER, V1_FRAG_THREADS);  // afrag may be overwritten
+        if (chunk + 1 < chunk_end) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // afrag may be overwritten
     }
     u32* out32 = (u32*)out;
 #pragma unroll

@@ -57,7 +57,8 @@ def _definition(source: str, head: str) -> str:
 # Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
 # CPU. mma.sync's product comes from the runtime; cp.async copies land when issued or at the
 # wait_group that lets them (COPIES_LAND: the earliest and the latest a copy may); an L2 prefetch
-# loads nothing, but is counted and its address checked; bar.sync's named barriers are the runtime's.
+# loads nothing, but is counted and its address checked; bar.sync's and bar.arrive's named barriers are
+# the runtime's.
 EMULATED = {
     "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     emu_mma_and_popc(d, a0, a1, a2, a3, b0, b1);
@@ -76,6 +77,9 @@ EMULATED = {
 }""",
     "__device__ __forceinline__ void named_barrier(": """__device__ __forceinline__ void named_barrier(int id, int threads) {
     emu_named_barrier(id, threads);
+}""",
+    "__device__ __forceinline__ void named_barrier_arrive(": """__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    emu_named_barrier_arrive(id, threads);
 }""",
     "__device__ __forceinline__ void cp_async_wait(": """__device__ __forceinline__ void cp_async_wait() {
     emu_cp_async_wait(N);
@@ -199,22 +203,23 @@ def chunk_pages(frags: np.ndarray, chunk: int) -> np.ndarray:
 
 def _answers(plan, batch, scan, variant: tuple[str, ...] = (), copies_land: str = "at issue") -> np.ndarray:
     """(K, 1024) u32 answers of KeyBatch `batch` under `plan` as CudaBackend launches them: the key
-    records padded with the last key, the top stages by dpf_expand_top, then scan(lib, keyrec,
-    nodes, out) with library(variant), its cp.async copies landing `copies_land` (COPIES_LAND);
-    only the batch's own rows come back."""
+    records padded with the last key, the top stages by dpf_expand_top (for plan.top_keys keys),
+    then scan(lib, keyrec, nodes, out) with library(variant), its cp.async copies landing
+    `copies_land` (COPIES_LAND); only the batch's own rows come back."""
     lib = library(variant)
     k, kp = batch.root_seed.shape[0], plan.padded_keys
     records = cuda_plan.pack_key_records(batch.root_seed, batch.root_t, batch.cw_seed, batch.cw_t,
                                          batch.final_cw)
     keyrec = np.ascontiguousarray(np.concatenate([records, np.repeat(records[-1:], kp - k, axis=0)]))
-    nodes = [(np.zeros((kp, st.live_out, 4), dtype=np.uint32), np.zeros((kp, st.live_out), dtype=np.uint8))
+    # stale, as cupy.empty leaves them: the padding keys' rows, which the top may leave unwritten
+    nodes = [(np.full((kp, st.live_out, 4), 0xA5A5A5A5, dtype=np.uint32), np.full((kp, st.live_out), 0xA5, dtype=np.uint8))
              for st in plan.stages]
     out = np.zeros((kp, WORDS), dtype=np.uint32)
     lib.emu_cp_async_landing(ctypes.c_int(COPIES_LAND[copies_land]))
     try:
         with _within_shared_memory(lib):
             for i, st in enumerate(plan.stages):
-                lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(kp),
+                lib.emu_dpf_expand_top(ctypes.c_uint(st.live_in), ctypes.c_uint(plan.top_keys),
                                        *map(_arg, cuda_plan.top_args(plan, i, keyrec, nodes)))
             scan(lib, keyrec, nodes, out)
     finally:

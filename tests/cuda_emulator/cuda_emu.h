@@ -17,6 +17,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__
 #define __shared__ static  // static arrays only: `extern __shared__` is rewritten by the builder
@@ -24,6 +25,9 @@
 
 struct uint4 {
     unsigned int x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned int x, y;
 };
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 struct dim3 {
@@ -37,6 +41,8 @@ extern unsigned char* emu_dynamic_smem;
 void __syncthreads();
 // bar.sync id, threads: a barrier of `threads` threads of the block (id 1..15), made at its first use
 void emu_named_barrier(int id, int threads);
+// bar.arrive id, threads: counted in that barrier's phase, without waiting for it to fill
+void emu_named_barrier_arrive(int id, int threads);
 // cp.async.cg 16 bytes, commit_group, wait_group `pending` (emu_cp_async_landing says when copies land)
 void emu_cp_async16(void* dst, const void* src);
 void emu_cp_async_commit();
@@ -48,6 +54,12 @@ void emu_prefetch_l2(const void* p);
 extern uintptr_t emu_watch_from;  // the buffer emu_prefetch_range named (0 bytes: none)
 extern size_t emu_watch_bytes;
 extern unsigned char* emu_loaded_lines;  // a byte a 128-byte line of it, from its start
+// __shfl_xor_sync over the whole warp (every kernel that shuffles passes the full mask)
+unsigned emu_shfl_xor(unsigned value, int lane_mask);
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned value, int lane_mask) {
+    if (mask != 0xFFFFFFFFu) __builtin_trap();
+    return emu_shfl_xor(value, lane_mask);
+}
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1);
 // Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a block at a
 // time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).

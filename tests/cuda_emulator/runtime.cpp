@@ -46,6 +46,11 @@ struct WarpMma {
 struct Warp {
     WarpMma mma;
     std::barrier<std::reference_wrapper<WarpMma>> bar{32, std::ref(mma)};
+    // __shfl_xor_sync: a lane leaves its value in the slot of its call's parity and, once all 32
+    // have, reads its partner's (two slots, as for mma.sync)
+    unsigned shfl[2][32];
+    int shfl_calls[32] = {};
+    std::barrier<> shfl_bar{32};
 };
 
 // The block being run: its __syncthreads barrier (a thread that leaves the kernel drops out of it,
@@ -73,6 +78,15 @@ constexpr auto kNamedWait = std::chrono::seconds(60);
 constexpr auto kNamedPoll = std::chrono::milliseconds(100);
 struct NamedBarrier {
     explicit NamedBarrier(int count) : count(count) {}
+    // bar.arrive: counted, and the phase opened if this fills it, without waiting for it
+    void arrive() {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (++arrived == count) {
+            arrived = 0;
+            ++phases;
+            opened.notify_all();
+        }
+    }
     void arrive_and_wait(int id) {
         std::unique_lock<std::mutex> lock(mutex);
         const unsigned long long phase = phases;
@@ -227,6 +241,11 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
                 block_barrier->arrive_and_drop();
                 gate.arrive_and_wait();
                 if (t == 0 && std::memcmp(shared.data() + smem, kCanary, sizeof kCanary) != 0) ++faults;
+                if (t == 0)  // a bar.arrive no thread waited for: a phase the block left half filled
+                    for (int id = 0; id < 16; ++id)
+                        if (named_barriers[id] && named_barriers[id]->arrived != 0)
+                            break_barriers("a named barrier's phase left unfilled at the block's end", id,
+                                           named_barriers[id]->count);
             }
         });
     }
@@ -237,24 +256,35 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
 
 void __syncthreads() { block_barrier->arrive_and_wait(); }
 
-void emu_named_barrier(int id, int threads) {
+namespace {
+// Barrier id of `threads` threads, made at its first use (null once the launch's barriers broke)
+NamedBarrier* named_barrier_of(int id, int threads) {
     NamedBarrier* bar;
     {
         std::lock_guard<std::mutex> lock(named_mutex);
-        if (barriers_broken) return;
+        if (barriers_broken) return nullptr;
         if (id < 1 || id > 15 || threads < 1 || threads % 32 != 0 || threads > (int)blockDim.x) {
             break_barriers("a named barrier out of bar.sync's bounds (id 1..15, a multiple of 32 threads, at most "
                            "the block's)", id, threads);
-            return;
+            return nullptr;
         }
         if (!named_barriers[id]) named_barriers[id] = std::make_unique<NamedBarrier>(threads);
         if (named_barriers[id]->count != threads) {
             break_barriers("a named barrier named with another thread count than at its first use", id, threads);
-            return;
+            return nullptr;
         }
         bar = named_barriers[id].get();
     }
-    bar->arrive_and_wait(id);
+    return bar;
+}
+}  // namespace
+
+void emu_named_barrier(int id, int threads) {
+    if (NamedBarrier* bar = named_barrier_of(id, threads)) bar->arrive_and_wait(id);
+}
+
+void emu_named_barrier_arrive(int id, int threads) {
+    if (NamedBarrier* bar = named_barrier_of(id, threads)) bar->arrive();
 }
 
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
@@ -267,4 +297,13 @@ void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsign
     w.mma.b[p][lane][0] = b0, w.mma.b[p][lane][1] = b1;
     w.bar.arrive_and_wait();
     for (int r = 0; r < 4; ++r) d[r] += w.mma.d[p][lane][r];
+}
+
+unsigned emu_shfl_xor(unsigned value, int lane_mask) {
+    const int lane = threadIdx.x & 31;
+    Warp& w = warps[threadIdx.x >> 5];
+    const int p = w.shfl_calls[lane]++ & 1;
+    w.shfl[p][lane] = value;
+    w.shfl_bar.arrive_and_wait();
+    return w.shfl[p][(lane ^ lane_mask) & 31];
 }
