@@ -75,7 +75,8 @@ V1_FRAG_AFRAG_ROW = 36
 V1_FRAG_AFRAG_BYTES = (128 * V1_FRAG_AFRAG_ROW + 4) * 16  # bytes: the A fragments of a chunk (128 residues)
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
-# batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores
+# batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores (an
+# earlier read order; 22.6-22.9 ms now, docs/benchmarks/NOTES-cuda.md)
 V1_FRAG_ALU_KEYS = 2 * KEYS_PER_QUERY  # 6
 V1_FRAG_WAVES = 2  # its blocks a launch over the SMs (WAVES_PER_LAUNCH's part): longer runs, fewer unoverlapped first chunks
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
