@@ -89,12 +89,14 @@ SOURCES = ("runtime.cpp", "scan_entries.cpp", "mma_entries.cpp")
 
 
 def emulated_text(name: str) -> str:
-    """Kernel file `name` as NVRTC gets it, rewritten for the shim: EMULATED's definitions, and
-    dynamic shared memory as the block's buffer."""
+    """Kernel file `name` as NVRTC gets it, rewritten for the shim: EMULATED's definitions,
+    __noinline__ as GCC spells it, and dynamic shared memory as the block's buffer."""
     text = kernel_source(name)
     for head, body in EMULATED.items():
         if head in text:
             text = text.replace(_definition(text, head), body)
+    # __noinline__ as a macro would break the standard headers that spell the attribute so
+    text = text.replace("__noinline__", "__attribute__((noinline))")
     return text.replace("extern __shared__ uint4 smem[];", "uint4* smem = (uint4*)emu_dynamic_smem;")
 
 

@@ -17,7 +17,6 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__
 #define __shared__ static  // static arrays only: `extern __shared__` is rewritten by the builder
