@@ -26,6 +26,7 @@ import numpy as np
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS  # noqa: E402
 from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_by_name, gen_keys  # noqa: E402
@@ -182,8 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="cuda, fragments layout: Hopper's warpgroup products (auto: on sm_90) or mma.sync")
     ap.add_argument("--mma-chunks", type=int, default=None,
                     help="cuda, v2 on the tensor cores: chunks of 1024 pages a block (default: the plan's)")
-    ap.add_argument("--define", action="append", default=[],
-                    help="cuda: NAME=VALUE, one more -D option for the kernels (a variant to time)")
+    add_define_argument(ap)
     ap.add_argument("--out", required=True, help="CSV path")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -192,10 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     qs = [int(x) for x in args.q.split(",") if x]
     dispatches = [parse_dispatch(t) for t in (args.dispatch or ["micro_batch=0,streams=1,graph=0"])]
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    if args.define:
-        from gpu_engine.backends import cuda_module
-
-        cuda_module.add_defines(args.define)
+    apply_defines(args)
     if args.wgmma == "auto":
         backend = create_backend(args.backend, layout=args.layout)
     else:

@@ -21,6 +21,7 @@ import numpy as np
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, describe_plan  # noqa: E402
 from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
@@ -68,16 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--q", default="32,74", help="comma-separated query counts (3 keys each)")
     ap.add_argument("--batches", type=int, default=4, help="batches per query count")
     ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v2", help="docs/PROTOCOL.md 3, 3.1")
-    ap.add_argument("--define", action="append", default=[],
-                    help="NAME=VALUE: build the kernels with this -D option too (a variant to time)")
+    add_define_argument(ap)
     args = ap.parse_args(argv)
 
     import cupy
 
-    if args.define:
-        from gpu_engine.backends import cuda_module
-
-        cuda_module.add_defines(args.define)
+    apply_defines(args)
 
     d = domain_bits_for(args.pages, args.domain_bits)
     events: list = []

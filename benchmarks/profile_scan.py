@@ -17,6 +17,7 @@ import numpy as np
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS, describe_plan  # noqa: E402
 from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
@@ -35,13 +36,9 @@ def main() -> None:
     ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1")
     ap.add_argument("--v2-scan", choices=V2_SCANS, default=None)
     ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages")
-    ap.add_argument("--define", action="append", default=[],
-                    help="NAME=VALUE, one more -D option for the kernels (a variant to profile)")
+    add_define_argument(ap)
     args = ap.parse_args()
-    if args.define:
-        from gpu_engine.backends import cuda_module
-
-        cuda_module.add_defines(args.define)
+    apply_defines(args)
 
     d = domain_bits_for(args.pages, args.domain_bits)
     resident = create_backend("cuda", layout=args.layout).generate(args.pages, seed=5, domain_bits=d)

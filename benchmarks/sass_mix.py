@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import cuda_module  # noqa: E402
 
 OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
@@ -43,9 +44,9 @@ def main() -> None:
     ap.add_argument("file", help="a kernel file, e.g. dpf_scan.cu")
     ap.add_argument("kernel", help="part of the kernel's (mangled) name, e.g. dpf_scan_v1_frag")
     ap.add_argument("--contains", default=None, help="only loops holding this opcode (e.g. BMMA)")
-    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, another -D option (or the host's value of NAME replaced)")
+    add_define_argument(ap)
     args = ap.parse_args()
-    cuda_module.add_defines(args.define)
+    apply_defines(args)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / args.file, Path(tmp) / "k.cubin"
         src.write_text(cuda_module.kernel_source(args.file))

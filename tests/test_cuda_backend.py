@@ -825,8 +825,8 @@ def test_a_fragments_layout_is_scanned_on_the_tensor_cores_by_either_key_format(
     assert (plan.group_keys, plan.num_groups, plan.padded_keys, plan.chunk_levels) == (16, 2, 32, 8)
     # its producers expand no padding key, so neither do the top stages; the other scans run the padding
     assert plan.top_keys == 24
-    assert cuda_plan.plan_scan(MAINNET_PAGES, 25, 24, key_format=KEY_FORMAT_V1).top_keys == \
-        cuda_plan.plan_scan(MAINNET_PAGES, 25, 24, key_format=KEY_FORMAT_V1).padded_keys
+    pages_plan = cuda_plan.plan_scan(MAINNET_PAGES, 25, 24, key_format=KEY_FORMAT_V1)
+    assert pages_plan.top_keys == pages_plan.padded_keys
     assert plan.num_chunks == -(-MAINNET_PAGES // 256) and plan.stages[-1].live_out == plan.num_chunks
     assert plan.shared_bytes == cuda_plan.v1_frag_shared_bytes() <= cuda_plan.MAX_SHARED_BYTES
     assert plan.scan_threads == cuda_plan.V1_FRAG_THREADS == 512  # producers and multipliers

@@ -25,9 +25,6 @@
 struct uint4 {
     unsigned int x, y, z, w;
 };
-struct alignas(8) uint2 {
-    unsigned int x, y;
-};
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 struct dim3 {
     unsigned int x, y, z;

@@ -81,21 +81,12 @@ struct NamedBarrier {
     // bar.arrive: counted, and the phase opened if this fills it, without waiting for it
     void arrive() {
         std::lock_guard<std::mutex> lock(mutex);
-        if (++arrived == count) {
-            arrived = 0;
-            ++phases;
-            opened.notify_all();
-        }
+        count_arrival();
     }
     void arrive_and_wait(int id) {
         std::unique_lock<std::mutex> lock(mutex);
         const unsigned long long phase = phases;
-        if (++arrived == count) {
-            arrived = 0;
-            ++phases;
-            opened.notify_all();
-            return;
-        }
+        if (count_arrival()) return;
         const auto deadline = std::chrono::steady_clock::now() + kNamedWait;
         // woken by the phase, else looks every kNamedPoll for another barrier's break
         while (!opened.wait_for(lock, kNamedPoll, [&] { return phases != phase || barriers_broken; })) {
@@ -104,6 +95,14 @@ struct NamedBarrier {
                 return;
             }
         }
+    }
+    // one more thread arrived (the mutex held): true where it filled the phase, which opens
+    bool count_arrival() {
+        if (++arrived != count) return false;
+        arrived = 0;
+        ++phases;
+        opened.notify_all();
+        return true;
     }
     const int count;
     int arrived = 0;
