@@ -528,6 +528,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
 }
 
+// `bytes` (a multiple of 16, from a 16-byte aligned p) into L2 by the bulk-copy engine (TMA,
+// sm_90): one instruction for many lines, none of them held by the SM's load tracking; before
+// sm_90 a line prefetch each.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
+#else
+    for (u32 at = 0; at < bytes; at += 128) prefetch_l2((const char*)p + at);
+#endif
+}
+
 // The first word of the chunk at leaf0 (a k-step of 256 pages) in the fragments layout.
 __device__ __forceinline__ const u32* v1f_chunk_words(const u32* frags, long long leaf0) {
     const int kstep = (int)((leaf0 % MMA_CHUNK_PAGES) / V1F_L);
@@ -603,7 +614,9 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 // (w, b), the parity of what it holds is this k-step's share of answer bit b of word w: 8 LOP3, a
 // POPC and two more a key for 8 words. Launches of at most V1F_ALU_FEW_KEYS keys (one query's)
 // take a build for that many, the rest one for V1_FRAG_ALU_KEYS.
+#ifndef V1F_ALU_FEW_KEYS
 #define V1F_ALU_FEW_KEYS ((V1_FRAG_ALU_KEYS + 1) / 2)
+#endif
 
 // A chunk is 32 steps j of a multiplier warp on the ALU. Warp W takes bit quad W (bits 4 W .. + 3)
 // of every slice, lane (r, c) bit 4 W + r of word c, and step j slices 4 j .. 4 j + 3, both halves.
@@ -616,18 +629,56 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 // kept, 48 registers would spill the rows in flight).
 // v1f_xor_rows is the lane's uint4 of step 0 of the chunk at leaf0; step j is 4 j V1F_SLICE4 on.
 #define V1F_SLICE4 (V1F_SLICE_WORDS / 4)  // uint4s from a slice of a chunk to the next
+#ifndef V1F_XOR_KEEP_A_KEYS
 #define V1F_XOR_KEEP_A_KEYS 4
+#endif
 #define V1F_MULTIPLIER_BARRIER 4  // bar.sync id: the multipliers' own (their answers' reduction)
 __device__ __forceinline__ const uint4* v1f_xor_rows(const u32* frags, long long leaf0, int warp, int lane) {
     return (const uint4*)v1f_chunk_words(frags, leaf0) + 8 * (4 * warp + (lane >> 3)) + (lane & 7);
 }
 
+// Variants to time: the ALU path's loads marked for early eviction from L2 (read once, they
+// would otherwise push out lines prefetched ahead of them), and its line prefetches for late.
+#ifndef V1F_XOR_EVICT_FIRST
+#define V1F_XOR_EVICT_FIRST 0
+#endif
+#ifndef V1F_XOR_PREFETCH_LAST
+#define V1F_XOR_PREFETCH_LAST 0
+#endif
+
+// An L2 cache policy: lines loaded with it are evicted first (createpolicy, sm_80)
+__device__ __forceinline__ u64 l2_evict_first_policy() {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// __ldg of read-once data under an L2 policy, not kept in L1
+__device__ __forceinline__ uint4 ldg_policy(const uint4* p, u64 policy) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+    return v;
+}
+
+__device__ __forceinline__ void prefetch_l2_last(const void* p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" : : "l"(p));
+}
+
 // The lane's 8 independent 16-byte loads of one step (row_j: the lane's uint4 of it).
 __device__ __forceinline__ void v1f_xor_load(uint4 (&lo)[4], uint4 (&hi)[4], const uint4* row_j) {
+#if V1F_XOR_EVICT_FIRST
+    const u64 policy = l2_evict_first_policy();
+#endif
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+#if V1F_XOR_EVICT_FIRST
+        lo[i] = ldg_policy(row_j + i * V1F_SLICE4, policy);
+        hi[i] = ldg_policy(row_j + i * V1F_SLICE4 + 256, policy);
+#else
         lo[i] = __ldg(row_j + i * V1F_SLICE4);
         hi[i] = __ldg(row_j + i * V1F_SLICE4 + 256);
+#endif
     }
 }
 
@@ -686,22 +737,46 @@ __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[
 #ifndef V1F_XOR_PREFETCH
 #define V1F_XOR_PREFETCH 2
 #endif
+// How: 0, each lane one line (prefetch.global.L2); 1, each warp W one 4 KiB piece by the bulk
+// engine (prefetch_l2_bulk: slice W % 4 of the step's 4, half W / 4, one instruction a step, the
+// same bytes as the lines of 0 but the block's step split by warp rather than each warp's own
+// rows); 2, warp 0 the block's whole step (four slices of 8 KiB).
+#ifndef V1F_XOR_BULK
+#define V1F_XOR_BULK 0
+#endif
 
-__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int j, int pf_lane) {
+// pf: the lane's offset from its own uint4 to its line (V1F_XOR_BULK 0), else to the warp's piece
+// (1) or the step's start (2)
+__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int j, int pf, int warp) {
 #if V1F_XOR_PREFETCH > 0
     const int step = j + V1F_XOR_PREFETCH;
     const uint4* base = step < 32 ? rows + 4 * step * V1F_SLICE4 : (next != 0 ? next + 4 * (step - 32) * V1F_SLICE4 : 0);
-    if (base != 0) prefetch_l2(base + pf_lane);
+    if (base == 0) return;
+#if V1F_XOR_BULK == 0 && V1F_XOR_PREFETCH_LAST
+    prefetch_l2_last(base + pf);
+#elif V1F_XOR_BULK == 0
+    prefetch_l2(base + pf);
+#elif V1F_XOR_BULK == 1
+    prefetch_l2_bulk(base + pf, 4096);
+#else
+    if (warp == 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) prefetch_l2_bulk(base + pf + i * V1F_SLICE4, 8192);
+#endif
 #endif
 }
 
 template <int K>
 __device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], uint4 (&hi)[4], const uint4* a,
-                                             const uint4* rows, const uint4* next, int lane) {
+                                             const uint4* rows, const uint4* next, int warp, int lane) {
     static_assert(K >= 1 && K <= 8, "keys 0 .. 7 of a group: their A words are a fragment's .x and .z");
     static_assert(V1F_XOR_PREFETCH >= 0 && V1F_XOR_PREFETCH <= 32, "at most a chunk ahead");
-    // the lane's prefetch line of a step, from its own uint4: slice lane % 4 of the step's 4, half (lane / 4) % 2
-    const int pf_lane = -(lane & 7) + (lane & 3) * V1F_SLICE4 + 256 * ((lane >> 2) & 1);
+    // what the lane prefetches of a step, from its own uint4 (v1f_xor_rows): its line, slice lane % 4
+    // of the step's 4, half (lane / 4) % 2, the line of its quarter warp; or the warp's piece, or
+    // the step's start (V1F_XOR_BULK)
+    const int own = 8 * (4 * warp + (lane >> 3)) + (lane & 7);
+    const int pf = V1F_XOR_BULK == 0 ? -(lane & 7) + (lane & 3) * V1F_SLICE4 + 256 * ((lane >> 2) & 1)
+                   : V1F_XOR_BULK == 1 ? -own + (warp & 3) * V1F_SLICE4 + 256 * (warp >> 2) : -own;
     u32 ax[K][4], az[K][4];
     if constexpr (K <= V1F_XOR_KEEP_A_KEYS) {
 #pragma unroll
@@ -717,8 +792,8 @@ __device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], u
         const uint4* at = rows + 4 * j * V1F_SLICE4;
         uint4 lo1[4], hi1[4];
         v1f_xor_load(lo1, hi1, at + 4 * V1F_SLICE4);
-        v1f_xor_prefetch(rows, next, j, pf_lane);
-        v1f_xor_prefetch(rows, next, j + 1, pf_lane);
+        v1f_xor_prefetch(rows, next, j, pf, warp);
+        v1f_xor_prefetch(rows, next, j + 1, pf, warp);
         v1f_xor_bit<K>(ans, lo, hi, ax, az, a, m);
         const uint4* after = j + 2 < 32 ? at + 8 * V1F_SLICE4 : next;
         if (after != 0) v1f_xor_load(lo, hi, after);
@@ -747,7 +822,7 @@ __device__ __noinline__ void v1f_alu_run(const uint4* afrag, u32* red, const u32
         const bool more = chunk + 1 < chunk_end;
         named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
         v1f_xor_scan<K>(ans, lo, hi, a, v1f_xor_rows(frags, chunk << c, warp, lane),
-                        more ? v1f_xor_rows(frags, (chunk + 1) << c, warp, lane) : (const uint4*)0, lane);
+                        more ? v1f_xor_rows(frags, (chunk + 1) << c, warp, lane) : (const uint4*)0, warp, lane);
     }
     // Bit j of ans[i][k] in lane (r, c) of warp W is bit 4 W + r of word c of slice 4 j + i. The 4
     // lanes of a c gather nibbles: lane (q, c) takes j = 8 q + t (t = 0..7) of each, nibble t of its
