@@ -523,9 +523,16 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 #ifndef V1F_PREFETCH_MIN_GROUPS
 #define V1F_PREFETCH_MIN_GROUPS 3
 #endif
+#ifndef V1F_PREFETCH_LAST
+#define V1F_PREFETCH_LAST 0
+#endif
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+}
+
+__device__ __forceinline__ void prefetch_l2_last(const void* p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" : : "l"(p));
 }
 
 // `bytes` (a multiple of 16, from a 16-byte aligned p) into L2 by the bulk-copy engine (TMA,
@@ -537,6 +544,12 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
 #else
     for (u32 at = 0; at < bytes; at += 128) prefetch_l2((const char*)p + at);
 #endif
+}
+
+// A tensor-core multiplier's row prefetch: marked to stay in L2 (V1F_PREFETCH_LAST), else plain
+__device__ __forceinline__ void v1f_prefetch_row(const void* p) {
+    if (V1F_PREFETCH_LAST) prefetch_l2_last(p);
+    else prefetch_l2(p);
 }
 
 // The first word of the chunk at leaf0 (a k-step of 256 pages) in the fragments layout.
@@ -578,9 +591,9 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 #if V1F_PREFETCH_ROWS > 0
             if (prefetch) {  // row b + V1F_PREFETCH_ROWS: of this chunk, else of the next one (if any)
                 if (b + V1F_PREFETCH_ROWS < 32) {
-                    prefetch_l2(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
+                    v1f_prefetch_row(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
                 } else if (pf_next != 0) {
-                    prefetch_l2(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
+                    v1f_prefetch_row(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
                 }
             }
 #endif
@@ -659,10 +672,6 @@ __device__ __forceinline__ uint4 ldg_policy(const uint4* p, u64 policy) {
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
     return v;
-}
-
-__device__ __forceinline__ void prefetch_l2_last(const void* p) {
-    asm volatile("prefetch.global.L2::evict_last [%0];" : : "l"(p));
 }
 
 // The lane's 8 independent 16-byte loads of one step (row_j: the lane's uint4 of it).
