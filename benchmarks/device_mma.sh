@@ -66,9 +66,9 @@ if [ "$stage" = v1frag ]; then  # v1 keys over the fragments layout against the 
     done
     exit 0
 fi
-if [ "$stage" = v1alu ]; then  # v1 keys over the fragments layout, the default build: 1 and 2 queries on the ALU (launches of <= V1_FRAG_ALU_KEYS keys), 8 and 32 on the tensor cores, the pages layout beside, 65,536 pages (v1alu_*.csv)
+if [ "$stage" = v1alu ]; then  # v1 keys over the fragments layout, the default build: 1 and 2 queries on the ALU (launches of <= V1_FRAG_ALU_KEYS keys), 6 to 32 on the tensor cores (6-10: two key groups), the pages layout beside, 65,536 pages (v1alu_*.csv)
     V1M="--pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --repeat 5 $G1"
-    bench v1alu_mainnet $V1M --layout fragments --q 1,2,8,32
+    bench v1alu_mainnet $V1M --layout fragments --q 1,2,6,8,10,16,32
     bench v1alu_mainnet_pages $V1M --layout pages --q 1,2
     bench v1alu_65536 --pages 65536 --domain-bits 16 --key-format v1 --layout fragments --q 1,32,74 --repeat 9 $G1
     for v in ${V1ALU_VARIANTS:-}; do  # e.g. V1ALU_VARIANTS="V1F_XOR_PREFETCH=1 V1F_XOR_PREFETCH=3": single queries of a variant

@@ -68,13 +68,13 @@ def test_the_fragments_layout_gives_every_page_back(matrices):
     (1, 1, 264, 1, False),      # one page, one key: the chunk is the whole tree
     (255, 16, 264, 1, False),   # one full group over one partial chunk
     (600, 3, 264, 1, False),    # one group of 3 keys (13 padding slots not expanded), 3 chunks
-    (700, 21, 264, 1, False),   # two groups, the second of 5 keys
-    (4097, 33, 1, 17, True),    # one run of 17 chunks, the last of one page; three groups, the last of one key
-    (4097, 17, 8, 5, False),    # runs of 5 chunks and a last of 2: two groups, the second of one key
+    (700, 21, 264, 1, True),    # two groups of 11 and 10 keys (the keys split evenly), prefetching
+    (4097, 33, 1, 17, True),    # one run of 17 chunks, the last of one page; three groups of 11 keys
+    (4097, 17, 8, 5, True),     # runs of 5 chunks and a last of 2: two groups of 9 and 8 keys
 ])
 def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
                                                        chunks_per_block, prefetching):
-    # the rows prefetched into L2 (launches of 3 key groups or more) all lie in the matrix:
+    # the rows prefetched into L2 (launches of 2 key groups or more) all lie in the matrix:
     # tensor_core_answers fails otherwise. The tensor cores take every launch here, those of at
     # most V1_FRAG_ALU_KEYS keys too (a variant without the ALU path; the next test has it)
     variant = ("V1_FRAG_ALU_KEYS=0",)

@@ -360,7 +360,7 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              LiveKeys keys, Team team) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
-    if ((unsigned)team.tid < (unsigned)G) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
+    if ((unsigned)team.tid < (unsigned)keys.live) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
         const int key = key0 + team.tid;
         if (depth_top == 0) {
             const u32* rec = keyrec + (long long)key * krec;
@@ -514,42 +514,24 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 // Rows (residues b of a k-step: 128 bytes of a slice and half each) a multiplier warp asks L2 for
 // ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
 // at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only:
-// measured on the H100 at mainnet (docs/benchmarks/NOTES-cuda.md), 6 groups gained 12%, while 1
-// and 2 lost 15-34% (the blocks of a run drift apart and read their pages from DRAM twice).
+// measured on the H100 at mainnet (docs/benchmarks/NOTES-cuda.md), 6 groups gained 12%, and 2
+// (with the keys split evenly between them, so that neither block of a run runs ahead of the
+// other) 14%: 34.2 ms for 8 queries against 39.5 without; 1 lost 15-34%.
 // Variants to time: V1F_PREFETCH_ROWS=0 (none), another distance or minimum.
 #ifndef V1F_PREFETCH_ROWS
 #define V1F_PREFETCH_ROWS 4
 #endif
 #ifndef V1F_PREFETCH_MIN_GROUPS
-#define V1F_PREFETCH_MIN_GROUPS 3
-#endif
-#ifndef V1F_PREFETCH_LAST
-#define V1F_PREFETCH_LAST 0
+#define V1F_PREFETCH_MIN_GROUPS 2
 #endif
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
 }
 
+// The same, the line marked to be evicted last (kept in L2 over lines read and done with)
 __device__ __forceinline__ void prefetch_l2_last(const void* p) {
     asm volatile("prefetch.global.L2::evict_last [%0];" : : "l"(p));
-}
-
-// `bytes` (a multiple of 16, from a 16-byte aligned p) into L2 by the bulk-copy engine (TMA,
-// sm_90): one instruction for many lines, none of them held by the SM's load tracking; before
-// sm_90 a line prefetch each.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
-#else
-    for (u32 at = 0; at < bytes; at += 128) prefetch_l2((const char*)p + at);
-#endif
-}
-
-// A tensor-core multiplier's row prefetch: marked to stay in L2 (V1F_PREFETCH_LAST), else plain
-__device__ __forceinline__ void v1f_prefetch_row(const void* p) {
-    if (V1F_PREFETCH_LAST) prefetch_l2_last(p);
-    else prefetch_l2(p);
 }
 
 // The first word of the chunk at leaf0 (a k-step of 256 pages) in the fragments layout.
@@ -591,9 +573,9 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 #if V1F_PREFETCH_ROWS > 0
             if (prefetch) {  // row b + V1F_PREFETCH_ROWS: of this chunk, else of the next one (if any)
                 if (b + V1F_PREFETCH_ROWS < 32) {
-                    v1f_prefetch_row(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
+                    prefetch_l2(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
                 } else if (pf_next != 0) {
-                    v1f_prefetch_row(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
+                    prefetch_l2(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
                 }
             }
 #endif
@@ -627,9 +609,7 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 // (w, b), the parity of what it holds is this k-step's share of answer bit b of word w: 8 LOP3, a
 // POPC and two more a key for 8 words. Launches of at most V1F_ALU_FEW_KEYS keys (one query's)
 // take a build for that many, the rest one for V1_FRAG_ALU_KEYS.
-#ifndef V1F_ALU_FEW_KEYS
 #define V1F_ALU_FEW_KEYS ((V1_FRAG_ALU_KEYS + 1) / 2)
-#endif
 
 // A chunk is 32 steps j of a multiplier warp on the ALU. Warp W takes bit quad W (bits 4 W .. + 3)
 // of every slice, lane (r, c) bit 4 W + r of word c, and step j slices 4 j .. 4 j + 3, both halves.
@@ -637,93 +617,47 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 // 32 b + 1024 h, uint4 8 b + 256 h + c, so a quad's 4 rows are 512 contiguous bytes: each of a
 // step's 8 loads takes 512 contiguous bytes a warp, and the 8 warps of a step the whole 4 KiB of a
 // slice's half (as dpf_scan reads a page), where one bit a step took 128 bytes from 32 places.
-// A lane's residue, 32 (c % 4) + 4 W + r, is the same at every step: its A words are loaded once
-// a chunk (up to V1F_XOR_KEEP_A_KEYS keys; the build for 6 keys reloads them each step, volatile:
-// kept, 48 registers would spill the rows in flight).
+// A lane's residue, 32 (c % 4) + 4 W + r, is the same at every step, but its A words are loaded
+// from shared memory each step (volatile), for one query too: kept in registers for the chunk
+// (8 a key), with the fragments released to the producers as soon as loaded, one query took
+// 22.7-22.8 ms at mainnet on the H100 against 22.1 so (NOTES-cuda.md).
 // v1f_xor_rows is the lane's uint4 of step 0 of the chunk at leaf0; step j is 4 j V1F_SLICE4 on.
 #define V1F_SLICE4 (V1F_SLICE_WORDS / 4)  // uint4s from a slice of a chunk to the next
-#ifndef V1F_XOR_KEEP_A_KEYS
-#define V1F_XOR_KEEP_A_KEYS 4
-#endif
 #define V1F_MULTIPLIER_BARRIER 4  // bar.sync id: the multipliers' own (their answers' reduction)
 __device__ __forceinline__ const uint4* v1f_xor_rows(const u32* frags, long long leaf0, int warp, int lane) {
     return (const uint4*)v1f_chunk_words(frags, leaf0) + 8 * (4 * warp + (lane >> 3)) + (lane & 7);
 }
 
-// Variants to time: the ALU path's loads marked for early eviction from L2 (read once, they
-// would otherwise push out lines prefetched ahead of them), and its line prefetches for late.
-#ifndef V1F_XOR_EVICT_FIRST
-#define V1F_XOR_EVICT_FIRST 0
-#endif
-#ifndef V1F_XOR_PREFETCH_LAST
-#define V1F_XOR_PREFETCH_LAST 0
-#endif
-
-// An L2 cache policy: lines loaded with it are evicted first (createpolicy, sm_80)
-__device__ __forceinline__ u64 l2_evict_first_policy() {
-    u64 policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-
-// __ldg of read-once data under an L2 policy, not kept in L1
-__device__ __forceinline__ uint4 ldg_policy(const uint4* p, u64 policy) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
-    return v;
-}
-
 // The lane's 8 independent 16-byte loads of one step (row_j: the lane's uint4 of it).
 __device__ __forceinline__ void v1f_xor_load(uint4 (&lo)[4], uint4 (&hi)[4], const uint4* row_j) {
-#if V1F_XOR_EVICT_FIRST
-    const u64 policy = l2_evict_first_policy();
-#endif
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-#if V1F_XOR_EVICT_FIRST
-        lo[i] = ldg_policy(row_j + i * V1F_SLICE4, policy);
-        hi[i] = ldg_policy(row_j + i * V1F_SLICE4 + 256, policy);
-#else
         lo[i] = __ldg(row_j + i * V1F_SLICE4);
         hi[i] = __ldg(row_j + i * V1F_SLICE4 + 256);
-#endif
     }
 }
 
 // Key k's A words of the lane's residue (a: its fragments) over pages 32 t .. of half 0 (ax: a0 of
 // lane 4 k + t) and half 1 (az: its a2); volatile: loaded where written, each step.
-template <bool Volatile>
 __device__ __forceinline__ void v1f_xor_a(u32 (&ax)[4], u32 (&az)[4], const uint4* a, int k) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-        if (Volatile) {
-            const volatile u32* w = (const volatile u32*)(a + 4 * k + t);
-            ax[t] = w[0];
-            az[t] = w[2];
-        } else {
-            const uint4 w = a[4 * k + t];
-            ax[t] = w.x;
-            az[t] = w.z;
-        }
+        const volatile u32* w = (const volatile u32*)(a + 4 * k + t);
+        ax[t] = w[0];
+        az[t] = w[2];
     }
 }
 
 // Step j (mask m = 2^j) of keys 0 .. K - 1 from that step's rows: the lane's bit of answer word c
 // of slice 4 j + i of key k goes to bit j of ans[i][k] (v1f_alu_run puts it in place once a run is
-// done). ax/az: the keys' A words (K <= V1F_XOR_KEEP_A_KEYS), else loaded here from a.
+// done).
 template <int K>
 __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[4], const uint4 (&hi)[4],
-                                            const u32 (&ax)[K][4], const u32 (&az)[K][4], const uint4* a, u32 m) {
+                                            const uint4* a, u32 m) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         u32 x4[4], z4[4];
-        if constexpr (K > V1F_XOR_KEEP_A_KEYS) {
-            v1f_xor_a<true>(x4, z4, a, k);
-        } else {
-#pragma unroll
-            for (int t = 0; t < 4; ++t) x4[t] = ax[k][t], z4[t] = az[k][t];
-        }
+        v1f_xor_a(x4, z4, a, k);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const u32 x = (lo[i].x & x4[0]) ^ (lo[i].y & x4[1]) ^ (lo[i].z & x4[2]) ^ (lo[i].w & x4[3]) ^
@@ -739,61 +673,30 @@ __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[
 // step's loads in flight only while it waited for them, a warp left the memory idle through its
 // arithmetic and through each chunk's barriers. On entry lo/hi hold step 0 of `rows`.
 // Each lane also asks L2 for one of the 32 lines of step j + V1F_XOR_PREFETCH (of `next` past
-// step 31): its row, slice 4 j + lane % 4, half (lane / 4) % 2. Measured at mainnet for one query
-// on the H100 (NOTES-cuda.md): 22.7 ms at 2 steps ahead and at 1, 23.9 at 3 (one call); with the
-// read orders before, 2 ahead beat none, 4 and 8.
-// Variants to time: 0 (none), another distance.
+// step 31): its row, slice 4 j + lane % 4, half (lane / 4) % 2, marked to be evicted last: plain
+// prefetches were pushed out by the lines already read before their loads came (measured at
+// mainnet on the H100, NOTES-cuda.md: further ahead was slower, 23.9 ms at 3 steps and, by the
+// bulk engine, 26.3 at 4 and 37.9 at 8, against 22.7 at 2). Variants to time: 0 (none), another
+// distance.
 #ifndef V1F_XOR_PREFETCH
 #define V1F_XOR_PREFETCH 2
 #endif
-// How: 0, each lane one line (prefetch.global.L2); 1, each warp W one 4 KiB piece by the bulk
-// engine (prefetch_l2_bulk: slice W % 4 of the step's 4, half W / 4, one instruction a step, the
-// same bytes as the lines of 0 but the block's step split by warp rather than each warp's own
-// rows); 2, warp 0 the block's whole step (four slices of 8 KiB).
-#ifndef V1F_XOR_BULK
-#define V1F_XOR_BULK 0
-#endif
 
-// pf: the lane's offset from its own uint4 to its line (V1F_XOR_BULK 0), else to the warp's piece
-// (1) or the step's start (2)
-__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int j, int pf, int warp) {
+__device__ __forceinline__ void v1f_xor_prefetch(const uint4* rows, const uint4* next, int j, int pf_lane) {
 #if V1F_XOR_PREFETCH > 0
     const int step = j + V1F_XOR_PREFETCH;
     const uint4* base = step < 32 ? rows + 4 * step * V1F_SLICE4 : (next != 0 ? next + 4 * (step - 32) * V1F_SLICE4 : 0);
-    if (base == 0) return;
-#if V1F_XOR_BULK == 0 && V1F_XOR_PREFETCH_LAST
-    prefetch_l2_last(base + pf);
-#elif V1F_XOR_BULK == 0
-    prefetch_l2(base + pf);
-#elif V1F_XOR_BULK == 1
-    prefetch_l2_bulk(base + pf, 4096);
-#else
-    if (warp == 0)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) prefetch_l2_bulk(base + pf + i * V1F_SLICE4, 8192);
-#endif
+    if (base != 0) prefetch_l2_last(base + pf_lane);
 #endif
 }
 
 template <int K>
 __device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], uint4 (&hi)[4], const uint4* a,
-                                             const uint4* rows, const uint4* next, int warp, int lane) {
+                                             const uint4* rows, const uint4* next, int lane) {
     static_assert(K >= 1 && K <= 8, "keys 0 .. 7 of a group: their A words are a fragment's .x and .z");
     static_assert(V1F_XOR_PREFETCH >= 0 && V1F_XOR_PREFETCH <= 32, "at most a chunk ahead");
-    // what the lane prefetches of a step, from its own uint4 (v1f_xor_rows): its line, slice lane % 4
-    // of the step's 4, half (lane / 4) % 2, the line of its quarter warp; or the warp's piece, or
-    // the step's start (V1F_XOR_BULK)
-    const int own = 8 * (4 * warp + (lane >> 3)) + (lane & 7);
-    const int pf = V1F_XOR_BULK == 0 ? -(lane & 7) + (lane & 3) * V1F_SLICE4 + 256 * ((lane >> 2) & 1)
-                   : V1F_XOR_BULK == 1 ? -own + (warp & 3) * V1F_SLICE4 + 256 * (warp >> 2) : -own;
-    u32 ax[K][4], az[K][4];
-    if constexpr (K <= V1F_XOR_KEEP_A_KEYS) {
-#pragma unroll
-        for (int k = 0; k < K; ++k) v1f_xor_a<false>(ax[k], az[k], a, k);
-        // the chunk's A words are in registers: the producers may write the next chunk's already
-        // (so their transposes overlap this chunk's loads instead of stalling the multipliers)
-        if (next != 0) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);
-    }
+    // the lane's prefetch line of a step, from its own uint4: slice lane % 4 of the step's 4, half (lane / 4) % 2
+    const int pf_lane = -(lane & 7) + (lane & 3) * V1F_SLICE4 + 256 * ((lane >> 2) & 1);
     // step j's mask, carried from step to step (never 1 << j: the compiler would make the product a shift)
     u32 m = 1u;
 #pragma unroll 1
@@ -801,15 +704,15 @@ __device__ __forceinline__ void v1f_xor_scan(u32 (&ans)[4][K], uint4 (&lo)[4], u
         const uint4* at = rows + 4 * j * V1F_SLICE4;
         uint4 lo1[4], hi1[4];
         v1f_xor_load(lo1, hi1, at + 4 * V1F_SLICE4);
-        v1f_xor_prefetch(rows, next, j, pf, warp);
-        v1f_xor_prefetch(rows, next, j + 1, pf, warp);
-        v1f_xor_bit<K>(ans, lo, hi, ax, az, a, m);
+        v1f_xor_prefetch(rows, next, j, pf_lane);
+        v1f_xor_prefetch(rows, next, j + 1, pf_lane);
+        v1f_xor_bit<K>(ans, lo, hi, a, m);
         const uint4* after = j + 2 < 32 ? at + 8 * V1F_SLICE4 : next;
         if (after != 0) v1f_xor_load(lo, hi, after);
-        v1f_xor_bit<K>(ans, lo1, hi1, ax, az, a, m << 1);
+        v1f_xor_bit<K>(ans, lo1, hi1, a, m << 1);
         m <<= 2;
     }
-    if (K > V1F_XOR_KEEP_A_KEYS && next != 0) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // afrag read
+    if (next != 0) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // afrag read
 }
 
 // The multipliers' side of a launch of at most K keys on the ALU: chunk by chunk as the producers
@@ -831,7 +734,7 @@ __device__ __noinline__ void v1f_alu_run(const uint4* afrag, u32* red, const u32
         const bool more = chunk + 1 < chunk_end;
         named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
         v1f_xor_scan<K>(ans, lo, hi, a, v1f_xor_rows(frags, chunk << c, warp, lane),
-                        more ? v1f_xor_rows(frags, (chunk + 1) << c, warp, lane) : (const uint4*)0, warp, lane);
+                        more ? v1f_xor_rows(frags, (chunk + 1) << c, warp, lane) : (const uint4*)0, lane);
     }
     // Bit j of ans[i][k] in lane (r, c) of warp W is bit 4 W + r of word c of slice 4 j + i. The 4
     // lanes of a c gather nibbles: lane (q, c) takes j = 8 q + t (t = 0..7) of each, nibble t of its
@@ -897,7 +800,14 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 
     const int group = blockIdx.x % num_groups;
     const long long run = blockIdx.x / num_groups;
-    const int key0 = group * G;
+    // The batch's keys split evenly over the groups (their sizes differ by one at most), so the
+    // blocks of a run expand about as many trees each and keep pace: with the last group short
+    // (24 keys as 16 + 8) its blocks ran ahead of the others, which then found their rows gone
+    // from L2. Group g's keys are key0 .. key0 + live - 1; the rows of its tile past live (another
+    // group's keys, or past the batch's) are neither expanded nor written out.
+    const int per_group = num_keys / num_groups, extra = num_keys % num_groups;
+    const int live = per_group + (group < extra ? 1 : 0);
+    const int key0 = group * per_group + min(group, extra);
     const int depth_top = domain_bits - c;
     const long long num_chunks = live_nodes(num_pages, c);
     const long long chunk_begin = run * chunks_per_block;
@@ -910,9 +820,8 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     // a chunk each (FREE not after a run's last), each team its own loop (so the multipliers' 64
     // accumulators are not live while the producers expand).
     if (threadIdx.x >= V1F_TEAM) {
-        // the last group's padding keys (past num_keys) are not expanded: their A rows are stale
-        // masks and their answers are never read
-        const LiveKeys keys = live_keys(min(G, num_keys - key0));
+        // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
+        const LiveKeys keys = live_keys(live);
         const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
@@ -967,7 +876,8 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #pragma unroll
                 for (int wh = 0; wh < 2; ++wh) {
                     const int word = (16 * warp + 4 * j + t) * MMA_SLICE_WORDS + cq + 4 * wh;
-                    if (words[wh]) atomicXor(&out32[(long long)(key0 + g + 8 * kh) * PAGE_WORDS + word], words[wh]);
+                    if (g + 8 * kh < live && words[wh])
+                        atomicXor(&out32[(long long)(key0 + g + 8 * kh) * PAGE_WORDS + word], words[wh]);
                 }
             }
 }

@@ -57,7 +57,7 @@ def _definition(source: str, head: str) -> str:
 # Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
 # CPU. mma.sync's product comes from the runtime; cp.async copies land when issued or at the
 # wait_group that lets them (COPIES_LAND: the earliest and the latest a copy may); an L2 prefetch
-# loads nothing, but is counted and its address checked (a bulk one line by line); bar.sync's and bar.arrive's named barriers are
+# (plain or evict_last) loads nothing, but is counted and its address checked; bar.sync's and bar.arrive's named barriers are
 # the runtime's.
 EMULATED = {
     "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -74,15 +74,6 @@ EMULATED = {
 }""",
     "__device__ __forceinline__ void prefetch_l2(": """__device__ __forceinline__ void prefetch_l2(const void* p) {
     emu_prefetch_l2(p);
-}""",
-    "__device__ __forceinline__ void prefetch_l2_bulk(": """__device__ __forceinline__ void prefetch_l2_bulk(const void* p, u32 bytes) {
-    emu_prefetch_l2_bulk(p, bytes);
-}""",
-    "__device__ __forceinline__ u64 l2_evict_first_policy(": """__device__ __forceinline__ u64 l2_evict_first_policy() {
-    return 0;
-}""",
-    "__device__ __forceinline__ uint4 ldg_policy(": """__device__ __forceinline__ uint4 ldg_policy(const uint4* p, u64 policy) {
-    return __ldg(p);
 }""",
     "__device__ __forceinline__ void prefetch_l2_last(": """__device__ __forceinline__ void prefetch_l2_last(const void* p) {
     emu_prefetch_l2(p);

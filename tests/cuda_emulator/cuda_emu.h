@@ -47,9 +47,6 @@ void emu_cp_async_wait(int pending);
 // tests said the launch reads (emu_prefetch_range); inside it, the 128-byte lines prefetched and
 // those __ldg loaded are marked, so a prefetch of a line the launch never loads shows
 void emu_prefetch_l2(const void* p);
-// cp.async.bulk.prefetch.L2: `bytes` (a multiple of 16 from a 16-byte aligned p, else counted as a
-// misaligned load) as a line prefetch each 128 bytes
-void emu_prefetch_l2_bulk(const void* p, unsigned bytes);
 extern uintptr_t emu_watch_from;  // the buffer emu_prefetch_range named (0 bytes: none)
 extern size_t emu_watch_bytes;
 extern unsigned char* emu_loaded_lines;  // a byte a 128-byte line of it, from its start

@@ -210,11 +210,6 @@ void emu_prefetch_l2(const void* p) {
     else __atomic_store_n(&prefetched_lines[off >> 7], (unsigned char)1, __ATOMIC_RELAXED);
 }
 
-void emu_prefetch_l2_bulk(const void* p, unsigned bytes) {
-    if (((uintptr_t)p & 15) || (bytes & 15)) ++misaligned_loads;  // the PTX ISA's alignment, a fault on a GPU
-    for (unsigned at = 0; at < bytes; at += 128) emu_prefetch_l2((const unsigned char*)p + at);
-}
-
 void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body) {
     std::vector<unsigned char> shared(smem + sizeof kCanary);
     emu_dynamic_smem = shared.data();
