@@ -513,13 +513,14 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 
 // Rows (residues b of a k-step: 128 bytes of a slice and half each) a multiplier warp asks L2 for
 // ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
-// at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only:
-// measured on the H100 at mainnet (docs/benchmarks/NOTES-cuda.md), 6 groups gained 12%, and 2
-// (with the keys split evenly between them, so that neither block of a run runs ahead of the
-// other) 14%: 34.2 ms for 8 queries against 39.5 without; 1 lost 15-34%.
-// Variants to time: V1F_PREFETCH_ROWS=0 (none), another distance or minimum.
+// at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only.
+// None by default since the multipliers keep two rows in flight (V1F_ROWS_IN_FLIGHT): measured on
+// the H100 (NOTES-cuda.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2
+// against 49.6, Q = 32 97.9 against 96.2 at mainnet and 1.073 against 1.035 ms at 65,536 pages
+// (Q = 74). With one row in flight they had paid (6 groups 12%, 2 groups of evenly split keys 14%).
+// Variants to time: V1F_PREFETCH_ROWS=n, V1F_PREFETCH_MIN_GROUPS=n.
 #ifndef V1F_PREFETCH_ROWS
-#define V1F_PREFETCH_ROWS 4
+#define V1F_PREFETCH_ROWS 0
 #endif
 #ifndef V1F_PREFETCH_MIN_GROUPS
 #define V1F_PREFETCH_MIN_GROUPS 2
@@ -595,6 +596,113 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
                     acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
                 }
             }
+            m_lo <<= 1;
+            m_hi <<= 1;
+            m <<= 1;
+        }
+    }
+}
+
+// Rows of B words a tensor-core multiplier keeps in flight: 1 (a row's 32 words loaded, then its
+// 16 products), or 2 (the next row's loaded before this row's products: 64 words, with the 64
+// accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
+// teams trade registers by setmaxnreg: V1F_MULTIPLIER_REGS for the multipliers, the rest to the
+// producers, whose expansion fits 88 without spilling). Measured at mainnet on the H100
+// (NOTES-cuda.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
+// 160 registers for the multipliers 33.5 and 101.5, 152 spilled. Elsewhere 1 (no setmaxnreg: 2
+// would spill); -DV1F_ROWS_IN_FLIGHT=n for either anywhere (the CPU emulator runs both).
+#ifndef V1F_ROWS_IN_FLIGHT
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define V1F_ROWS_IN_FLIGHT 2
+#else
+#define V1F_ROWS_IN_FLIGHT 1
+#endif
+#endif
+#ifndef V1F_MULTIPLIER_REGS
+#define V1F_MULTIPLIER_REGS 168
+#endif
+#define V1F_PRODUCER_REGS (2 * 128 - V1F_MULTIPLIER_REGS)  // 65,536 registers: 256 threads a team
+
+// setmaxnreg (sm_90a, a warpgroup's warps alike): this warp's registers raised or lowered to n
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+
+// Row b's B words of the lane (b_at as v1f_multiply's): [cq][j][half]
+__device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at, int b) {
+#pragma unroll
+    for (int cq = 0; cq < 4; ++cq)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
+            w[cq][j][0] = __ldg(p);
+            w[cq][j][1] = __ldg(p + 32 * 32);
+        }
+}
+
+// Row b's 16 products and their fold (v1f_multiply's), from its loaded B words
+__device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32 (&w)[4][4][2],
+                                                 int h, int b, int lane, u32 m_lo, u32 m_hi, u32 m) {
+    const uint4* a_row = afrag + v1f_afrag_index(b, lane);
+#pragma unroll
+    for (int cq = 0; cq < 4; ++cq) {
+        const uint4 a = a_row[cq * (32 * V1_FRAG_AFRAG_ROW + 1)];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int d[4] = {0, 0, 0, 0};
+            mma_and_popc(d, a.x, a.y, a.z, a.w, w[cq][j][0], w[cq][j][1]);
+            acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
+            acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
+        }
+    }
+}
+
+// v1f_multiply with two rows in flight: row b + 1's loads issued before row b's products
+__device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32* frags,
+                                              long long leaf0, long long next_leaf0, bool prefetch, int warp,
+                                              int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const u32* chunk_at = v1f_chunk_words(frags, leaf0);
+    const u32* b_at = chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, 4 * (g & 1));
+    const long long line = v1f_prefetch_line(warp, lane);
+    const u32* pf_at = chunk_at + line;
+    const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
+    u32 w0[4][4][2], w1[4][4][2];
+    v1f_load_row(w0, b_at, 0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
+#pragma unroll 1
+        for (int s = 0; s < 16; s += 2) {
+            const int b = 16 * h + s;
+#if V1F_PREFETCH_ROWS > 0
+            if (prefetch) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    if (b + r + V1F_PREFETCH_ROWS < 32) {
+                        prefetch_l2(pf_at + (b + r + V1F_PREFETCH_ROWS) * 32);
+                    } else if (pf_next != 0) {
+                        prefetch_l2(pf_next + (b + r + V1F_PREFETCH_ROWS - 32) * 32);
+                    }
+                }
+            }
+#endif
+            v1f_load_row(w1, b_at, b + 1);
+            v1f_row_products(acc, afrag, w0, h, b, lane, m_lo, m_hi, m);
+            m_lo <<= 1;
+            m_hi <<= 1;
+            m <<= 1;
+            if (b + 2 < 32) v1f_load_row(w0, b_at, b + 2);
+            v1f_row_products(acc, afrag, w1, h, b + 1, lane, m_lo, m_hi, m);
             m_lo <<= 1;
             m_hi <<= 1;
             m <<= 1;
@@ -820,6 +928,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     // a chunk each (FREE not after a run's last), each team its own loop (so the multipliers' 64
     // accumulators are not live while the producers expand).
     if (threadIdx.x >= V1F_TEAM) {
+        if (V1F_ROWS_IN_FLIGHT == 2) setmaxnreg_dec<V1F_PRODUCER_REGS>();
         // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
         const LiveKeys keys = live_keys(live);
         const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
@@ -834,6 +943,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
         }
         return;
     }
+    if (V1F_ROWS_IN_FLIGHT == 2) setmaxnreg_inc<V1F_MULTIPLIER_REGS>();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if V1_FRAG_ALU_KEYS > 0
     if (num_keys <= V1_FRAG_ALU_KEYS) {  // one group: key0 is 0
@@ -860,8 +970,12 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #endif
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
-        v1f_multiply(acc, afrag, frags, chunk << c, chunk + 1 < chunk_end ? (chunk + 1) << c : -1, prefetch,
-                     warp, lane);
+        if (V1F_ROWS_IN_FLIGHT == 2)
+            v1f_multiply2(acc, afrag, frags, chunk << c, chunk + 1 < chunk_end ? (chunk + 1) << c : -1, prefetch,
+                          warp, lane);
+        else
+            v1f_multiply(acc, afrag, frags, chunk << c, chunk + 1 < chunk_end ? (chunk + 1) << c : -1, prefetch,
+                         warp, lane);
         if (chunk + 1 < chunk_end) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // afrag may be overwritten
     }
     u32* out32 = (u32*)out;
