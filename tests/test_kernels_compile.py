@@ -281,6 +281,18 @@ def _loader_name(symbol):
 
 
 @needs_nvcc
+def test_the_pages_scans_file_compiles_for_a_gpu_before_sm80(tmp_path):
+    # NVRTC builds the whole file for the GPU the backend runs on, and dpf_scan.cu holds the pages
+    # layout's scans every GPU runs: an instruction of a later architecture left unguarded there
+    # (prefetch.global.L2::evict_last needs sm_80) would break them all on a T4 (sm_75)
+    src = tmp_path / "dpf_scan.cu"
+    src.write_text(kernel_source("dpf_scan.cu"))
+    cmd = [NVCC, "-arch=sm_75", "--cubin", *NVRTC_OPTIONS, "-o", str(tmp_path / "out.cubin"), str(src)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-2000:]}"
+
+
+@needs_nvcc
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_compiles_for_sm90a(name, compiled):
     report = compiled(name).report

@@ -72,16 +72,15 @@ def test_the_fragments_layout_gives_every_page_back(matrices):
     (4097, 33, 1, 17, True),    # one run of 17 chunks, the last of one page; three groups of 11 keys
     (4097, 17, 8, 5, True),     # runs of 5 chunks and a last of 2: two groups of 9 and 8 keys
 ])
-@pytest.mark.parametrize("rows_in_flight", [1, 2])
+@pytest.mark.parametrize("rows_in_flight, prefetch_rows", [(1, 4), (2, 0), (2, 4)])
 def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
-                                                       chunks_per_block, prefetching, rows_in_flight):
+                                                       chunks_per_block, prefetching, rows_in_flight, prefetch_rows):
     # the rows prefetched into L2 (launches of 2 key groups or more) all lie in the matrix:
     # tensor_core_answers fails otherwise. The tensor cores take every launch here, those of at
     # most V1_FRAG_ALU_KEYS keys too (a variant without the ALU path; the next test has it), with
-    # one row of B words in flight a multiplier, with rows prefetched 4 ahead (a variant to time), or
-    # two (sm_90a's build), prefetching none (the default)
-    variant = ("V1_FRAG_ALU_KEYS=0", f"V1F_ROWS_IN_FLIGHT={rows_in_flight}",
-               f"V1F_PREFETCH_ROWS={4 if rows_in_flight == 1 else 0}")
+    # one row of B words in flight a multiplier with rows prefetched 4 ahead (the build other than
+    # sm_90a's), or two (sm_90a's) prefetching none (its default) or 4 rows ahead (a variant to time)
+    variant = ("V1_FRAG_ALU_KEYS=0", f"V1F_ROWS_IN_FLIGHT={rows_in_flight}", f"V1F_PREFETCH_ROWS={prefetch_rows}")
     matrix, frags = matrices(num_pages)
     batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=num_pages + num_keys)
     expected = _answers(matrix, batch)
@@ -91,7 +90,7 @@ def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_
     before = cuda_emulator.library(variant).emu_prefetches()
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks, variant=variant)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
-    assert (cuda_emulator.library(variant).emu_prefetches() > before) == (prefetching and rows_in_flight == 1)
+    assert (cuda_emulator.library(variant).emu_prefetches() > before) == (prefetching and prefetch_rows > 0)
 
 
 @pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, alu_keys, prefetch", [

@@ -40,9 +40,10 @@ _POISON = 0xA5  # byte the pinned answer buffer is filled with before every batc
 class _MicroBatch:
     """One micro-batch: its plan, buffers, stream and, once captured, its CUDA graph.
 
-    The kernels run plan.padded_keys keys (whole key groups); the padding repeats the
-    micro-batch's last key and its answers are never copied back (the top stages skip it where the
-    scan does: plan.top_keys).
+    The key records are plan.padded_keys (whole key groups); the padding repeats the
+    micro-batch's last key and its answers are never copied back. dpf_scan_v1_frag runs the batch's
+    own keys, split evenly over its groups, and the top stages skip the padding there
+    (plan.top_keys).
     """
 
     def __init__(self, plan: cuda_plan.ScanPlan, start: int, stop: int, stream) -> None:

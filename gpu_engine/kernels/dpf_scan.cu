@@ -164,8 +164,8 @@ __device__ __forceinline__ void team_sync(const Team& team) {
     }
 }
 
-// The keys of a group of G that a level expands: the first `live` (a padded last group expands
-// only its real keys; its padding slots keep stale nodes, whose answers are never read). Work item
+// The keys of a group of G that a level expands: the first `live` (a group of fewer keys than G
+// expands only its own; the slots past them keep stale nodes, whose answers are never written). Work item
 // idx is node idx / live, key idx % live; inv = ceil(2^32 / live) makes that division one
 // multiply-high, exact while idx < 2^16 (where live < G, in dpf_scan_v1_frag: 128 x 16 at most).
 struct LiveKeys {
@@ -435,7 +435,8 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // 256 words w with w % 4 = r / 32). The fragments layout stores B fragments by slice of 8 words
 // (fragment_offset, bit_products.cuh), and words c and c + 4 of a slice share residue 32c + b, so
 // one m16n8k256 product takes its 8 columns from 4 slices: column n from slice 4j + n / 2, word
-// c + 4 (n % 2). A block holds one key group of 16 and a run of chunks of 256 pages (mma k-steps)
+// c + 4 (n % 2). A block holds one key group (an m16 tile of up to 16 keys: the batch's keys split
+// evenly over its groups) and a run of chunks of 256 pages (mma k-steps)
 // and is two teams of V1_FRAG_THREADS / 2 threads. The producers (warps 8..15) expand the next
 // chunk's tree in shared memory, dpf_scan<16>'s way, meeting at their own named barrier, while
 // the multipliers (warps 0..7) multiply the current chunk: the expansion (ChaCha8 on the ALU) and
@@ -447,7 +448,8 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // live for one k-step: their low bits go to bit b of the warp's answer words (64 registers a
 // thread: 2 keys x 8 words x 4 column tiles, two words' halves packed in each), which meet in
 // global memory by XOR atomics once per block.
-// Residues (s) of the product loop unrolled together: 1, or a variant to time (-DV1F_UNROLL=n)
+// Residues (s) of v1f_multiply's product loop unrolled together: 1, or a variant to time
+// (-DV1F_UNROLL=n; v1f_multiply2, sm_90a's, takes two a turn whatever it is)
 #ifndef V1F_UNROLL
 #define V1F_UNROLL 1
 #endif
@@ -497,7 +499,7 @@ __device__ __forceinline__ void v1f_store_afrag(uint4* afrag, const u32 (&x)[32]
 // its low 3 bits .., mask word its high 2), so with every key live producer p transposes key p % 16,
 // pages 32 ((p / 16) % 8) .., mask words p / 128 and p / 128 + 2, and with one query's 3 keys 96
 // producers one block each, not all 256 two (the multipliers wait for this between chunks; the
-// padding keys' A rows keep stale masks, as their trees do).
+// A rows past the live keys keep stale masks, as their trees do, and their answers are not written).
 template <int G>
 __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, int p, int n_leaves, LiveKeys keys) {
     static_assert(V1F_TEAM == 256 && G == 16, "a producer transposes at most two (key, 32 pages, word) blocks");
@@ -511,16 +513,38 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
     }
 }
 
+// Rows of B words a tensor-core multiplier keeps in flight: 1 (a row's 32 words loaded, then its
+// 16 products), or 2 (the next row's loaded before this row's products: 64 words, with the 64
+// accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
+// teams trade registers by setmaxnreg: V1F_MULTIPLIER_REGS for the multipliers, the rest to the
+// producers, whose expansion fits 88 without spilling). Measured at mainnet on the H100
+// (NOTES-cuda.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
+// 160 registers for the multipliers 33.5 and 101.5, 152 spilled. Elsewhere 1 (no setmaxnreg: 2
+// would spill); -DV1F_ROWS_IN_FLIGHT=n for either anywhere (the CPU emulator runs both).
+#ifndef V1F_ROWS_IN_FLIGHT
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define V1F_ROWS_IN_FLIGHT 2
+#else
+#define V1F_ROWS_IN_FLIGHT 1
+#endif
+#endif
+#ifndef V1F_MULTIPLIER_REGS
+#define V1F_MULTIPLIER_REGS 168
+#endif
+#define V1F_PRODUCER_REGS (2 * 128 - V1F_MULTIPLIER_REGS)  // 65,536 registers: 256 threads a team
+static_assert(V1F_MULTIPLIER_REGS % 8 == 0 && V1F_MULTIPLIER_REGS >= 128 && V1F_MULTIPLIER_REGS <= 232,
+              "setmaxnreg: a multiple of 8, no fewer than the 128 a thread starts with, 24 left a producer");
+
 // Rows (residues b of a k-step: 128 bytes of a slice and half each) a multiplier warp asks L2 for
 // ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
 // at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only.
-// None by default since the multipliers keep two rows in flight (V1F_ROWS_IN_FLIGHT): measured on
-// the H100 (NOTES-cuda.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2
-// against 49.6, Q = 32 97.9 against 96.2 at mainnet and 1.073 against 1.035 ms at 65,536 pages
-// (Q = 74). With one row in flight they had paid (6 groups 12%, 2 groups of evenly split keys 14%).
-// Variants to time: V1F_PREFETCH_ROWS=n, V1F_PREFETCH_MIN_GROUPS=n.
+// None where the multipliers keep two rows in flight (V1F_ROWS_IN_FLIGHT): measured on the H100
+// (NOTES-cuda.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2 against
+// 49.6, Q = 32 97.9 against 96.2 at mainnet and 1.073 against 1.035 ms at 65,536 pages (Q = 74).
+// With one row in flight (builds other than sm_90a's) 4 rows ahead paid: 6 groups 12%, 2 groups
+// of evenly split keys 14%. Variants to time: V1F_PREFETCH_ROWS=n, V1F_PREFETCH_MIN_GROUPS=n.
 #ifndef V1F_PREFETCH_ROWS
-#define V1F_PREFETCH_ROWS 0
+#define V1F_PREFETCH_ROWS (V1F_ROWS_IN_FLIGHT == 2 ? 0 : 4)
 #endif
 #ifndef V1F_PREFETCH_MIN_GROUPS
 #define V1F_PREFETCH_MIN_GROUPS 2
@@ -530,9 +554,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
 }
 
-// The same, the line marked to be evicted last (kept in L2 over lines read and done with)
+// The same, the line marked to be evicted last (kept in L2 over lines read and done with; the
+// eviction priority needs sm_80, a plain prefetch before)
 __device__ __forceinline__ void prefetch_l2_last(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    prefetch_l2(p);
+#else
     asm volatile("prefetch.global.L2::evict_last [%0];" : : "l"(p));
+#endif
 }
 
 // The first word of the chunk at leaf0 (a k-step of 256 pages) in the fragments layout.
@@ -562,6 +591,7 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
     const long long line = v1f_prefetch_line(warp, lane);
     const u32* pf_at = chunk_at + line;
     const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
+    (void)pf_at, (void)pf_next;  // read where V1F_PREFETCH_ROWS > 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
@@ -603,25 +633,6 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
     }
 }
 
-// Rows of B words a tensor-core multiplier keeps in flight: 1 (a row's 32 words loaded, then its
-// 16 products), or 2 (the next row's loaded before this row's products: 64 words, with the 64
-// accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
-// teams trade registers by setmaxnreg: V1F_MULTIPLIER_REGS for the multipliers, the rest to the
-// producers, whose expansion fits 88 without spilling). Measured at mainnet on the H100
-// (NOTES-cuda.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
-// 160 registers for the multipliers 33.5 and 101.5, 152 spilled. Elsewhere 1 (no setmaxnreg: 2
-// would spill); -DV1F_ROWS_IN_FLIGHT=n for either anywhere (the CPU emulator runs both).
-#ifndef V1F_ROWS_IN_FLIGHT
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define V1F_ROWS_IN_FLIGHT 2
-#else
-#define V1F_ROWS_IN_FLIGHT 1
-#endif
-#endif
-#ifndef V1F_MULTIPLIER_REGS
-#define V1F_MULTIPLIER_REGS 168
-#endif
-#define V1F_PRODUCER_REGS (2 * 128 - V1F_MULTIPLIER_REGS)  // 65,536 registers: 256 threads a team
 
 // setmaxnreg (sm_90a, a warpgroup's warps alike): this warp's registers raised or lowered to n
 template <int N>
@@ -676,6 +687,7 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
     const long long line = v1f_prefetch_line(warp, lane);
     const u32* pf_at = chunk_at + line;
     const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
+    (void)pf_at, (void)pf_next;  // read where V1F_PREFETCH_ROWS > 0
     u32 w0[4][4][2], w1[4][4][2];
     v1f_load_row(w0, b_at, 0);
 #pragma unroll
@@ -946,7 +958,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     if (V1F_ROWS_IN_FLIGHT == 2) setmaxnreg_inc<V1F_MULTIPLIER_REGS>();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if V1_FRAG_ALU_KEYS > 0
-    if (num_keys <= V1_FRAG_ALU_KEYS) {  // one group: key0 is 0
+    if (num_keys <= V1_FRAG_ALU_KEYS) {  // one group (cuda_plan: V1_FRAG_ALU_KEYS <= 16 keys), key0 0
         if (num_keys <= V1F_ALU_FEW_KEYS) {
             v1f_alu_run<V1F_ALU_FEW_KEYS>(afrag, (u32*)big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
                                            out);
