@@ -648,69 +648,22 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
-// How a tensor-core multiplier loads a row's B words: 0, the 32 words its mma fragments take, a
-// 32-bit load each; 1, 16-byte loads of whole 128-byte rows, then each quad of lanes turns its
-// 4 x 4 words round by shuffles (lane t loads word 4 (g % 2) + t for page groups 0..3, and holds
-// after the turn words 4 (g % 2) + cq, cq = 0..3, of page group t). A variant to time.
-#ifndef V1F_B_SHUFFLE
-#define V1F_B_SHUFFLE 0
-#endif
-
-// Row b's B words of the lane: [cq][j][half] (V1F_B_SHUFFLE 1: [page group][j][half], turned before use)
+// Row b's B words of the lane (b_at as v1f_multiply's): [cq][j][half]
 __device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at, int b) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int cq = 0; cq < 4; ++cq)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + h * 32 * 32;
-            if (V1F_B_SHUFFLE) {
-                const uint4 v = __ldg((const uint4*)p);
-                w[0][j][h] = v.x;
-                w[1][j][h] = v.y;
-                w[2][j][h] = v.z;
-                w[3][j][h] = v.w;
-            } else {
-#pragma unroll
-                for (int cq = 0; cq < 4; ++cq) w[cq][j][h] = __ldg(p + 4 * cq);
-            }
+        for (int j = 0; j < 4; ++j) {
+            const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
+            w[cq][j][0] = __ldg(p);
+            w[cq][j][1] = __ldg(p + 32 * 32);
         }
-}
-
-// A quad's 4 x 4 words a0..a3 turned round (lane t's k-th word to lane k's t-th), two exchanges
-__device__ __forceinline__ void v1f_turn4(u32& a0, u32& a1, u32& a2, u32& a3, int t) {
-    const bool odd = t & 1, high = t & 2;
-    u32 r0 = __shfl_xor_sync(0xFFFFFFFFu, odd ? a0 : a1, 1);
-    u32 r1 = __shfl_xor_sync(0xFFFFFFFFu, odd ? a2 : a3, 1);
-    if (odd) a0 = r0, a2 = r1;
-    else a1 = r0, a3 = r1;
-    r0 = __shfl_xor_sync(0xFFFFFFFFu, high ? a0 : a2, 2);
-    r1 = __shfl_xor_sync(0xFFFFFFFFu, high ? a1 : a3, 2);
-    if (high) a0 = r0, a1 = r1;
-    else a2 = r0, a3 = r1;
 }
 
 // Row b's 16 products and their fold (v1f_multiply's), from its loaded B words
-__device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const uint4* afrag, u32 (&w)[4][4][2],
+__device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32 (&w)[4][4][2],
                                                  int h, int b, int lane, u32 m_lo, u32 m_hi, u32 m) {
     const uint4* a_row = afrag + v1f_afrag_index(b, lane);
-    if (V1F_B_SHUFFLE) {
-        uint4 a[4];
-#pragma unroll
-        for (int cq = 0; cq < 4; ++cq) a[cq] = a_row[cq * (32 * V1_FRAG_AFRAG_ROW + 1)];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) v1f_turn4(w[0][j][hh], w[1][j][hh], w[2][j][hh], w[3][j][hh], lane & 3);
-#pragma unroll
-            for (int cq = 0; cq < 4; ++cq) {
-                int d[4] = {0, 0, 0, 0};
-                mma_and_popc(d, a[cq].x, a[cq].y, a[cq].z, a[cq].w, w[cq][j][0], w[cq][j][1]);
-                acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
-                acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
-            }
-        }
-        return;
-    }
 #pragma unroll
     for (int cq = 0; cq < 4; ++cq) {
         const uint4 a = a_row[cq * (32 * V1_FRAG_AFRAG_ROW + 1)];
@@ -730,8 +683,7 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
                                               int lane) {
     const int g = lane >> 2, t = lane & 3;
     const u32* chunk_at = v1f_chunk_words(frags, leaf0);
-    const u32* b_at = chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS +
-                      (V1F_B_SHUFFLE ? 16 * (g & 1) + 4 * t : fragment_offset(t, 4 * (g & 1)));
+    const u32* b_at = chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, 4 * (g & 1));
     const long long line = v1f_prefetch_line(warp, lane);
     const u32* pf_at = chunk_at + line;
     const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
