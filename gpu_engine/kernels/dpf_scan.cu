@@ -577,63 +577,6 @@ __device__ __forceinline__ long long v1f_prefetch_line(int warp, int lane) {
     return (long long)(16 * warp + (lane >> 1)) * V1F_SLICE_WORDS + (lane & 1) * 32 * 32;
 }
 
-// Multiplier warp `warp`'s products of one chunk (its first page leaf0) by its A fragments:
-// lane (g, t) reads B column g, slice 16 warp + 4j + g / 2, word c + 4 (g % 2), pages 32t ..
-// next_leaf0 is the next chunk the warp multiplies (its first rows are prefetched), or -1;
-// prefetch: whether to prefetch rows at all.
-__device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32* frags,
-                                             long long leaf0, long long next_leaf0, bool prefetch, int warp,
-                                             int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    const u32* chunk_at = v1f_chunk_words(frags, leaf0);
-    // this lane's B words of the chunk's k-step (word c + 4 (g % 2) at + 4c, half 1 at + 32 * 32)
-    const u32* b_at = chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, 4 * (g & 1));
-    const long long line = v1f_prefetch_line(warp, lane);
-    const u32* pf_at = chunk_at + line;
-    const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
-    (void)pf_at, (void)pf_next;  // read where V1F_PREFETCH_ROWS > 0
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
-        // residue to residue, never written 1 << s: the compiler turns a product by a shifted
-        // 1 into a shift (ALU pipe), and builds a mask it can see through in every fold
-        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
-#pragma unroll kV1fUnroll
-        for (int s = 0; s < 16; ++s) {
-            const int b = 16 * h + s;
-#if V1F_PREFETCH_ROWS > 0
-            if (prefetch) {  // row b + V1F_PREFETCH_ROWS: of this chunk, else of the next one (if any)
-                if (b + V1F_PREFETCH_ROWS < 32) {
-                    prefetch_l2(pf_at + (b + V1F_PREFETCH_ROWS) * 32);
-                } else if (pf_next != 0) {
-                    prefetch_l2(pf_next + (b + V1F_PREFETCH_ROWS - 32) * 32);
-                }
-            }
-#endif
-            const uint4* a_row = afrag + v1f_afrag_index(b, lane);  // residue b; 32 cq + b is cq (32 rows + 1) on
-#pragma unroll
-            for (int cq = 0; cq < 4; ++cq) {
-                const uint4 a = a_row[cq * (32 * V1_FRAG_AFRAG_ROW + 1)];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
-                    int d[4] = {0, 0, 0, 0};
-                    mma_and_popc(d, a.x, a.y, a.z, a.w, __ldg(p), __ldg(p + 32 * 32));
-                    // a count is at most 256 (9 bits), so 2^s d0 + 2^(16+s) d1 never carries
-                    // into bit 16 + s: bits s and 16 + s are the two counts' low bits (two
-                    // IMADs on the FMA pipe and one LOP3 for two counts)
-                    acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
-                    acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
-                }
-            }
-            m_lo <<= 1;
-            m_hi <<= 1;
-            m <<= 1;
-        }
-    }
-}
-
-
 // setmaxnreg (sm_90a, a warpgroup's warps alike): this warp's registers raised or lowered to n
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -648,7 +591,7 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
-// Row b's B words of the lane (b_at as v1f_multiply's): [cq][j][half]
+// Row b's B words of the lane (b_at: v1f_lane_rows's): [cq][j][half]
 __device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at, int b) {
 #pragma unroll
     for (int cq = 0; cq < 4; ++cq)
@@ -660,7 +603,7 @@ __device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at,
         }
 }
 
-// Row b's 16 products and their fold (v1f_multiply's), from its loaded B words
+// Row b's 16 products and their fold (m_lo, m_hi, m: v1f_multiply's), from its loaded B words
 __device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32 (&w)[4][4][2],
                                                  int h, int b, int lane, u32 m_lo, u32 m_hi, u32 m) {
     const uint4* a_row = afrag + v1f_afrag_index(b, lane);
@@ -677,17 +620,69 @@ __device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const u
     }
 }
 
+// A multiplier lane's places in the chunk at leaf0: its first B word of the k-step (lane (g, t)
+// reads B column g, slice 16 warp + 4j + g / 2, word c + 4 (g % 2) at + 4c, pages 32t .., half 1 at
+// + 32 * 32), and its prefetch line in this chunk and in the next it multiplies (next_leaf0; null
+// where that is -1, none)
+struct V1fLaneRows {
+    const u32* b_at;
+    const u32* pf_at;
+    const u32* pf_next;
+};
+
+__device__ __forceinline__ V1fLaneRows v1f_lane_rows(const u32* frags, long long leaf0, long long next_leaf0, int warp,
+                                                     int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const u32* chunk_at = v1f_chunk_words(frags, leaf0);
+    const long long line = v1f_prefetch_line(warp, lane);
+    return {chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, 4 * (g & 1)),
+            chunk_at + line, next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0};
+}
+
+// Row `row` asked of L2: of this chunk below 32, else row - 32 of the next one (if any)
+__device__ __forceinline__ void v1f_prefetch_row(const V1fLaneRows& rows, int row) {
+    if (row < 32) {
+        prefetch_l2(rows.pf_at + row * 32);
+    } else if (rows.pf_next != 0) {
+        prefetch_l2(rows.pf_next + (row - 32) * 32);
+    }
+}
+
+// Multiplier warp `warp`'s products of one chunk (its first page leaf0) by its A fragments, a row
+// of B words in flight: each row's 32 loads, then its 16 products. next_leaf0: the next chunk the
+// warp multiplies (its first rows are prefetched), or -1; prefetch: whether to prefetch rows at all.
+__device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32* frags,
+                                             long long leaf0, long long next_leaf0, bool prefetch, int warp,
+                                             int lane) {
+    const V1fLaneRows rows = v1f_lane_rows(frags, leaf0, next_leaf0, warp, lane);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
+        // residue to residue, never written 1 << s: the compiler turns a product by a shifted
+        // 1 into a shift (ALU pipe), and builds a mask it can see through in every fold
+        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
+#pragma unroll kV1fUnroll
+        for (int s = 0; s < 16; ++s) {
+            const int b = 16 * h + s;
+#if V1F_PREFETCH_ROWS > 0
+            if (prefetch) v1f_prefetch_row(rows, b + V1F_PREFETCH_ROWS);
+#endif
+            u32 w[4][4][2];
+            v1f_load_row(w, rows.b_at, b);
+            v1f_row_products(acc, afrag, w, h, b, lane, m_lo, m_hi, m);
+            m_lo <<= 1;
+            m_hi <<= 1;
+            m <<= 1;
+        }
+    }
+}
+
 // v1f_multiply with two rows in flight: row b + 1's loads issued before row b's products
 __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32* frags,
                                               long long leaf0, long long next_leaf0, bool prefetch, int warp,
                                               int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    const u32* chunk_at = v1f_chunk_words(frags, leaf0);
-    const u32* b_at = chunk_at + (long long)(16 * warp + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, 4 * (g & 1));
-    const long long line = v1f_prefetch_line(warp, lane);
-    const u32* pf_at = chunk_at + line;
-    const u32* pf_next = next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0;
-    (void)pf_at, (void)pf_next;  // read where V1F_PREFETCH_ROWS > 0
+    const V1fLaneRows rows = v1f_lane_rows(frags, leaf0, next_leaf0, warp, lane);
+    const u32* b_at = rows.b_at;  // a local: ptxas schedules the loop as measured (316 instructions, not 317)
     u32 w0[4][4][2], w1[4][4][2];
     v1f_load_row(w0, b_at, 0);
 #pragma unroll
@@ -698,14 +693,8 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
             const int b = 16 * h + s;
 #if V1F_PREFETCH_ROWS > 0
             if (prefetch) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    if (b + r + V1F_PREFETCH_ROWS < 32) {
-                        prefetch_l2(pf_at + (b + r + V1F_PREFETCH_ROWS) * 32);
-                    } else if (pf_next != 0) {
-                        prefetch_l2(pf_next + (b + r + V1F_PREFETCH_ROWS - 32) * 32);
-                    }
-                }
+                v1f_prefetch_row(rows, b + V1F_PREFETCH_ROWS);
+                v1f_prefetch_row(rows, b + 1 + V1F_PREFETCH_ROWS);
             }
 #endif
             v1f_load_row(w1, b_at, b + 1);
