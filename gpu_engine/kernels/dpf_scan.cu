@@ -513,30 +513,6 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
     }
 }
 
-#ifndef V1F_EARLY_T
-#define V1F_EARLY_T 0
-#endif
-template <int G>
-__device__ __forceinline__ void v1f_make_afrag_split(uint4* afrag, const uint4* big, int p, int n_leaves, LiveKeys keys,
-                                                     bool wait_free) {
-    u32 x[32];
-    int slot = 0;
-    if (p < 32 * keys.live) {
-        slot = live_slot<G>(p, keys);
-        v1f_load_masks<G>(x, big, slot % G, (slot / G) & 7, (slot / G) >> 3, n_leaves);
-        transpose32(x);
-    }
-    if (wait_free) named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS);
-    if (p < 32 * keys.live) v1f_store_afrag(afrag, x, slot % G, (slot / G) & 7, (slot / G) >> 3);
-#pragma unroll 1
-    for (int item = p + V1F_TEAM; item < 32 * keys.live; item += V1F_TEAM) {
-        const int sl = live_slot<G>(item, keys), k = sl % G, block = sl / G;
-        v1f_load_masks<G>(x, big, k, block & 7, block >> 3, n_leaves);
-        transpose32(x);
-        v1f_store_afrag(afrag, x, k, block & 7, block >> 3);
-    }
-}
-
 // Rows of B words a tensor-core multiplier keeps in flight: 1 (a row's 32 words loaded, then its
 // 16 products), or 2 (the next row's loaded before this row's products: 64 words, with the 64
 // accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
@@ -616,26 +592,14 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 
 // Row b's B words of the lane (b_at: v1f_lane_rows's): [cq][j][half]
-#ifndef V1F_DIAG
-#define V1F_DIAG 0
-#endif
 __device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at, int b) {
 #pragma unroll
     for (int cq = 0; cq < 4; ++cq)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-#if V1F_DIAG & 4
-            w[cq][j][0] = (u32)(size_t)b_at * (u32)(b + 3 * cq + 7 * j);
-            w[cq][j][1] = (u32)(size_t)b_at ^ (u32)(b + 5 * cq + 11 * j);
-#elif V1F_DIAG & 16
-            const uint2 v = __ldg((const uint2*)(b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + (cq >> 1) * 1024 + (cq & 1) * 16));
-            w[cq][j][0] = v.x;
-            w[cq][j][1] = v.y;
-#else
             const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32 + 4 * cq;
             w[cq][j][0] = __ldg(p);
             w[cq][j][1] = __ldg(p + 32 * 32);
-#endif
         }
 }
 
@@ -649,11 +613,7 @@ __device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const u
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             int d[4] = {0, 0, 0, 0};
-#if V1F_DIAG & 2
-            d[0] = (int)(w[cq][j][0] ^ a.x); d[1] = (int)w[cq][j][1]; d[2] = (int)a.y; d[3] = (int)(a.z ^ a.w);
-#else
             mma_and_popc(d, a.x, a.y, a.z, a.w, w[cq][j][0], w[cq][j][1]);
-#endif
             acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
             acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
         }
@@ -679,18 +639,12 @@ __device__ __forceinline__ V1fLaneRows v1f_lane_rows(const u32* frags, long long
             chunk_at + line, next_leaf0 >= 0 ? v1f_chunk_words(frags, next_leaf0) + line : (const u32*)0};
 }
 
-#ifndef V1F_PREFETCH_L1
-#define V1F_PREFETCH_L1 0
-#endif
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-    asm volatile("prefetch.global.L1 [%0];" : : "l"(p));
-}
 // Row `row` asked of L2: of this chunk below 32, else row - 32 of the next one (if any)
 __device__ __forceinline__ void v1f_prefetch_row(const V1fLaneRows& rows, int row) {
     if (row < 32) {
-        if (V1F_PREFETCH_L1) prefetch_l1(rows.pf_at + row * 32); else prefetch_l2(rows.pf_at + row * 32);
+        prefetch_l2(rows.pf_at + row * 32);
     } else if (rows.pf_next != 0) {
-        if (V1F_PREFETCH_L1) prefetch_l1(rows.pf_next + (row - 32) * 32); else prefetch_l2(rows.pf_next + (row - 32) * 32);
+        prefetch_l2(rows.pf_next + (row - 32) * 32);
     }
 }
 
@@ -728,11 +682,7 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
                                               long long leaf0, long long next_leaf0, bool prefetch, int warp,
                                               int lane) {
     const V1fLaneRows rows = v1f_lane_rows(frags, leaf0, next_leaf0, warp, lane);
-#if V1F_DIAG & 16
-    const u32* b_at = rows.b_at - (lane & 3) - 16 * ((lane >> 2) & 1) + 8 * ((lane >> 2) & 1) + 2 * (lane & 3);
-#else
     const u32* b_at = rows.b_at;  // a local: ptxas schedules the loop as measured (316 instructions, not 317)
-#endif
     u32 w0[4][4][2], w1[4][4][2];
     v1f_load_row(w0, b_at, 0);
 #pragma unroll
@@ -985,16 +935,10 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
         const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
-            if (!(V1F_DIAG & 1) || chunk == chunk_begin)
             expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
                             big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys, producers);
-#if V1F_EARLY_T
-            v1f_make_afrag_split<G>(afrag, big, producers.tid, n_leaves, keys, chunk > chunk_begin);
-#else
             if (chunk > chunk_begin) named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // chunk - 1's A fragments read
-            if (!(V1F_DIAG & 8) || chunk == chunk_begin)
             v1f_make_afrag<G>(afrag, big, producers.tid, n_leaves, keys);
-#endif
             named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
             team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
         }
@@ -1027,8 +971,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #endif
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
-        if (V1F_DIAG & 32) {
-        } else if (V1F_ROWS_IN_FLIGHT == 2)
+        if (V1F_ROWS_IN_FLIGHT == 2)
             v1f_multiply2(acc, afrag, frags, chunk << c, chunk + 1 < chunk_end ? (chunk + 1) << c : -1, prefetch,
                           warp, lane);
         else
