@@ -2,7 +2,8 @@
 
 Each variant's kernels are rebuilt (NVRTC, about 15 s on the device) and timed per kernel (CUDA events,
 graphs off, the scan's and the batch's GPU time) and end to end; every variant's answers must equal
-the first's byte for byte. A device call's seconds go to the variants, not to a matrix each:
+the first's byte for byte. A device call's seconds go to the variants, not to a matrix each
+(`pairs=0` in a variant: v1 keys one block a key group, dpf_scan_v1_frag, instead of pairs of groups):
 
     python3 benchmarks/variant_times.py --out v.csv --q 1,2 default V1F_XOR_PREFETCH=1 V1F_XOR_PREFETCH=3
 """
@@ -38,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--q", default="1,2", help="comma-separated query counts (3 keys each)")
     ap.add_argument("--reps", type=int, default=6, help="batches per query count and variant (the first not counted)")
     ap.add_argument("variants", nargs="+",
-                    help="a variant each: comma-separated NAME=VALUE -D options, or 'default' for the build as it is")
+                    help="a variant each: comma-separated NAME=VALUE -D options (pairs=0: v1 keys one block a "
+                         "key group, never dpf_scan_v1_pair), or 'default' for the build as it is")
     args = ap.parse_args(argv)
 
     import cupy
@@ -56,6 +58,7 @@ def main(argv=None) -> int:
     batches = {q: KeyBatch.from_keys([gen_keys(int(rng.integers(args.pages)), d, rng, key_format=fmt)[0]
                                       for _ in range(KEYS_PER_QUERY * q)])
                for q in (int(x) for x in args.q.split(","))}
+    pairs = resident._backend.v1_pairs
     first: dict = {}  # the first variant's answers: every other variant's must equal them byte for byte
     with open(args.out, "w") as out:
         out.write(f"# gpu: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}\n")
@@ -64,7 +67,10 @@ def main(argv=None) -> int:
         out.write(f"# date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
         out.write(COLUMNS + "\n")
         for variant in args.variants:
-            defines = [] if variant == "default" else variant.split(",")
+            options = [] if variant == "default" else variant.split(",")
+            # pairs=0: the backend's v1_pairs off (v1 keys: dpf_scan_v1_frag whatever the groups)
+            resident._backend.v1_pairs = pairs and "pairs=0" not in options
+            defines = [o for o in options if o != "pairs=0"]
             cuda_module._VARIANT_DEFINES = ()  # each variant from the build as it is
             cuda_module.add_defines(defines)
             cuda_module._module.cache_clear()

@@ -1027,5 +1027,27 @@ def test_fragments_layout_answers_v1_keys_over_many_chunks_and_key_groups(cuda_f
     assert cuda_fragments.key_formats == (KEY_FORMAT_V1, KEY_FORMAT_V2)
     resident, host = generated_fragments(pages)
     batch = _keys(keys, pages, host.domain_bits, seed=keys, fmt=KEY_FORMAT_V1)
-    assert resident.plan(keys, KEY_FORMAT_V1).scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_frag<16>")
+    # an even number of groups in pairs where the GPU runs clusters (17 and 96 keys on sm_90)
+    pairs = cuda_fragments.v1_pairs and -(-keys // 16) % 2 == 0
+    assert resident.plan(keys, KEY_FORMAT_V1).scan_kernel == ("dpf_scan.cu", f"dpf_scan_v1_{'pair' if pairs else 'frag'}<16>")
     assert np.array_equal(resident.answer(batch), _reference(host, batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pages, keys", [(40000, 24), (4097, 64), (2**20 + 17, 32), (2**20 + 17, 96)])
+def test_pairs_of_key_groups_answer_as_a_block_a_group_does(cuda_fragments, generated_fragments, pages, keys):
+    # sm_90: a batch of 2, 4 or 6 groups runs dpf_scan_v1_pair (two groups a cluster, each block
+    # multiplying half the slices by both groups' A fragments); the same answers as dpf_scan_v1_frag's
+    if not cuda_fragments.v1_pairs:
+        pytest.skip("this GPU runs no thread-block clusters (sm_90 on)")
+    resident, host = generated_fragments(pages)
+    batch = _keys(keys, pages, host.domain_bits, seed=keys + 1, fmt=KEY_FORMAT_V1)
+    assert resident.plan(keys, KEY_FORMAT_V1).scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_pair<16>")
+    paired = resident.answer(batch)
+    assert np.array_equal(paired, _reference(host, batch))
+    cuda_fragments.v1_pairs = False
+    try:
+        assert resident.plan(keys, KEY_FORMAT_V1).scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_frag<16>")
+        assert np.array_equal(resident.answer(batch), paired)
+    finally:
+        cuda_fragments.v1_pairs = True

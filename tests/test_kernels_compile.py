@@ -34,6 +34,7 @@ LAUNCH_THREADS = {"dpf_expand_top": TOP_THREADS,
                   **{f"dpf_scan_bits<{g}>": SCAN_THREADS for g in SCAN_GROUP_SIZES},
                   "dpf_leaf_bits": MMA_THREADS,
                   f"dpf_scan_v1_frag<{cuda_plan.V1_FRAG_GROUP_KEYS}>": cuda_plan.V1_FRAG_THREADS,
+                  f"dpf_scan_v1_pair<{cuda_plan.V1_FRAG_GROUP_KEYS}>": cuda_plan.V1_FRAG_THREADS,
                   **{f"dpf_scan_mma<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS},
                   **{f"dpf_scan_mma_frag<{t}>": MMA_THREADS for t in MMA_TILE_COUNTS},
                   **{f"dpf_scan_wgmma_frag<{t}>": MMA_THREADS for t in WGMMA_TILE_COUNTS}}
@@ -110,12 +111,13 @@ def test_every_macro_the_scan_kernels_use_is_defined_in_them_or_by_the_host_not_
     assert used_somewhere == host  # no -D option every kernel ignores
 
 
-def _check_scan_carving(kernel, scope, group_keys, chunk_levels):
-    """`kernel` of dpf_scan.cu carves the regions of SCAN_SHARED_REGIONS for group_keys keys and
-    chunks of 2**chunk_levels leaves, in the host's order and sizes (scope: its names' values)."""
+def _check_scan_carving(kernel, scope, group_keys, chunk_levels, start="extern __shared__ uint4 smem[];"):
+    """`kernel` (a kernel or function) of dpf_scan.cu carves the regions of SCAN_SHARED_REGIONS for
+    group_keys keys and chunks of 2**chunk_levels leaves from `start` on, in the host's order and
+    sizes (scope: its names' values)."""
     code = _code("dpf_scan.cu")
-    body = code[code.index(f"\n{kernel}("):]
-    body = body[body.index("extern __shared__ uint4 smem[];"):]
+    body = code[re.search(rf"[\n ]{kernel}\(", code).start():]
+    body = body[body.index(start):]
     carving = re.findall(r"^\s*(uint4|u8)\* (\w+) = (.+?);", body, re.M)[:len(cuda_plan.SCAN_SHARED_REGIONS)]
     regions = cuda_plan.SCAN_SHARED_REGIONS
     assert [name for _, name, _ in carving] == [name for name, _, _ in regions]
@@ -198,6 +200,11 @@ def test_argument_builders_follow_the_kernel_signatures():
         "root_stride": frag.root_stride, "num_groups": 2, "chunks_per_block": frag.chunks_per_block,
         "out": out})
     _check_top_args(frag, keyrec, nodes, depth=20, leaves=4097)
+    # in pairs of groups (sm_90): the same arguments
+    pair = cuda_plan.plan_scan(4097, 20, 30, key_format=1, layout="fragments", v1_pairs=True)
+    assert pair.scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_pair<16>") and pair.scan_threads == 512
+    assert _params("dpf_scan_v1_pair") == _params("dpf_scan_v1_frag")
+    assert cuda_plan.scan_args(pair, pages, keyrec, nodes, out) == cuda_plan.scan_args(frag, pages, keyrec, nodes, out)
 
 
 def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step():
@@ -206,9 +213,15 @@ def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step
     # padded rows of 36 uint4s, 16 bytes more a 32 residues) past cw_t, and the host sizes its
     # launches for that
     c, g = cuda_plan.V1_FRAG_CHUNK_LEVELS, cuda_plan.V1_FRAG_GROUP_KEYS
-    _check_scan_carving("dpf_scan_v1_frag", {"G": g, "V1F_L": 1 << c, "V1_FRAG_CHUNK_LEVELS": c}, g, c)
+    # (v1f_shared's, which dpf_scan_v1_pair<16> takes too)
+    _check_scan_carving("v1f_shared", {"G": g, "V1F_L": 1 << c, "V1_FRAG_CHUNK_LEVELS": c}, g, c,
+                        start="uint4* big = smem;")
     code = _code("dpf_scan.cu")
     assert "uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);" in code
+    for kernel in ("dpf_scan_v1_frag", "dpf_scan_v1_pair"):
+        body = code[code.index(f"\n{kernel}("):]
+        assert "extern __shared__ uint4 smem[];" in body[:body.index("\n}")]
+        assert "const V1fShared sh = v1f_shared<G>(smem);" in body[:body.index("\n}")]
     assert cuda_plan.V1_FRAG_AFRAG_BYTES == (128 * 36 + 4) * 16
     assert "return r * V1_FRAG_AFRAG_ROW + (r >> 5) + lane;" in code
     assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \

@@ -180,7 +180,7 @@ class CudaResident(ResidentMatrix):
                                 self.chunk_levels, self._backend.resident_blocks, key_format,
                                 tensor_cores=tensor_cores, mma_chunks_per_block=self.mma_chunks_per_block,
                                 mma_max_tiles=self._backend.mma_max_tiles, layout=self.layout,
-                                wgmma=self._backend.wgmma)
+                                wgmma=self._backend.wgmma, v1_pairs=self._backend.v1_pairs)
 
     def check_keys(self, keys: KeyBatch) -> None:
         super().check_keys(keys)
@@ -197,7 +197,8 @@ class CudaResident(ResidentMatrix):
         """The buffers (and graphs) of this batch shape that no started batch is using: a second
         set where the engine starts a batch while one of the same shape still runs."""
         shape = (num_keys, dispatch, self.max_group_keys, self.chunk_levels, key_format,
-                 self.v2_scan, self.mma_chunks_per_block, self._backend.mma_max_tiles, self._backend.wgmma)
+                 self.v2_scan, self.mma_chunks_per_block, self._backend.mma_max_tiles, self._backend.wgmma,
+                 self._backend.v1_pairs)
         key = shape + (1 if shape + (0,) in self._started else 0,)
         if key in self._started:
             raise RuntimeError(f"two batches of {num_keys} keys are running already; collect one first")
@@ -342,6 +343,9 @@ class CudaBackend(Backend):
                                      f"stores the {layout} layout on {self.device_name}, "
                                      f"sm_{self.compute_capability[0]}{self.compute_capability[1]}")
         self.wgmma = can_wgmma if wgmma is None else bool(wgmma)
+        # v1 keys over the fragments layout in pairs of key groups where the GPU runs thread-block
+        # clusters (dpf_scan_v1_pair); False keeps a block a group (dpf_scan_v1_frag), to compare
+        self.v1_pairs = layout == "fragments" and self.compute_capability >= cuda_plan.CLUSTER_CAPABILITY
         self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout, self.wgmma)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
         # the layout of the matrices it loads from now on (both answer v1 and v2 keys)

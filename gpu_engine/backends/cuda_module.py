@@ -38,7 +38,7 @@ def add_defines(defines: Iterable[str]) -> None:
 KERNEL_NAMES: Dict[str, Tuple[str, ...]] = {
     "dpf_scan.cu": ("dpf_expand_top", *(f"dpf_scan<{g}>" for g in SCAN_GROUP_SIZES),
                     *(f"dpf_scan_bits<{g}>" for g in SCAN_GROUP_SIZES), "dpf_leaf_bits",
-                    f"dpf_scan_v1_frag<{V1_FRAG_GROUP_KEYS}>"),
+                    f"dpf_scan_v1_frag<{V1_FRAG_GROUP_KEYS}>", f"dpf_scan_v1_pair<{V1_FRAG_GROUP_KEYS}>"),
     "dpf_scan_mma.cu": (*(f"dpf_scan_mma<{t}>" for t in MMA_TILE_COUNTS),
                         *(f"dpf_scan_mma_frag<{t}>" for t in MMA_TILE_COUNTS),
                         *(f"dpf_scan_wgmma_frag<{t}>" for t in WGMMA_TILE_COUNTS),

@@ -42,6 +42,7 @@ MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32
 MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
 MMA_TILE_COUNTS = tuple(range(1, 12))  # dpf_scan_mma<T> instantiations: up to 176 keys a group
 WGMMA_CAPABILITY = (9, 0)  # wgmma ... b1 AND.POPC: sm_90a, the H100 and H200
+CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters and distributed shared memory: sm_90 and later
 # from this many key tiles a launch over the fragments layout goes to dpf_scan_wgmma_frag; fewer
 # (up to 48 keys, where the scan waits on memory) stay on dpf_scan_mma_frag, which the H100 ran
 # nearer the memory floor (21.97 against 24.8 ms for one query at mainnet: NOTES-cuda.md)
@@ -379,6 +380,7 @@ class ScanPlan:
     tensor_cores: bool = False  # v2 keys: dpf_scan_mma (chunks of MMA_CHUNK_PAGES pages)
     layout: str = "pages"  # of the matrix it scans (MATRIX_LAYOUTS): fragments, a *_frag scan
     wgmma: bool = False  # fragments only: dpf_scan_wgmma_frag (sm_90a) instead of dpf_scan_mma_frag
+    v1_pairs: bool = False  # v1 keys over the fragments layout: dpf_scan_v1_pair (sm_90 clusters of two groups)
 
     @property
     def padded_keys(self) -> int:
@@ -415,7 +417,7 @@ class ScanPlan:
                 return "dpf_scan_mma"
             return "dpf_scan_wgmma_frag" if self.wgmma else "dpf_scan_mma_frag"
         if self.layout == "fragments":
-            return "dpf_scan_v1_frag"
+            return "dpf_scan_v1_pair" if self.v1_pairs else "dpf_scan_v1_frag"
         return "dpf_scan" if self.key_format == KEY_FORMAT_V1 else "dpf_scan_bits"
 
     @property
@@ -431,7 +433,7 @@ class ScanPlan:
         (dpf_scan_v1_frag's two teams), SCAN_THREADS (a thread per 16-byte column of a page)."""
         if self.tensor_cores:
             return MMA_THREADS
-        return V1_FRAG_THREADS if self.scan_template == "dpf_scan_v1_frag" else SCAN_THREADS
+        return V1_FRAG_THREADS if self.scan_template in ("dpf_scan_v1_frag", "dpf_scan_v1_pair") else SCAN_THREADS
 
     @property
     def padded_leaves(self) -> int:
@@ -454,7 +456,7 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
               resident_blocks: int = 132 * 2, key_format: int = KEY_FORMAT_V1,
               tensor_cores: bool = False, mma_chunks_per_block: Optional[int] = None,
               mma_max_tiles: int = max(MMA_TILE_COUNTS), layout: str = "pages",
-              wgmma: bool = False) -> ScanPlan:
+              wgmma: bool = False, v1_pairs: bool = False) -> ScanPlan:
     """Plan one launch of num_keys keys over num_pages pages of a domain of 2**domain_bits pages.
 
     v1 keys: top stages to depth d - c, then dpf_scan<G> expands chunks of 2**c leaves. v2 keys:
@@ -469,7 +471,8 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     blocks run slice-fastest: clusters of slices share a chunk's selection bits, and a second key
     group, past 224 keys, reads the run again a wave later): v2 keys, tensor_cores. v1 keys over
     the fragments layout: dpf_scan_v1_frag<16>, dpf_scan's plan with groups of 16 keys and chunks
-    of 2**V1_FRAG_CHUNK_LEVELS pages (chunk_levels and max_group_keys do not apply).
+    of 2**V1_FRAG_CHUNK_LEVELS pages (chunk_levels and max_group_keys do not apply); with
+    v1_pairs (sm_90: thread-block clusters) an even number of its groups goes to dpf_scan_v1_pair.
     """
     check_layout(layout)
     if layout == "fragments" and tensor_cores != (key_format == KEY_FORMAT_V2):
@@ -519,8 +522,11 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         TopStage(a, b, live_nodes(leaves, depth - a), live_nodes(leaves, depth - a - b))
         for a, b in top_stages(depth - c)
     )
+    # v1 keys over the fragments layout in an even number of groups, where the GPU runs clusters
+    # (v1_pairs): groups in pairs, a chunk read from L2 once a pair (dpf_scan_v1_pair)
+    pairs = v1_pairs and key_format == KEY_FORMAT_V1 and layout == "fragments" and groups % 2 == 0
     return ScanPlan(num_pages, domain_bits, num_keys, group_keys, groups, c, chunks, per_block,
-                    runs * groups, shared, stages, key_format, layout=layout)
+                    runs * groups, shared, stages, key_format, layout=layout, v1_pairs=pairs)
 
 
 def _plan_mma(num_pages: int, domain_bits: int, num_keys: int, resident_blocks: int,

@@ -3,6 +3,53 @@
 
 typedef unsigned int u32;
 
+// Shared memory's own (32-bit) address of p, as mbarrier, bulk-copy and cluster instructions take it
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Thread-block clusters (sm_90). Every thread of every block of the cluster; orders shared-memory
+// writes and reads across it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Waits until the mbarrier at bar (this block's) has completed the phase of parity `parity`.
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// The same, acquiring at cluster scope what the arrivals of other blocks released
+__device__ __forceinline__ void mbarrier_wait_cluster(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// Address `local` (shared_address's) in the shared memory of the cluster's block `rank`
+__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(local), "r"(rank));
+    return a;
+}
+
+// One arrival on the mbarrier at `bar` (cluster_address's, any block's), releasing at cluster
+// scope what this thread wrote and read before it
+__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// 16 bytes of another block's shared memory (at cluster_address's address)
+__device__ __forceinline__ uint4 ld_cluster_v4(u32 at) {
+    uint4 v;
+    asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at));
+    return v;
+}
+#endif
+
 // x[b] bit i <- x[i] bit b: a 32 x 32 bit transpose in registers (byte permutes for the 16- and
 // 8-bit stages, masked swaps for the rest).
 __device__ __forceinline__ void transpose32(u32 (&x)[32]) {

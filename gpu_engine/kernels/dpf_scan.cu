@@ -883,6 +883,84 @@ __device__ __noinline__ void v1f_alu_run(const uint4* afrag, u32* red, const u32
         if (red[w]) atomicXor(&out32[w], red[w]);
 }
 
+// dpf_scan_v1_frag's shared memory: dpf_scan's regions (cuda_plan.SCAN_SHARED_REGIONS), sized for
+// V1F_L leaves whatever c, then the A fragments of the chunk being multiplied (128 residues x 32
+// lanes, padded: v1f_afrag_index, cuda_plan.V1_FRAG_AFRAG_BYTES).
+struct V1fShared {
+    uint4 *big, *half, *cw_seed, *final_cw, *afrag;
+    u8 *big_t, *half_t, *cw_t;
+};
+
+template <int G>
+__device__ __forceinline__ V1fShared v1f_shared(uint4* smem) {
+    static_assert((V1F_L + V1F_L / 2 + V1_FRAG_CHUNK_LEVELS) * G % 16 == 0, "afrag starts 16-byte aligned");
+    uint4* big = smem;
+    uint4* half = big + V1F_L * G;
+    uint4* cw_seed = half + (V1F_L / 2) * G;
+    uint4* final_cw = cw_seed + V1_FRAG_CHUNK_LEVELS * G;
+    u8* big_t = (u8*)(final_cw + G);
+    u8* half_t = big_t + V1F_L * G;
+    u8* cw_t = half_t + (V1F_L / 2) * G;
+    uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);
+    return {big, half, cw_seed, final_cw, afrag, big_t, half_t, cw_t};
+}
+
+// Key group `group`'s keys: the batch's keys split evenly over the groups (their sizes differ by
+// one at most), so the blocks of a run expand about as many trees each and keep pace (with the
+// last group short, 24 keys as 16 + 8, its blocks ran ahead of the others, which then found their
+// rows gone from L2). Keys key0 .. key0 + live - 1; the rows of the group's tile past live
+// (another group's keys, or past the batch's) are neither expanded nor written out.
+struct V1fGroup {
+    int key0, live;
+};
+
+__device__ __forceinline__ V1fGroup v1f_group(int group, int num_groups, int num_keys) {
+    const int per_group = num_keys / num_groups, extra = num_keys % num_groups;
+    return {group * per_group + min(group, extra), per_group + (group < extra ? 1 : 0)};
+}
+
+// The producers' side of a run (threads V1F_TEAM.. of the block): each chunk's tree expanded,
+// then, once the multipliers are done with the previous chunk's A fragments (hand.wait_free(i),
+// from the run's second chunk i = 1 on), turned into its A fragments, which are handed over
+// (hand.ready(i)). Hand: the two teams' barriers of one block (V1fBlockHandover) or of a
+// cluster's pair of blocks (dpf_scan_v1_pair's). Regs: the registers a producer thread gives up
+// to (setmaxnreg, what the multipliers take), or 0 to keep the block's.
+template <int G, int Regs, class Hand>
+__device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_pages, int c, int depth_top,
+                                            const u32* keyrec, int krec, V1fGroup grp, const uint4* root_seed,
+                                            const u8* root_t, long long root_stride, long long chunk_begin,
+                                            long long chunk_end, Hand hand) {
+    if (Regs > 0) setmaxnreg_dec<Regs>();
+    // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
+    const LiveKeys keys = live_keys(grp.live);
+    const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
+    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+        const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
+        expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
+                        sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
+        const int i = (int)(chunk - chunk_begin);
+        if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
+        v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
+        hand.ready(i);                // chunk's A fragments are in place
+        team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
+    }
+}
+
+// One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
+struct V1fBlockHandover {
+    __device__ __forceinline__ void wait_free(int) const { named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS); }
+    __device__ __forceinline__ void ready(int) const { named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS); }
+};
+
+// A lane's answer bits of a tile: lo holds bits 0-15 of word `word` (low half) and of word + 4
+// (high half), hi their bits 16-31; XORed into key `key`'s answer where any is set.
+__device__ __forceinline__ void v1f_xor_answer(u32* out32, int key, int word, u32 lo, u32 hi) {
+    const u32 words[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
+#pragma unroll
+    for (int wh = 0; wh < 2; ++wh)
+        if (words[wh]) atomicXor(&out32[(long long)key * PAGE_WORDS + word + 4 * wh], words[wh]);
+}
+
 template <int G>
 __global__ void __launch_bounds__(V1_FRAG_THREADS, 1)
 dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_bits, int chunk_levels,
@@ -896,52 +974,24 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     if (blockDim.x != V1_FRAG_THREADS) __trap();  // fewer and the teams' barriers would never open
     extern __shared__ uint4 smem[];
     const int c = chunk_levels;  // 8, or the whole tree (one chunk) where domain_bits < 8
-    uint4* big = smem;  // dpf_scan's regions, sized for V1F_L leaves whatever c
-    uint4* half = big + V1F_L * G;
-    uint4* cw_seed = half + (V1F_L / 2) * G;
-    uint4* final_cw = cw_seed + V1_FRAG_CHUNK_LEVELS * G;
-    u8* big_t = (u8*)(final_cw + G);
-    u8* half_t = big_t + V1F_L * G;
-    u8* cw_t = half_t + (V1F_L / 2) * G;
-    static_assert((V1F_L + V1F_L / 2 + V1_FRAG_CHUNK_LEVELS) * G % 16 == 0, "afrag starts 16-byte aligned");
-    // the chunk being multiplied: 128 residues x 32 lanes, padded (v1f_afrag_index, cuda_plan.V1_FRAG_AFRAG_BYTES)
-    uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);
-
-    const int group = blockIdx.x % num_groups;
+    const V1fShared sh = v1f_shared<G>(smem);
+    const uint4* afrag = sh.afrag;
     const long long run = blockIdx.x / num_groups;
-    // The batch's keys split evenly over the groups (their sizes differ by one at most), so the
-    // blocks of a run expand about as many trees each and keep pace: with the last group short
-    // (24 keys as 16 + 8) its blocks ran ahead of the others, which then found their rows gone
-    // from L2. Group g's keys are key0 .. key0 + live - 1; the rows of its tile past live (another
-    // group's keys, or past the batch's) are neither expanded nor written out.
-    const int per_group = num_keys / num_groups, extra = num_keys % num_groups;
-    const int live = per_group + (group < extra ? 1 : 0);
-    const int key0 = group * per_group + min(group, extra);
-    const int depth_top = domain_bits - c;
+    const V1fGroup grp = v1f_group(blockIdx.x % num_groups, num_groups, num_keys);
     const long long num_chunks = live_nodes(num_pages, c);
     const long long chunk_begin = run * chunks_per_block;
     const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
 
-    load_chunk_cw<G>(keyrec, krec, key0, domain_bits, c, cw_seed, cw_t, final_cw);
+    load_chunk_cw<G>(keyrec, krec, grp.key0, domain_bits, c, sh.cw_seed, sh.cw_t, sh.final_cw);
     __syncthreads();  // the corrections, loaded by the whole block, are read by the producers alone
 
     // The teams run apart from here, meeting at barriers V1F_AFRAG_READY and V1F_AFRAG_FREE once
     // a chunk each (FREE not after a run's last), each team its own loop (so the multipliers' 64
     // accumulators are not live while the producers expand).
     if (threadIdx.x >= V1F_TEAM) {
-        if (V1F_ROWS_IN_FLIGHT == 2) setmaxnreg_dec<V1F_PRODUCER_REGS>();
-        // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
-        const LiveKeys keys = live_keys(live);
-        const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
-        for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-            const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
-            expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
-                            big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys, producers);
-            if (chunk > chunk_begin) named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // chunk - 1's A fragments read
-            v1f_make_afrag<G>(afrag, big, producers.tid, n_leaves, keys);
-            named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS);  // chunk's A fragments are in place
-            team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
-        }
+        v1f_produce<G, V1F_ROWS_IN_FLIGHT == 2 ? V1F_PRODUCER_REGS : 0>(
+            sh, num_pages, c, domain_bits - c, keyrec, krec, grp, root_seed, root_t, root_stride, chunk_begin,
+            chunk_end, V1fBlockHandover());
         return;
     }
     if (V1F_ROWS_IN_FLIGHT == 2) setmaxnreg_inc<V1F_MULTIPLIER_REGS>();
@@ -949,10 +999,10 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #if V1_FRAG_ALU_KEYS > 0
     if (num_keys <= V1_FRAG_ALU_KEYS) {  // one group (cuda_plan: V1_FRAG_ALU_KEYS <= 16 keys), key0 0
         if (num_keys <= V1F_ALU_FEW_KEYS) {
-            v1f_alu_run<V1F_ALU_FEW_KEYS>(afrag, (u32*)big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
+            v1f_alu_run<V1F_ALU_FEW_KEYS>(afrag, (u32*)sh.big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
                                            out);
         } else {
-            v1f_alu_run<V1_FRAG_ALU_KEYS>(afrag, (u32*)big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
+            v1f_alu_run<V1_FRAG_ALU_KEYS>(afrag, (u32*)sh.big, frags, c, chunk_begin, chunk_end, num_keys, warp, lane,
                                            out);
         }
         return;
@@ -979,22 +1029,196 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
                          warp, lane);
         if (chunk + 1 < chunk_end) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // afrag may be overwritten
     }
-    u32* out32 = (u32*)out;
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
         for (int cq = 0; cq < 4; ++cq)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 lo = acc[kh][0][cq][j], hi = acc[kh][1][cq][j];
-                const u32 words[2] = {(lo & 0xFFFFu) | (hi << 16), (lo >> 16) | (hi & 0xFFFF0000u)};
+            for (int j = 0; j < 4; ++j)
+                if (g + 8 * kh < grp.live)
+                    v1f_xor_answer((u32*)out, grp.key0 + g + 8 * kh, (16 * warp + 4 * j + t) * MMA_SLICE_WORDS + cq,
+                                   acc[kh][0][cq][j], acc[kh][1][cq][j]);
+}
+
+// v1 keys over the fragments layout, two key groups a thread-block cluster (sm_90; the host
+// launches it where a batch has an even number of groups, dpf_scan_v1_frag otherwise). Blocks
+// 2p and 2p + 1 of a run (groups 2p, 2p + 1) form a cluster of two; each block's producers expand
+// and transpose its own group's trees as dpf_scan_v1_frag's do, but its multipliers multiply
+// half of each chunk's slices (the block of cluster rank r: 64 r .. 64 r + 63) by the A fragments
+// of both groups, the peer's read from the peer's shared memory. L2 so serves a chunk once a pair
+// of groups instead of once a group: dpf_scan_v1_frag's multipliers at two groups were bound by
+// the B loads, about 5 TB/s from L2 (NOTES-cuda.md). Multiplier warp W multiplies residues 32 cq
+// .. 32 cq + 31 (cq = W % 4) of slices 64 r + 32 (W / 4) .. + 31, 8 column tiles of 4 slices a
+// row, each by both tiles of A: 16 products a row, as dpf_scan_v1_frag's warps, with half the
+// loads. The hand-over spans the pair: each block's `ready` mbarrier counts both blocks'
+// producers (their A fragments for the chunk are in place), its `freed` both blocks' multipliers
+// (they are done reading this block's A fragments), every thread arriving on both blocks'
+// barriers, released and acquired at cluster scope.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define V1P_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#else
+#define V1P_CLUSTER_DIMS
+#endif
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// A pair's barriers as one team sees them: this block's (cta addresses, to wait on) and both
+// blocks' (cluster addresses, to arrive on)
+struct V1pHandover {
+    u32 wait_at, arrive_own, arrive_peer;
+    __device__ __forceinline__ void wait(int i) const { mbarrier_wait_cluster(wait_at, i & 1); }
+    __device__ __forceinline__ void arrive() const {
+        mbarrier_arrive_cluster(arrive_own);
+        mbarrier_arrive_cluster(arrive_peer);
+    }
+};
+
+// The producers' side: wait on this block's `freed`, arrive on both blocks' `ready`
+struct V1pProducerHandover {
+    V1pHandover freed, readied;
+    __device__ __forceinline__ void wait_free(int i) const { freed.wait(i - 1); }
+    __device__ __forceinline__ void ready(int) const { readied.arrive(); }
+};
+
+// Rows of B words a pair's multiplier warp keeps in flight (1, 2, 4 or 8): row b + V1P_ROWS - 1's
+// loaded before row b's products (a row is 16 registers, the accumulators 64), and registers a
+// multiplier thread takes by setmaxnreg (sm_90a; the producers the rest, as in dpf_scan_v1_frag).
+// Measured on the H100 at mainnet (NOTES-cuda.md): Q = 8 28.0 ms with 4 rows and 184 registers,
+// 28.7 with 4 and 176, 28.7 with 2 and 176; 2 rows and 168 registers spilled and took 28.4-33.6.
+// Variants to time: -DV1P_ROWS=n, -DV1P_MULTIPLIER_REGS=n.
+#ifndef V1P_ROWS
+#define V1P_ROWS 4
+#endif
+#ifndef V1P_MULTIPLIER_REGS
+#define V1P_MULTIPLIER_REGS 184
+#endif
+static_assert(V1P_ROWS == 1 || V1P_ROWS == 2 || V1P_ROWS == 4 || V1P_ROWS == 8, "rows in flight divide 16");
+static_assert(V1P_MULTIPLIER_REGS % 8 == 0 && V1P_MULTIPLIER_REGS >= 128 && V1P_MULTIPLIER_REGS <= 232,
+              "setmaxnreg: a multiple of 8, no fewer than the 128 a thread starts with, 24 left a producer");
+
+// Row b's B words of a pair's multiplier lane (b_at: its first B word of the chunk): [column tile j][half]
+__device__ __forceinline__ void v1p_load_row(u32 (&w)[8][2], const u32* b_at, int b) {
 #pragma unroll
-                for (int wh = 0; wh < 2; ++wh) {
-                    const int word = (16 * warp + 4 * j + t) * MMA_SLICE_WORDS + cq + 4 * wh;
-                    if (g + 8 * kh < live && words[wh])
-                        atomicXor(&out32[(long long)(key0 + g + 8 * kh) * PAGE_WORDS + word], words[wh]);
-                }
+    for (int j = 0; j < 8; ++j) {
+        const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32;
+        w[j][0] = __ldg(p);
+        w[j][1] = __ldg(p + 32 * 32);
+    }
+}
+
+// Row b's 16 products, 8 column tiles by this block's A fragments (own_at: the lane's of residue
+// 32 cq) and the peer's (peer_at, its cluster address), folded as v1f_row_products does
+__device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
+                                                 const u32 (&w)[8][2], int h, int b, u32 m_lo, u32 m_hi, u32 m) {
+    const uint4 a[2] = {own_at[b * V1_FRAG_AFRAG_ROW], ld_cluster_v4(peer_at + b * V1_FRAG_AFRAG_ROW * 16)};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            int d[4] = {0, 0, 0, 0};
+            mma_and_popc(d, a[u].x, a[u].y, a[u].z, a[u].w, w[j][0], w[j][1]);
+            acc[u][0][h][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
+            acc[u][1][h][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
+        }
+}
+
+// A pair's multiplier warp over one chunk, V1P_ROWS rows in flight
+__device__ __forceinline__ void v1p_multiply(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
+                                             const u32* b_at) {
+    u32 w[V1P_ROWS][8][2];
+#pragma unroll
+    for (int r = 0; r + 1 < V1P_ROWS; ++r) v1p_load_row(w[r], b_at, r);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;  // as in v1f_multiply
+#pragma unroll 1
+        for (int s = 0; s < 16; s += V1P_ROWS) {
+#pragma unroll
+            for (int r = 0; r < V1P_ROWS; ++r) {
+                const int b = 16 * h + s + r, ahead = b + V1P_ROWS - 1;
+                if (ahead < 32) v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], b_at, ahead);
+                v1p_row_products(acc, own_at, peer_at, w[r], h, b, m_lo, m_hi, m);
+                m_lo <<= 1;
+                m_hi <<= 1;
+                m <<= 1;
             }
+        }
+    }
+}
+#endif
+
+template <int G>
+__global__ void V1P_CLUSTER_DIMS __launch_bounds__(V1_FRAG_THREADS, 1)
+dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_bits, int chunk_levels,
+                 const u32* __restrict__ keyrec, int krec, int num_keys,
+                 const uint4* __restrict__ root_seed, const u8* __restrict__ root_t, long long root_stride,
+                 int num_groups, int chunks_per_block, u64* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(G == 16 && V1F_L == 256 && V1F_TEAM == 256 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
+                  "8 multiplier warps a block, each 32 slices of one residue quarter");
+    if (blockDim.x != V1_FRAG_THREADS || num_groups % 2 != 0) __trap();
+    extern __shared__ uint4 smem[];
+    __shared__ __align__(8) unsigned long long ready_bar, freed_bar;
+    const int c = chunk_levels;
+    const V1fShared sh = v1f_shared<G>(smem);
+    u32 rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const long long run = blockIdx.x / num_groups;
+    const int group = blockIdx.x % num_groups;  // rank == group % 2: a cluster is groups 2p, 2p + 1 of a run
+    const V1fGroup grp = v1f_group(group, num_groups, num_keys), peer = v1f_group(group ^ 1, num_groups, num_keys);
+    const long long num_chunks = live_nodes(num_pages, c);
+    const long long chunk_begin = run * chunks_per_block;
+    const long long chunk_end = min(num_chunks, chunk_begin + chunks_per_block);
+
+    load_chunk_cw<G>(keyrec, krec, grp.key0, domain_bits, c, sh.cw_seed, sh.cw_t, sh.final_cw);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&ready_bar)), "r"(2 * V1F_TEAM) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&freed_bar)), "r"(2 * V1F_TEAM) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();  // the corrections are in place
+    cluster_sync();   // both blocks' barriers exist before either block arrives on the other's
+    const u32 ready_at = shared_address(&ready_bar), freed_at = shared_address(&freed_bar);
+    const V1pHandover ready = {ready_at, cluster_address(ready_at, rank), cluster_address(ready_at, rank ^ 1)};
+    const V1pHandover freed = {freed_at, cluster_address(freed_at, rank), cluster_address(freed_at, rank ^ 1)};
+
+    if (threadIdx.x >= V1F_TEAM) {
+        v1f_produce<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
+                                                      root_seed, root_t, root_stride, chunk_begin, chunk_end,
+                                                      V1pProducerHandover{freed, ready});
+    } else {
+        setmaxnreg_inc<V1P_MULTIPLIER_REGS>();  // (sm_90a; elsewhere a no-op, as the producers' setmaxnreg_dec)
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int cq = warp & 3, slice0 = 64 * (int)rank + 32 * (warp >> 2);
+        // the lane's A fragment of residue 32 cq (row b: + b V1_FRAG_AFRAG_ROW), here and in the peer
+        const uint4* own_at = sh.afrag + v1f_afrag_index(32 * cq, lane);
+        const u32 peer_at = cluster_address(shared_address(own_at), rank ^ 1);
+        // [own tile, peer's][key g, g + 8][bit half h][column tile j], as dpf_scan_v1_frag's acc[..][c][j]
+        u32 acc[2][2][2][8];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
+        for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+            const int i = (int)(chunk - chunk_begin);
+            ready.wait(i);  // both blocks' A fragments of the chunk are in place
+            // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
+            const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
+                              + fragment_offset(t, cq + 4 * (g & 1));
+            v1p_multiply(acc, own_at, peer_at, b_at);
+            if (chunk + 1 < chunk_end) freed.arrive();  // both blocks' A fragments may be overwritten
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const V1fGroup tile = u == 0 ? grp : peer;
+#pragma unroll
+            for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (g + 8 * kh < tile.live)
+                        v1f_xor_answer((u32*)out, tile.key0 + g + 8 * kh, (slice0 + 4 * j + t) * MMA_SLICE_WORDS + cq,
+                                       acc[u][kh][0][j], acc[u][kh][1][j]);
+        }
+    }
+    cluster_sync();  // neither block leaves while the other may still read its A fragments or arrive on its barriers
+#endif
 }
 
 // v2 keys (docs/PROTOCOL.md section 3.1): a leaf of the tree selects among LEAF_PAGES (128)
@@ -1169,4 +1393,6 @@ INSTANTIATE_SCAN(16)
 INSTANTIATE_SCAN(24)
 INSTANTIATE_SCAN(32)
 template __global__ void dpf_scan_v1_frag<V1_FRAG_GROUP_KEYS>(const u32*, long long, int, int, const u32*, int, int,
+                                                              const uint4*, const u8*, long long, int, int, u64*);
+template __global__ void dpf_scan_v1_pair<V1_FRAG_GROUP_KEYS>(const u32*, long long, int, int, const u32*, int, int,
                                                               const uint4*, const u8*, long long, int, int, u64*);

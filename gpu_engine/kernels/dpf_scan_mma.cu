@@ -43,12 +43,6 @@ static_assert(LEAF_PAGES == 128, "a leaf is half a k-step");
 #define MMA_STAGGER 1
 #endif
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // A block reads 32 bytes of each page; the blocks of the other slices read the rest of it.
 // MMA_L2_PREFETCH (bytes: 0, 64, 128 or 256) asks L2 to fetch that much around each copy, for
 // the neighbours to find; measured no faster at 64 and slower at 128 and 256 (NOTES-cuda.md).
@@ -435,18 +429,6 @@ static_assert(CHUNK_LEAVES % WGMMA_CLUSTER == 0 && (PAGE_WORDS / MMA_SLICE_WORDS
 #define WGMMA_CLUSTER_DIMS __cluster_dims__(WGMMA_CLUSTER, 1, 1)
 #else
 #define WGMMA_CLUSTER_DIMS
-#endif
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Every thread of every block of the cluster; orders shared-memory writes and reads across it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
-    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
-}
 #endif
 
 // Block = (slice, key group, run of chunks), the slice fastest: a cluster is WGMMA_CLUSTER slices
