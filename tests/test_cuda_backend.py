@@ -857,6 +857,11 @@ def test_plans_name_the_path_a_v1_launch_over_the_fragments_layout_takes():
 
     assert cuda_plan.V1_FRAG_ALU_KEYS == 6
     assert [path(keys) for keys in (3, 6, 9, 96)] == ["alu-frag", "alu-frag", "mma-frag", "mma-frag"]
+    # in pairs of groups where the backend has v1_pairs: 2 and 6 groups; 3 groups one a block
+    pairs = {keys: cuda_plan.describe_plan(cuda_plan.plan_scan(MAINNET_PAGES, 25, keys, key_format=KEY_FORMAT_V1,
+                                                              layout="fragments", v1_pairs=True)).split()[1]
+             for keys in (6, 24, 48, 96)}
+    assert pairs == {6: "alu-frag", 24: "mma-pair", 48: "mma-frag", 96: "mma-pair"}
 
 
 @pytest.mark.parametrize("shared_kib, pages_tiles, fragments_tiles", [
@@ -1039,7 +1044,7 @@ def test_pairs_of_key_groups_answer_as_a_block_a_group_does(cuda_fragments, gene
     # sm_90: a batch of 2, 4 or 6 groups runs dpf_scan_v1_pair (two groups a cluster, each block
     # multiplying half the slices by both groups' A fragments); the same answers as dpf_scan_v1_frag's
     if not cuda_fragments.v1_pairs:
-        pytest.skip("this GPU runs no thread-block clusters (sm_90 on)")
+        pytest.skip("dpf_scan_v1_pair runs on sm_90 (its sm_90a build) only")
     resident, host = generated_fragments(pages)
     batch = _keys(keys, pages, host.domain_bits, seed=keys + 1, fmt=KEY_FORMAT_V1)
     assert resident.plan(keys, KEY_FORMAT_V1).scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_pair<16>")

@@ -343,9 +343,10 @@ class CudaBackend(Backend):
                                      f"stores the {layout} layout on {self.device_name}, "
                                      f"sm_{self.compute_capability[0]}{self.compute_capability[1]}")
         self.wgmma = can_wgmma if wgmma is None else bool(wgmma)
-        # v1 keys over the fragments layout in pairs of key groups where the GPU runs thread-block
-        # clusters (dpf_scan_v1_pair); False keeps a block a group (dpf_scan_v1_frag), to compare
-        self.v1_pairs = layout == "fragments" and self.compute_capability >= cuda_plan.CLUSTER_CAPABILITY
+        # v1 keys over the fragments layout in pairs of key groups, thread-block clusters
+        # (dpf_scan_v1_pair), on sm_90 (sm_90a, where it was measured; other GPUs with clusters
+        # build it with one row in flight, untimed); False keeps a block a group (dpf_scan_v1_frag)
+        self.v1_pairs = can_wgmma
         self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout, self.wgmma)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
         # the layout of the matrices it loads from now on (both answer v1 and v2 keys)

@@ -42,7 +42,6 @@ MMA_CHUNK_PAGES = 1024  # pages a block stages at once (4 mma k-steps of 256; 32
 MMA_CHUNK_LEAVES = MMA_CHUNK_PAGES // LEAF_PAGES  # 8 v2 leaves a chunk
 MMA_TILE_COUNTS = tuple(range(1, 12))  # dpf_scan_mma<T> instantiations: up to 176 keys a group
 WGMMA_CAPABILITY = (9, 0)  # wgmma ... b1 AND.POPC: sm_90a, the H100 and H200
-CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters and distributed shared memory: sm_90 and later
 # from this many key tiles a launch over the fragments layout goes to dpf_scan_wgmma_frag; fewer
 # (up to 48 keys, where the scan waits on memory) stay on dpf_scan_mma_frag, which the H100 ran
 # nearer the memory floor (21.97 against 24.8 ms for one query at mainnet: NOTES-cuda.md)
@@ -639,8 +638,8 @@ def describe_plan(plan: ScanPlan) -> str:
     # benchmark's --define of another value is not seen here)
     stages = ", ".join(f"{s.depth_in}+{s.levels}" for s in plan.stages) or "none"
     scan = {"dpf_scan_mma": "mma ", "dpf_scan_mma_frag": "mma-frag ", "dpf_scan_wgmma_frag": "wgmma-frag ",
-            "dpf_scan_v1_frag": "alu-frag " if plan.num_keys <= V1_FRAG_ALU_KEYS else "mma-frag "
-            }.get(plan.scan_template, "")
+            "dpf_scan_v1_frag": "alu-frag " if plan.num_keys <= V1_FRAG_ALU_KEYS else "mma-frag ",
+            "dpf_scan_v1_pair": "mma-pair "}.get(plan.scan_template, "")
     return (f"{format_name(plan.key_format)} {scan}keys={plan.num_keys} "
             f"G={plan.group_keys}x{plan.num_groups} c={plan.chunk_levels} "
             f"chunks={plan.num_chunks} per_block={plan.chunks_per_block} grid={plan.grid} "

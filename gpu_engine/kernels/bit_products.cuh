@@ -42,7 +42,10 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// 16 bytes of another block's shared memory (at cluster_address's address)
+// 16 bytes of another block's shared memory (at cluster_address's address). Volatile: NVVM keeps
+// volatile asm in its order, so it stays after the mbarrier wait (volatile too) whose acquire
+// orders it, as dpf_scan_v1_pair's PTX shows; no memory clobber, which would also pin the global
+// loads around it in place.
 __device__ __forceinline__ uint4 ld_cluster_v4(u32 at) {
     uint4 v;
     asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(at));
