@@ -29,6 +29,13 @@ __device__ __forceinline__ void mbarrier_wait_cluster(u32 bar, u32 parity) {
                  "@!p bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
 
+// This block's rank in its cluster
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
 // Address `local` (shared_address's) in the shared memory of the cluster's block `rank`
 __device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
     u32 a;

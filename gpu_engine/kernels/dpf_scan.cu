@@ -591,6 +591,27 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
+// A multiplier's fold of a row's popcounts into its accumulators: row s of a bit half (residue
+// 16 h + s) goes to bit s of an accumulator (its word c) and bit 16 + s (word c + 4). The fold's
+// multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from row to row (next()),
+// never written 1 << s: the compiler turns a product by a shifted 1 into a shift (ALU pipe), and
+// builds a mask it can see through in every fold.
+struct V1fFold {
+    u32 lo = 1u, hi = 1u << 16, m = (1u << 16) | 1u;
+    // d (one product's counts) into the accumulators of keys g (d0, d1) and g + 8 (d2, d3): a
+    // count is at most 256 (9 bits), so 2^s d0 + 2^(16+s) d1 never carries into bit 16 + s, and
+    // bits s and 16 + s are the two counts' low bits (two IMADs on the FMA pipe and a LOP3)
+    __device__ __forceinline__ void operator()(u32& acc_g, u32& acc_g8, const int (&d)[4]) const {
+        acc_g ^= ((u32)d[0] * lo + (u32)d[1] * hi) & m;
+        acc_g8 ^= ((u32)d[2] * lo + (u32)d[3] * hi) & m;
+    }
+    __device__ __forceinline__ void next() {
+        lo <<= 1;
+        hi <<= 1;
+        m <<= 1;
+    }
+};
+
 // Row b's B words of the lane (b_at: v1f_lane_rows's): [cq][j][half]
 __device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at, int b) {
 #pragma unroll
@@ -603,9 +624,9 @@ __device__ __forceinline__ void v1f_load_row(u32 (&w)[4][4][2], const u32* b_at,
         }
 }
 
-// Row b's 16 products and their fold (m_lo, m_hi, m: v1f_multiply's), from its loaded B words
+// Row b's 16 products and their fold, from its loaded B words
 __device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const uint4* afrag, const u32 (&w)[4][4][2],
-                                                 int h, int b, int lane, u32 m_lo, u32 m_hi, u32 m) {
+                                                 int h, int b, int lane, const V1fFold& fold) {
     const uint4* a_row = afrag + v1f_afrag_index(b, lane);
 #pragma unroll
     for (int cq = 0; cq < 4; ++cq) {
@@ -614,8 +635,7 @@ __device__ __forceinline__ void v1f_row_products(u32 (&acc)[2][2][4][4], const u
         for (int j = 0; j < 4; ++j) {
             int d[4] = {0, 0, 0, 0};
             mma_and_popc(d, a.x, a.y, a.z, a.w, w[cq][j][0], w[cq][j][1]);
-            acc[0][h][cq][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
-            acc[1][h][cq][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
+            fold(acc[0][h][cq][j], acc[1][h][cq][j], d);
         }
     }
 }
@@ -657,10 +677,7 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
     const V1fLaneRows rows = v1f_lane_rows(frags, leaf0, next_leaf0, warp, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        // the fold's multipliers 2^s and 2^(16+s) and its mask (their sum) are carried from
-        // residue to residue, never written 1 << s: the compiler turns a product by a shifted
-        // 1 into a shift (ALU pipe), and builds a mask it can see through in every fold
-        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
+        V1fFold fold;
 #pragma unroll kV1fUnroll
         for (int s = 0; s < 16; ++s) {
             const int b = 16 * h + s;
@@ -669,10 +686,8 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 #endif
             u32 w[4][4][2];
             v1f_load_row(w, rows.b_at, b);
-            v1f_row_products(acc, afrag, w, h, b, lane, m_lo, m_hi, m);
-            m_lo <<= 1;
-            m_hi <<= 1;
-            m <<= 1;
+            v1f_row_products(acc, afrag, w, h, b, lane, fold);
+            fold.next();
         }
     }
 }
@@ -687,7 +702,7 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
     v1f_load_row(w0, b_at, 0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;
+        V1fFold fold;
 #pragma unroll 1
         for (int s = 0; s < 16; s += 2) {
             const int b = 16 * h + s;
@@ -698,15 +713,11 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
             }
 #endif
             v1f_load_row(w1, b_at, b + 1);
-            v1f_row_products(acc, afrag, w0, h, b, lane, m_lo, m_hi, m);
-            m_lo <<= 1;
-            m_hi <<= 1;
-            m <<= 1;
+            v1f_row_products(acc, afrag, w0, h, b, lane, fold);
+            fold.next();
             if (b + 2 < 32) v1f_load_row(w0, b_at, b + 2);
-            v1f_row_products(acc, afrag, w1, h, b + 1, lane, m_lo, m_hi, m);
-            m_lo <<= 1;
-            m_hi <<= 1;
-            m <<= 1;
+            v1f_row_products(acc, afrag, w1, h, b + 1, lane, fold);
+            fold.next();
         }
     }
 }
@@ -1111,9 +1122,9 @@ __device__ __forceinline__ void v1p_load_row(u32 (&w)[8][2], const u32* b_at, in
 }
 
 // Row b's 16 products, 8 column tiles by this block's A fragments (own_at: the lane's of residue
-// 32 cq) and the peer's (peer_at, its cluster address), folded as v1f_row_products does
+// 32 cq) and the peer's (peer_at, its cluster address), and their fold
 __device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
-                                                 const u32 (&w)[8][2], int h, int b, u32 m_lo, u32 m_hi, u32 m) {
+                                                 const u32 (&w)[8][2], int h, int b, const V1fFold& fold) {
     const uint4 a[2] = {own_at[b * V1_FRAG_AFRAG_ROW], ld_cluster_v4(peer_at + b * V1_FRAG_AFRAG_ROW * 16)};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -1121,8 +1132,7 @@ __device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const u
         for (int u = 0; u < 2; ++u) {
             int d[4] = {0, 0, 0, 0};
             mma_and_popc(d, a[u].x, a[u].y, a[u].z, a[u].w, w[j][0], w[j][1]);
-            acc[u][0][h][j] ^= ((u32)d[0] * m_lo + (u32)d[1] * m_hi) & m;
-            acc[u][1][h][j] ^= ((u32)d[2] * m_lo + (u32)d[3] * m_hi) & m;
+            fold(acc[u][0][h][j], acc[u][1][h][j], d);
         }
 }
 
@@ -1134,17 +1144,15 @@ __device__ __forceinline__ void v1p_multiply(u32 (&acc)[2][2][2][8], const uint4
     for (int r = 0; r + 1 < V1P_ROWS; ++r) v1p_load_row(w[r], b_at, r);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        u32 m_lo = 1u, m_hi = 1u << 16, m = m_lo | m_hi;  // as in v1f_multiply
+        V1fFold fold;
 #pragma unroll 1
         for (int s = 0; s < 16; s += V1P_ROWS) {
 #pragma unroll
             for (int r = 0; r < V1P_ROWS; ++r) {
                 const int b = 16 * h + s + r, ahead = b + V1P_ROWS - 1;
                 if (ahead < 32) v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], b_at, ahead);
-                v1p_row_products(acc, own_at, peer_at, w[r], h, b, m_lo, m_hi, m);
-                m_lo <<= 1;
-                m_hi <<= 1;
-                m <<= 1;
+                v1p_row_products(acc, own_at, peer_at, w[r], h, b, fold);
+                fold.next();
             }
         }
     }
@@ -1165,8 +1173,7 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
     __shared__ __align__(8) unsigned long long ready_bar, freed_bar;
     const int c = chunk_levels;
     const V1fShared sh = v1f_shared<G>(smem);
-    u32 rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const u32 rank = cluster_rank();
     const long long run = blockIdx.x / num_groups;
     const int group = blockIdx.x % num_groups;  // rank == group % 2: a cluster is groups 2p, 2p + 1 of a run
     const V1fGroup grp = v1f_group(group, num_groups, num_keys), peer = v1f_group(group ^ 1, num_groups, num_keys);

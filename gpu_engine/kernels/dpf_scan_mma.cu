@@ -465,8 +465,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
     const MmaBlock blk = mma_block(num_pages, num_groups, chunks_per_block, K, true);
     const int slice = blk.slice, group = blk.group, n = WGMMA_SPLIT * blk.n, key0 = blk.key0;
     const long long chunk_begin = blk.chunk_begin;
-    u32 rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const u32 rank = cluster_rank();
 
     for (int i = threadIdx.x; i < K * MMA_SLICE_WORDS; i += MMA_THREADS) outsm[i] = 0;
     if (threadIdx.x == 0) {
@@ -524,9 +523,7 @@ dpf_scan_wgmma_frag(const u32* __restrict__ frags, long long num_pages, const ui
         if (i == 0) return;
         __syncthreads();
         if (threadIdx.x < 32) {
-            u32 remote;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote)
-                         : "r"(shared_address(&empty[(i - 1) % stages])), "r"(threadIdx.x % WGMMA_CLUSTER));
+            const u32 remote = cluster_address(shared_address(&empty[(i - 1) % stages]), threadIdx.x % WGMMA_CLUSTER);
             asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
         }
     };
