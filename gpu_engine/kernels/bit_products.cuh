@@ -49,12 +49,6 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// The same without ordering (relaxed): for a team whose accesses before it are reads whose values
-// it has already used, so no fence waits on its loads still in flight
-__device__ __forceinline__ void mbarrier_arrive_cluster_relaxed(u32 bar) {
-    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
 // 16 bytes of another block's shared memory (at cluster_address's address). Volatile: NVVM keeps
 // volatile asm in its order, so it stays after the mbarrier wait (volatile too) whose acquire
 // orders it, as dpf_scan_v1_pair's PTX shows; no memory clobber, which would also pin the global

@@ -513,23 +513,6 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
     }
 }
 
-// v1f_make_afrag with the producer's first block loaded and transposed before wait() (the A
-// fragments free), stored after it
-template <int G, class Wait>
-__device__ __forceinline__ void v1f_make_afrag_after(uint4* afrag, const uint4* big, int p, int n_leaves,
-                                                     LiveKeys keys, const Wait& wait) {
-    u32 x[32];
-    int slot = 0;
-    if (p < 32 * keys.live) {
-        slot = live_slot<G>(p, keys);
-        v1f_load_masks<G>(x, big, slot % G, (slot / G) & 7, (slot / G) >> 3, n_leaves);
-        transpose32(x);
-    }
-    wait();
-    if (p < 32 * keys.live) v1f_store_afrag(afrag, x, slot % G, (slot / G) & 7, (slot / G) >> 3);
-    v1f_make_afrag<G>(afrag, big, p + V1F_TEAM, n_leaves, keys);
-}
-
 // Rows of B words a tensor-core multiplier keeps in flight: 1 (a row's 32 words loaded, then its
 // 16 products), or 2 (the next row's loaded before this row's products: 64 words, with the 64
 // accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
@@ -953,24 +936,6 @@ __device__ __forceinline__ V1fGroup v1f_group(int group, int num_groups, int num
 // (hand.ready(i)). Hand: the two teams' barriers of one block (V1fBlockHandover) or of a
 // cluster's pair of blocks (dpf_scan_v1_pair's). Regs: the registers a producer thread gives up
 // to (setmaxnreg, what the multipliers take), or 0 to keep the block's.
-#ifndef V1P_DIAG
-#define V1P_DIAG 0
-#endif
-#ifndef V1P_WARP_ARRIVE
-#define V1P_WARP_ARRIVE 0
-#endif
-#ifndef V1P_WARP_SYNC
-#define V1P_WARP_SYNC __syncwarp()
-#endif
-#ifndef V1P_RELAXED_FREE
-#define V1P_RELAXED_FREE 0
-#endif
-#ifndef V1P_CTA_WAIT
-#define V1P_CTA_WAIT 0
-#endif
-#ifndef V1P_L2_AHEAD
-#define V1P_L2_AHEAD 0
-#endif
 template <int G, int Regs, class Hand>
 __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_pages, int c, int depth_top,
                                             const u32* keyrec, int krec, V1fGroup grp, const uint4* root_seed,
@@ -982,19 +947,11 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
-        if (!(V1P_DIAG & 1) || chunk == chunk_begin)
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
                         sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
         const int i = (int)(chunk - chunk_begin);
-        if (Hand::early_t) {
-            v1f_make_afrag_after<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys, [&] {
-                if (i > 0) hand.wait_free(i);
-            });
-        } else {
         if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
-        if (!(V1P_DIAG & 1) || chunk == chunk_begin)
         v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
-        }
         hand.ready(i);                // chunk's A fragments are in place
         team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
     }
@@ -1002,7 +959,6 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
 
 // One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
 struct V1fBlockHandover {
-    static constexpr bool early_t = false;
     __device__ __forceinline__ void wait_free(int) const { named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS); }
     __device__ __forceinline__ void ready(int) const { named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS); }
 };
@@ -1120,35 +1076,15 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 // blocks' (cluster addresses, to arrive on)
 struct V1pHandover {
     u32 wait_at, arrive_own, arrive_peer;
-    __device__ __forceinline__ void wait(int i) const {
-        if (cta_wait) mbarrier_wait(wait_at, i & 1); else mbarrier_wait_cluster(wait_at, i & 1);
-    }
-    bool by_warp;  // one lane a warp arrives (the barrier counts warps), else every thread
-    bool relaxed;
-    bool cta_wait;  // wait at CTA scope (no L1 invalidation), as CUTLASS's ClusterBarrier::wait
+    __device__ __forceinline__ void wait(int i) const { mbarrier_wait_cluster(wait_at, i & 1); }
     __device__ __forceinline__ void arrive() const {
-        if (by_warp) {
-        V1P_WARP_SYNC;  // the warp's reads and writes before one lane's release
-        asm volatile("{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\n"
-                     "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
-                     "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%1];\n}"
-                     ::"r"(arrive_own), "r"(arrive_peer) : "memory");
-        } else if (relaxed) {
-        mbarrier_arrive_cluster_relaxed(arrive_own);
-        mbarrier_arrive_cluster_relaxed(arrive_peer);
-        } else {
         mbarrier_arrive_cluster(arrive_own);
         mbarrier_arrive_cluster(arrive_peer);
-        }
     }
 };
 
 // The producers' side: wait on this block's `freed`, arrive on both blocks' `ready`
-#ifndef V1P_EARLY_T
-#define V1P_EARLY_T 0
-#endif
 struct V1pProducerHandover {
-    static constexpr bool early_t = V1P_EARLY_T;
     V1pHandover freed, readied;
     __device__ __forceinline__ void wait_free(int i) const { freed.wait(i - 1); }
     __device__ __forceinline__ void ready(int) const { readied.arrive(); }
@@ -1172,7 +1108,6 @@ struct V1pProducerHandover {
 #define V1P_MULTIPLIER_REGS 184
 #endif
 static_assert(V1P_ROWS == 1 || V1P_ROWS == 2 || V1P_ROWS == 4, "rows in flight divide 16, and 8 (128 registers) spill");
-static_assert(V1P_L2_AHEAD % V1P_ROWS == 0 && V1P_L2_AHEAD <= 32, "prefetches of whole steps, at most a chunk ahead");
 static_assert(V1P_MULTIPLIER_REGS % 8 == 0 && V1P_MULTIPLIER_REGS >= 128 && V1P_MULTIPLIER_REGS <= 232,
               "setmaxnreg: a multiple of 8, no fewer than the 128 a thread starts with, 24 left a producer");
 
@@ -1180,14 +1115,9 @@ static_assert(V1P_MULTIPLIER_REGS % 8 == 0 && V1P_MULTIPLIER_REGS >= 128 && V1P_
 __device__ __forceinline__ void v1p_load_row(u32 (&w)[8][2], const u32* b_at, int b) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-#if V1P_DIAG & 4
-        w[j][0] = (u32)(size_t)b_at * (u32)(b + 7 * j);
-        w[j][1] = (u32)(size_t)b_at ^ (u32)(b + 11 * j);
-#else
         const u32* p = b_at + 4 * j * V1F_SLICE_WORDS + b * 32;
         w[j][0] = __ldg(p);
         w[j][1] = __ldg(p + 32 * 32);
-#endif
     }
 }
 
@@ -1195,11 +1125,7 @@ __device__ __forceinline__ void v1p_load_row(u32 (&w)[8][2], const u32* b_at, in
 // 32 cq) and the peer's (peer_at, its cluster address), and their fold
 __device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
                                                  const u32 (&w)[8][2], int h, int b, const V1fFold& fold) {
-#if V1P_DIAG & 8
-    const uint4 a[2] = {own_at[b * V1_FRAG_AFRAG_ROW], own_at[(b ^ 1) * V1_FRAG_AFRAG_ROW]};
-#else
     const uint4 a[2] = {own_at[b * V1_FRAG_AFRAG_ROW], ld_cluster_v4(peer_at + b * V1_FRAG_AFRAG_ROW * 16)};
-#endif
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -1211,38 +1137,20 @@ __device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const u
 }
 
 // A pair's multiplier warp over one chunk, V1P_ROWS rows in flight
-// rows [row, row + V1P_ROWS) of the lane's prefetch piece asked of L2 by the bulk engine: this
-// chunk's below 32, else the next chunk's (if any)
-__device__ __forceinline__ void v1p_prefetch_rows(const u32* pf_this, const u32* pf_next, int row) {
-    const u32* at = row < 32 ? (pf_this ? pf_this + row * 32 : 0) : (pf_next ? pf_next + (row - 32) * 32 : 0);
-    if (at) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(V1P_ROWS * 128) : "memory");
-}
-
-#ifndef V1P_CROSS
-#define V1P_CROSS 0
-#endif
-__device__ __forceinline__ void v1p_multiply(u32 (&acc)[2][2][2][8], u32 (&w)[V1P_ROWS][8][2], const uint4* own_at,
-                                             u32 peer_at, const u32* b_at, const u32* b_next, const u32* pf_this,
-                                             const u32* pf_next) {
+__device__ __forceinline__ void v1p_multiply(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
+                                             const u32* b_at) {
+    u32 w[V1P_ROWS][8][2];
 #pragma unroll
-    for (int r = 0; r + 1 < V1P_ROWS; ++r)
-        if (!V1P_CROSS) v1p_load_row(w[r], b_at, r);
+    for (int r = 0; r + 1 < V1P_ROWS; ++r) v1p_load_row(w[r], b_at, r);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         V1fFold fold;
 #pragma unroll 1
         for (int s = 0; s < 16; s += V1P_ROWS) {
-            if (V1P_L2_AHEAD > 0) v1p_prefetch_rows(pf_this, pf_next, 16 * h + s + V1P_L2_AHEAD);
 #pragma unroll
             for (int r = 0; r < V1P_ROWS; ++r) {
                 const int b = 16 * h + s + r, ahead = b + V1P_ROWS - 1;
-                if (V1P_CROSS == 2) {  // branch-free: past row 31 the next chunk's rows (b_next: b_at after the last)
-                    v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], ahead < 32 ? b_at : b_next, ahead & 31);
-                } else if (ahead < 32) {
-                    v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], b_at, ahead);
-                } else if (V1P_CROSS && b_next) {  // the next chunk's first rows, in flight across the hand-over
-                    v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], b_next, ahead - 32);
-                }
+                if (ahead < 32) v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], b_at, ahead);
                 v1p_row_products(acc, own_at, peer_at, w[r], h, b, fold);
                 fold.next();
             }
@@ -1275,19 +1183,15 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
 
     load_chunk_cw<G>(keyrec, krec, grp.key0, domain_bits, c, sh.cw_seed, sh.cw_t, sh.final_cw);
     if (threadIdx.x == 0) {
-        const int ready_n = (V1P_WARP_ARRIVE & 1) ? 2 * V1F_TEAM / 32 : 2 * V1F_TEAM;
-        const int freed_n = (V1P_WARP_ARRIVE & 2) ? 2 * V1F_TEAM / 32 : 2 * V1F_TEAM;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&ready_bar)), "r"(ready_n) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&freed_bar)), "r"(freed_n) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&ready_bar)), "r"(2 * V1F_TEAM) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&freed_bar)), "r"(2 * V1F_TEAM) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // the corrections are in place
     cluster_sync();   // both blocks' barriers exist before either block arrives on the other's
     const u32 ready_at = shared_address(&ready_bar), freed_at = shared_address(&freed_bar);
-    const V1pHandover ready = {ready_at, cluster_address(ready_at, rank), cluster_address(ready_at, rank ^ 1),
-                               (V1P_WARP_ARRIVE & 1) != 0, false, V1P_CTA_WAIT != 0};
-    const V1pHandover freed = {freed_at, cluster_address(freed_at, rank), cluster_address(freed_at, rank ^ 1),
-                               (V1P_WARP_ARRIVE & 2) != 0, V1P_RELAXED_FREE != 0, V1P_CTA_WAIT != 0};
+    const V1pHandover ready = {ready_at, cluster_address(ready_at, rank), cluster_address(ready_at, rank ^ 1)};
+    const V1pHandover freed = {freed_at, cluster_address(freed_at, rank), cluster_address(freed_at, rank ^ 1)};
 
     if (threadIdx.x >= V1F_TEAM) {
         v1f_produce<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
@@ -1304,28 +1208,13 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
         u32 acc[2][2][2][8];
 #pragma unroll
         for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
-        // the multiplier thread's L2 prefetch piece (threads 0..127: slice 64 rank + tid / 2, half tid % 2)
-        const long long pf_piece = (long long)(64 * (int)rank + (threadIdx.x >> 1)) * V1F_SLICE_WORDS
-                                   + (threadIdx.x & 1) * 32 * 32;
-        const bool pf = V1P_L2_AHEAD > 0 && threadIdx.x < 128;
-        if (pf && chunk_begin < chunk_end)
-            for (int row = 0; row < V1P_L2_AHEAD; row += V1P_ROWS)
-                v1p_prefetch_rows(v1f_chunk_words(frags, chunk_begin << c) + pf_piece, 0, row);
-        // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
-        const long long b_lane = (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS + fragment_offset(t, cq + 4 * (g & 1));
-        u32 w[V1P_ROWS][8][2];
-        if (V1P_CROSS && chunk_begin < chunk_end)
-#pragma unroll
-            for (int r = 0; r + 1 < V1P_ROWS; ++r) v1p_load_row(w[r], v1f_chunk_words(frags, chunk_begin << c) + b_lane, r);
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int i = (int)(chunk - chunk_begin);
-            const u32* pf_this = pf ? v1f_chunk_words(frags, chunk << c) + pf_piece : 0;
-            const u32* pf_next = pf && chunk + 1 < chunk_end ? v1f_chunk_words(frags, (chunk + 1) << c) + pf_piece : 0;
             ready.wait(i);  // both blocks' A fragments of the chunk are in place
-            const u32* b_at = v1f_chunk_words(frags, chunk << c) + b_lane;
-            const u32* b_next = chunk + 1 < chunk_end ? v1f_chunk_words(frags, (chunk + 1) << c) + b_lane
-                                                      : (V1P_CROSS == 2 ? b_at : 0);
-            if (!(V1P_DIAG & 2)) v1p_multiply(acc, w, own_at, peer_at, b_at, b_next, pf_this, pf_next);
+            // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
+            const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
+                              + fragment_offset(t, cq + 4 * (g & 1));
+            v1p_multiply(acc, own_at, peer_at, b_at);
             if (chunk + 1 < chunk_end) freed.arrive();  // both blocks' A fragments may be overwritten
         }
 #pragma unroll
