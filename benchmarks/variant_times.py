@@ -29,6 +29,14 @@ from gpu_engine.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
 COLUMNS = "variant,q,scan_ms_median,scan_ms_min,gpu_ms_median,wall_ms_median,qps_wall,same_answers"
 
 
+def csv_row(variant: str, q: int, scans: list, gpus: list, walls: list, same: bool) -> str:
+    """One row of COLUMNS from a variant's timed batches (ms), the variant one field whatever its options."""
+    name = f'"{variant}"' if "," in variant else variant
+    wall = statistics.median(walls)
+    return (f"{name},{q},{statistics.median(scans):.3f},{min(scans):.3f},"
+            f"{statistics.median(gpus):.3f},{wall:.3f},{1e3 * q / wall:.1f},{same}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="CSV to write")
@@ -85,9 +93,7 @@ def main(argv=None) -> int:
                     scans.append(sum(cupy.cuda.get_elapsed_time(a, b) for name, a, b in events if name == "scan"))
                     gpus.append(cupy.cuda.get_elapsed_time(events[0][1], events[-1][2]))
                 same = np.array_equal(first.setdefault(q, answers), answers)
-                wall = statistics.median(walls[1:])
-                row = (f"{variant},{q},{statistics.median(scans[1:]):.3f},{min(scans[1:]):.3f},"
-                       f"{statistics.median(gpus[1:]):.3f},{wall:.3f},{1e3 * q / wall:.1f},{same}")
+                row = csv_row(variant, q, scans[1:], gpus[1:], walls[1:], same)
                 print(row, flush=True)
                 out.write(row + "\n")
                 if not same:
