@@ -1,7 +1,8 @@
 """The CUDA kernels' own text run on the CPU (tests/cuda_emulator) against the NumPy backend, where
 CI has no GPU: the tree's top, the ALU scans of both key formats over the pages layout, and on the
-(emulated) tensor cores v1 keys over the fragments layout and v2 keys over either (mma.sync; the
-wgmma scan is sm_90a assembly and is not emulated). The emulator's model of mma.sync was
+(emulated) tensor cores v1 keys over the fragments layout (one key group a block, or two a
+thread-block cluster) and v2 keys over either (mma.sync; the wgmma scan is sm_90a assembly and is
+not emulated). The emulator's model of mma.sync was
 checked with the text the H100 had passed every GPU test with (ddde423): it matches here too."""
 from __future__ import annotations
 
@@ -91,6 +92,32 @@ def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_
     got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks, variant=variant)
     assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
     assert (cuda_emulator.library(variant).emu_prefetches() > before) == (prefetching and prefetch_rows > 0)
+
+
+@pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block", [
+    (255, 17, 264, 1),   # one pair (9 + 8 keys) over one partial chunk
+    (700, 21, 264, 1),   # one pair of 11 and 10 keys, 3 chunks a run each
+    (4097, 24, 8, 5),    # runs of 5 chunks and a last of 2, the last chunk of one page: 12 + 12 keys
+    (1100, 64, 1, 5),    # two pairs (four groups of 16) over one run of 5 chunks, the last of 76 pages
+])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_pairs_of_key_groups_in_a_cluster_match_numpy(matrices, num_pages, num_keys, resident_blocks,
+                                                      chunks_per_block, rows):
+    # dpf_scan_v1_pair (CudaBackend.v1_pairs): blocks of two key groups run at once as a cluster,
+    # each multiplying half of every chunk's slices by both groups' A fragments, the peer's read
+    # from its shared memory, handed over on the two blocks' mbarriers; one row of B words in
+    # flight (builds without setmaxnreg) or four (sm_90a's); a phase left unfilled or a barrier
+    # never completed fails the launch (tensor_core_answers)
+    variant = (f"V1P_ROWS={rows}",)
+    matrix, frags = matrices(num_pages)
+    batch = _batch(num_keys, num_pages, matrix.domain_bits, seed=5 * num_pages + num_keys)
+    expected = _answers(matrix, batch)
+    assert expected.any(axis=1).all()
+    plan = cuda_emulator.tensor_core_plan(num_pages, batch, "fragments", resident_blocks, v1_pairs=True)
+    assert plan.v1_pairs and plan.chunks_per_block == chunks_per_block
+    got = cuda_emulator.tensor_core_answers(num_pages, frags, batch, "fragments", resident_blocks, variant=variant,
+                                            v1_pairs=True)
+    assert [np.array_equal(g, e) for g, e in zip(got, expected)] == [True] * num_keys
 
 
 @pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block, alu_keys, prefetch", [

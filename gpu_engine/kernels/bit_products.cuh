@@ -10,11 +10,32 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
     return a;
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Thread-block clusters, distributed shared memory and mbarriers: built for sm_90 on, and where
+// the CPU emulator (tests/cuda_emulator, whose shim sets EMU_CLUSTERS) gives its own definitions
+// of the helpers.
+#ifndef EMU_CLUSTERS
+#define EMU_CLUSTERS 0
+#endif
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || EMU_CLUSTERS
+#define HAS_CLUSTERS 1
+#else
+#define HAS_CLUSTERS 0
+#endif
+
+#if HAS_CLUSTERS
 // Thread-block clusters (sm_90). Every thread of every block of the cluster; orders shared-memory
 // writes and reads across it.
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// An mbarrier at bar (this block's) expecting `count` arrivals a phase, and the fence that makes
+// the initialisation visible to the cluster's other blocks before they arrive on it
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
 // Waits until the mbarrier at bar (this block's) has completed the phase of parity `parity`.

@@ -1065,13 +1065,13 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 // producers (their A fragments for the chunk are in place), its `freed` both blocks' multipliers
 // (they are done reading this block's A fragments), every thread arriving on both blocks'
 // barriers, released and acquired at cluster scope.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if HAS_CLUSTERS
 #define V1P_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
 #else
 #define V1P_CLUSTER_DIMS
 #endif
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if HAS_CLUSTERS
 // A pair's barriers as one team sees them: this block's (cta addresses, to wait on) and both
 // blocks' (cluster addresses, to arrive on)
 struct V1pHandover {
@@ -1165,7 +1165,7 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
                  const u32* __restrict__ keyrec, int krec, int num_keys,
                  const uint4* __restrict__ root_seed, const u8* __restrict__ root_t, long long root_stride,
                  int num_groups, int chunks_per_block, u64* __restrict__ out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if HAS_CLUSTERS
     static_assert(G == 16 && V1F_L == 256 && V1F_TEAM == 256 && PAGE_WORDS / MMA_SLICE_WORDS == 128,
                   "8 multiplier warps a block, each 32 slices of one residue quarter");
     if (blockDim.x != V1_FRAG_THREADS || num_groups % 2 != 0) __trap();
@@ -1183,9 +1183,9 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
 
     load_chunk_cw<G>(keyrec, krec, grp.key0, domain_bits, c, sh.cw_seed, sh.cw_t, sh.final_cw);
     if (threadIdx.x == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&ready_bar)), "r"(2 * V1F_TEAM) : "memory");
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(&freed_bar)), "r"(2 * V1F_TEAM) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbarrier_init(shared_address(&ready_bar), 2 * V1F_TEAM);
+        mbarrier_init(shared_address(&freed_bar), 2 * V1F_TEAM);
+        fence_mbarrier_init();
     }
     __syncthreads();  // the corrections are in place
     cluster_sync();   // both blocks' barriers exist before either block arrives on the other's

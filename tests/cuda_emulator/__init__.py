@@ -87,19 +87,53 @@ EMULATED = {
     "__device__ __forceinline__ void cp_async_wait(": """__device__ __forceinline__ void cp_async_wait() {
     emu_cp_async_wait(N);
 }""",
+    # thread-block clusters: the runtime's (cluster addresses rank << 24 | offset, mbarriers by address)
+    "__device__ __forceinline__ void cluster_sync(": """__device__ __forceinline__ void cluster_sync() {
+    emu_cluster_sync();
+}""",
+    "__device__ __forceinline__ void mbarrier_init(": """__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
+    emu_mbarrier_init(bar, count);
+}""",
+    "__device__ __forceinline__ void fence_mbarrier_init(": """__device__ __forceinline__ void fence_mbarrier_init() {}""",
+    "__device__ __forceinline__ void mbarrier_wait(": """__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    emu_mbarrier_wait(bar, parity);
+}""",
+    "__device__ __forceinline__ void mbarrier_wait_cluster(": """__device__ __forceinline__ void mbarrier_wait_cluster(u32 bar, u32 parity) {
+    emu_mbarrier_wait(bar, parity);
+}""",
+    "__device__ __forceinline__ u32 cluster_rank(": """__device__ __forceinline__ u32 cluster_rank() {
+    return emu_cluster_rank();
+}""",
+    "__device__ __forceinline__ u32 cluster_address(": """__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
+    return rank << 24 | local;
+}""",
+    "__device__ __forceinline__ void mbarrier_arrive_cluster(": """__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
+    emu_mbarrier_arrive(bar);
+}""",
+    "__device__ __forceinline__ uint4 ld_cluster_v4(": """__device__ __forceinline__ uint4 ld_cluster_v4(u32 at) {
+    return emu_ld_cluster_v4(at);
+}""",
+}
+# Static __shared__ words of a kernel whose blocks run at once (a cluster's), as the runtime's
+# emu_block_word: static arrays are process-wide here
+BLOCK_WORDS = {
+    "__shared__ __align__(8) unsigned long long ready_bar, freed_bar;":
+        "unsigned long long &ready_bar = emu_block_word(0), &freed_bar = emu_block_word(1);",
 }
 SOURCES = ("runtime.cpp", "scan_entries.cpp", "mma_entries.cpp")
 
 
 def emulated_text(name: str) -> str:
     """Kernel file `name` as NVRTC gets it, rewritten for the shim: EMULATED's definitions,
-    __noinline__ as GCC spells it, and dynamic shared memory as the block's buffer."""
+    __noinline__ as GCC spells it, BLOCK_WORDS, and dynamic shared memory as the block's buffer."""
     text = kernel_source(name)
     for head, body in EMULATED.items():
         if head in text:
             text = text.replace(_definition(text, head), body)
     # __noinline__ as a macro would break the standard headers that spell the attribute so
     text = text.replace("__noinline__", "__attribute__((noinline))")
+    for declaration, words in BLOCK_WORDS.items():
+        text = text.replace(declaration, words)
     return text.replace("extern __shared__ uint4 smem[];", "uint4* smem = (uint4*)emu_dynamic_smem;")
 
 
@@ -255,29 +289,32 @@ def alu_answers(pages: np.ndarray, batch, resident_blocks: int = 132 * 2) -> np.
     return _answers(plan, batch, scan)
 
 
-def tensor_core_plan(num_pages: int, batch, layout: str = "pages", resident_blocks: int = 132 * 2):
-    """The plan tensor_core_answers launches."""
+def tensor_core_plan(num_pages: int, batch, layout: str = "pages", resident_blocks: int = 132 * 2,
+                     v1_pairs: bool = False):
+    """The plan tensor_core_answers launches (v1_pairs: as CudaBackend.v1_pairs)."""
     return cuda_plan.plan_scan(num_pages, batch.domain_bits, batch.root_seed.shape[0], key_format=batch.key_format,
                                tensor_cores=batch.key_format != KEY_FORMAT_V1, layout=layout,
-                               resident_blocks=resident_blocks)
+                               resident_blocks=resident_blocks, v1_pairs=v1_pairs)
 
 
 def tensor_core_answers(num_pages: int, matrix: np.ndarray, batch, layout: str = "pages",
                         resident_blocks: int = 132 * 2, variant: tuple[str, ...] = (),
-                        copies_land: str = "at issue") -> np.ndarray:
+                        copies_land: str = "at issue", v1_pairs: bool = False) -> np.ndarray:
     """Answers of a KeyBatch on the (emulated) tensor cores over `matrix`: (P, 1024) u32 pages, or
     to_fragments of num_pages pages for layout "fragments". v1 keys: dpf_scan_v1_frag (fragments
-    only); v2 keys: dpf_leaf_bits, then dpf_scan_mma<T> or dpf_scan_mma_frag<T> (mma.sync; T one of
-    mma_entries.cpp's EMU_TILES). Fewer resident_blocks give each block more chunks; `variant`: the
-    kernels' -D options of a variant (library); copies_land: when cp.async copies land (COPIES_LAND)."""
-    plan = tensor_core_plan(num_pages, batch, layout, resident_blocks)
+    only; v1_pairs: dpf_scan_v1_pair where the plan has an even number of key groups, as
+    CudaBackend.v1_pairs); v2 keys: dpf_leaf_bits, then dpf_scan_mma<T> or dpf_scan_mma_frag<T>
+    (mma.sync; T one of mma_entries.cpp's EMU_TILES). Fewer resident_blocks give each block more
+    chunks; `variant`: the kernels' -D options of a variant (library); copies_land: when cp.async
+    copies land (COPIES_LAND)."""
+    plan = tensor_core_plan(num_pages, batch, layout, resident_blocks, v1_pairs)
     grid, shared = ctypes.c_uint(plan.grid), ctypes.c_size_t(plan.shared_bytes)
 
     def scan(lib, keyrec, nodes, out):
         if plan.key_format == KEY_FORMAT_V1:
+            launch = lib.emu_dpf_scan_v1_pair if plan.v1_pairs else lib.emu_dpf_scan_v1_frag
             with _prefetching_within(lib, matrix):
-                lib.emu_dpf_scan_v1_frag(grid, shared,
-                                         *map(_arg, cuda_plan.scan_args(plan, matrix, keyrec, nodes, out)))
+                launch(grid, shared, *map(_arg, cuda_plan.scan_args(plan, matrix, keyrec, nodes, out)))
             return
         sel = np.zeros((plan.padded_keys, plan.padded_leaves, 4), dtype=np.uint32)
         lib.emu_dpf_leaf_bits(ctypes.c_uint(cuda_plan.leaf_bits_grid(plan)),

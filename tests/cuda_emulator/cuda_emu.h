@@ -2,7 +2,9 @@
 // threads are OS threads, __syncthreads is a barrier among them, shared memory is the block's
 // buffer, and mma.sync's b1 AND.POPC product is computed from its 32 lanes' fragments as the PTX
 // ISA lays them out (m16n8k256: a0/a2 rows g, a1/a3 rows g + 8, k = 32t + i and 128 + 32t + i;
-// b0/b1 column g, the same k; d0, d1 row g, columns 2t, 2t + 1; d2, d3 row g + 8).
+// b0/b1 column g, the same k; d0, d1 row g, columns 2t, 2t + 1; d2, d3 row g + 8). Thread-block
+// clusters: a cluster's blocks run at once, each with its own shared memory, which the others
+// read at its cluster addresses; mbarriers count arrivals in phases (bit_products.cuh's helpers).
 #pragma once
 #include <barrier>
 #include <cstdint>
@@ -21,6 +23,8 @@
 #define __restrict__
 #define __shared__ static  // static arrays only: `extern __shared__` is rewritten by the builder
 #define __align__(n) alignas(n)
+#define __cluster_dims__(...)
+#define EMU_CLUSTERS 1  // bit_products.cuh's cluster helpers, as the builder rewrites them
 
 struct uint4 {
     unsigned int x, y, z, w;
@@ -30,9 +34,9 @@ struct dim3 {
     unsigned int x, y, z;
 };
 
-extern thread_local dim3 threadIdx;
-extern dim3 blockIdx, blockDim, gridDim;
-extern unsigned char* emu_dynamic_smem;
+extern thread_local dim3 threadIdx, blockIdx;  // a cluster's blocks run at once
+extern dim3 blockDim, gridDim;
+extern thread_local unsigned char* emu_dynamic_smem;  // the thread's block's
 
 void __syncthreads();
 // bar.sync id, threads: a barrier of `threads` threads of the block (id 1..15), made at its first use
@@ -57,9 +61,23 @@ inline unsigned __shfl_xor_sync(unsigned mask, unsigned value, int lane_mask) {
     return emu_shfl_xor(value, lane_mask);
 }
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1);
-// Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a block at a
-// time, with `smem` bytes of dynamic shared memory (filled with a stale pattern, never zeros).
-void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body);
+// Runs body() as every thread of every block of a grid gx x gy of `threads` threads, a cluster of
+// `cluster` consecutive blocks (along x) at a time, each with `smem` bytes of dynamic shared memory
+// (filled with a stale pattern, never zeros).
+void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body,
+                unsigned cluster = 1);
+
+// Clusters (bit_products.cuh's helpers as the builder rewrites them). A shared-memory address is
+// its offset in the block's buffer; a cluster address, rank << 24 | that offset.
+unsigned emu_cluster_rank();
+void emu_cluster_sync();
+// The block's 8-byte static __shared__ word i (i < 4), kept past its dynamic shared memory, so it
+// has an address there: a cluster's blocks run at once, and static arrays are process-wide here
+unsigned long long& emu_block_word(int i);
+void emu_mbarrier_init(unsigned bar, unsigned count);
+void emu_mbarrier_arrive(unsigned cluster_bar);
+void emu_mbarrier_wait(unsigned bar, unsigned parity);
+uint4 emu_ld_cluster_v4(unsigned at);
 
 // 16-byte global loads of a misaligned address (a GPU faults on them; x86 would not), counted
 void emu_misaligned_load();

@@ -1,5 +1,6 @@
 // The emulator's runtime (tests/cuda_emulator): launches run one block at a time (the kernels'
-// static __shared__ arrays are process-wide here), its threads as OS threads.
+// static __shared__ arrays are process-wide here), or one thread-block cluster at a time, its
+// blocks at once; a block's threads are OS threads.
 #include "cuda_emu.h"
 
 #include <atomic>
@@ -7,10 +8,11 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <map>
 
-thread_local dim3 threadIdx;
-dim3 blockIdx, blockDim, gridDim;
-unsigned char* emu_dynamic_smem;
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+thread_local unsigned char* emu_dynamic_smem;
 
 namespace {
 
@@ -53,10 +55,6 @@ struct Warp {
     std::barrier<> shfl_bar{32};
 };
 
-// The block being run: its __syncthreads barrier (a thread that leaves the kernel drops out of it,
-// as on a GPU) and its warps, made afresh for each block.
-std::unique_ptr<std::barrier<>> block_barrier;
-std::unique_ptr<Warp[]> warps;
 // A named barrier misused (bar.sync's bounds, two counts for one id, a phase that never fills):
 // the first of the launch said here, and from then on the launch's named barriers wait for no one,
 // so it ends (racing) and its test fails with this text rather than hang to CI's time limit.
@@ -111,15 +109,43 @@ struct NamedBarrier {
     std::condition_variable opened;
 };
 
-// The block's named barriers (bar.sync 1..15), each made by the first thread to reach it, with
-// the thread count it names.
-std::unique_ptr<NamedBarrier> named_barriers[16];
-std::mutex named_mutex;
+// An mbarrier: `count` arrivals a phase; a wait for the phase of a parity returns once that phase
+// has completed (at once for the parity of the phase before the current one, as on a GPU)
+struct Mbarrier {
+    explicit Mbarrier(int count) : count(count), pending(count) {}
+    const int count;
+    int pending;
+    unsigned long long phases = 0;  // completed
+    std::mutex mutex;
+    std::condition_variable completed;
+};
+
+// A block being run: its shared memory (dynamic, the canary, then the static words of
+// emu_block_word), its __syncthreads barrier (a thread that leaves the kernel drops out of it, as
+// on a GPU), its warps, its named barriers (bar.sync 1..15, each made by the first thread to reach
+// it with the thread count it names) and its mbarriers (by address), made afresh for each block.
+constexpr int kBlockWords = 4;
+struct Block {
+    std::vector<unsigned char> shared;
+    std::unique_ptr<std::barrier<>> barrier;
+    std::unique_ptr<Warp[]> warps;
+    std::unique_ptr<NamedBarrier> named_barriers[16];
+    std::mutex named_mutex;
+    std::map<unsigned, std::unique_ptr<Mbarrier>> mbarriers;
+    std::mutex mbarrier_mutex;
+};
+std::unique_ptr<Block[]> blocks;  // the cluster being run (one block where the launch has no clusters)
+unsigned cluster_size;
+size_t block_smem;  // the launch's dynamic shared memory a block
+std::unique_ptr<std::barrier<>> cluster_barrier;  // every thread of the cluster's blocks
+thread_local Block* block;  // the thread's, and its rank in the cluster
+thread_local unsigned rank;
 
 // Bytes past a block's dynamic shared memory: a block that changed them wrote past its end
 const unsigned char kCanary[16] = {0xDE, 0xAD, 0xBE, 0xEF, 0xCA, 0xFE, 0xF0, 0x0D,
                                    0x12, 0x34, 0x56, 0x78, 0x9A, 0xBC, 0xDE, 0xF0};
-unsigned long long faults;  // blocks that wrote past their shared memory, since the library loaded
+std::atomic<unsigned long long> faults;  // blocks that wrote past their shared memory, or read a peer's
+                                         // past it, since the library loaded
 
 // The launches' L2 prefetches since the library loaded: all of them, and those that named an
 // address outside the buffer they may prefetch from (emu_watch_*, the matrix, set by the tests);
@@ -210,69 +236,87 @@ void emu_prefetch_l2(const void* p) {
     else __atomic_store_n(&prefetched_lines[off >> 7], (unsigned char)1, __ATOMIC_RELAXED);
 }
 
-void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body) {
-    std::vector<unsigned char> shared(smem + sizeof kCanary);
-    emu_dynamic_smem = shared.data();
+void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const std::function<void()>& body,
+                unsigned cluster) {
+    if (cluster < 1 || gx % cluster != 0) __builtin_trap();  // a GPU refuses such a launch
+    blocks.reset(new Block[cluster]);
+    cluster_size = cluster;
+    block_smem = smem;
+    for (unsigned r = 0; r < cluster; ++r) blocks[r].shared.resize(smem + sizeof kCanary + 8 * kBlockWords);
     blockDim = {threads, 1, 1};
     gridDim = {gx, gy, 1};
     // The threads live for the whole launch (creating 256 a block cost more than most blocks' work);
-    // between blocks they meet at `gate`, and thread 0 sets the next block up while the rest wait.
+    // between clusters they meet at `gate`, and thread 0 of each block sets it up while the rest wait.
     barriers_broken = false;
-    std::barrier<> gate(threads);
+    const unsigned all = threads * cluster;
+    std::barrier<> gate(all);
+    cluster_barrier = std::make_unique<std::barrier<>>(all);
     std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (unsigned t = 0; t < threads; ++t) {
-        pool.emplace_back([=, &gate, &shared, &body] {
+    pool.reserve(all);
+    for (unsigned p = 0; p < all; ++p) {
+        pool.emplace_back([=, &gate, &body] {
+            const unsigned t = p % threads;
             threadIdx = {t, 0, 0};
-            for (unsigned long long block = 0; block < (unsigned long long)gx * gy; ++block) {
+            rank = p / threads;
+            block = &blocks[rank];
+            emu_dynamic_smem = block->shared.data();
+            for (unsigned long long first = 0; first < (unsigned long long)gx * gy; first += cluster) {
+                const unsigned long long b = first + rank;
+                blockIdx = {(unsigned)(b % gx), (unsigned)(b / gx), 0};
                 if (t == 0) {
-                    blockIdx = {(unsigned)(block % gx), (unsigned)(block / gx), 0};
-                    std::memset(shared.data(), 0xA5, smem);  // stale, never zero: what a GPU leaves
-                    std::memcpy(shared.data() + smem, kCanary, sizeof kCanary);
-                    block_barrier = std::make_unique<std::barrier<>>(threads);
-                    warps.reset(new Warp[(threads + 31) / 32]);
-                    for (auto& b : named_barriers) b.reset();
+                    std::memset(emu_dynamic_smem, 0xA5, smem);  // stale, never zero: what a GPU leaves
+                    std::memcpy(emu_dynamic_smem + smem, kCanary, sizeof kCanary);
+                    std::memset(emu_dynamic_smem + smem + sizeof kCanary, 0xA5, 8 * kBlockWords);
+                    block->barrier = std::make_unique<std::barrier<>>(threads);
+                    block->warps.reset(new Warp[(threads + 31) / 32]);
+                    for (auto& n : block->named_barriers) n.reset();
+                    block->mbarriers.clear();
                 }
                 gate.arrive_and_wait();
                 copies_uncommitted.clear();  // a block's copies never land in the next one's memory
                 copy_groups.clear();
                 body();
-                block_barrier->arrive_and_drop();
+                block->barrier->arrive_and_drop();
                 gate.arrive_and_wait();
-                if (t == 0 && std::memcmp(shared.data() + smem, kCanary, sizeof kCanary) != 0) ++faults;
-                if (t == 0)  // a bar.arrive no thread waited for: a phase the block left half filled
+                if (t == 0 && std::memcmp(emu_dynamic_smem + smem, kCanary, sizeof kCanary) != 0) ++faults;
+                if (t == 0) {  // a bar.arrive no thread waited for: a phase the block left half filled
                     for (int id = 0; id < 16; ++id)
-                        if (named_barriers[id] && named_barriers[id]->arrived != 0)
+                        if (block->named_barriers[id] && block->named_barriers[id]->arrived != 0)
                             break_barriers("a named barrier's phase left unfilled at the block's end", id,
-                                           named_barriers[id]->count);
+                                           block->named_barriers[id]->count);
+                    for (auto& [at, m] : block->mbarriers)  // arrivals the block's barriers never completed
+                        if (m->pending != m->count)
+                            break_barriers("an mbarrier's phase left unfilled at the block's end", (int)at, m->count);
+                }
             }
         });
     }
     for (auto& th : pool) th.join();
-    block_barrier.reset();
-    warps.reset();
+    blocks.reset();
+    cluster_barrier.reset();
 }
 
-void __syncthreads() { block_barrier->arrive_and_wait(); }
+void __syncthreads() { block->barrier->arrive_and_wait(); }
 
 namespace {
 // Barrier id of `threads` threads, made at its first use (null once the launch's barriers broke)
 NamedBarrier* named_barrier_of(int id, int threads) {
     NamedBarrier* bar;
     {
-        std::lock_guard<std::mutex> lock(named_mutex);
+        std::lock_guard<std::mutex> lock(block->named_mutex);
         if (barriers_broken) return nullptr;
         if (id < 1 || id > 15 || threads < 1 || threads % 32 != 0 || threads > (int)blockDim.x) {
             break_barriers("a named barrier out of bar.sync's bounds (id 1..15, a multiple of 32 threads, at most "
                            "the block's)", id, threads);
             return nullptr;
         }
-        if (!named_barriers[id]) named_barriers[id] = std::make_unique<NamedBarrier>(threads);
-        if (named_barriers[id]->count != threads) {
+        auto& named = block->named_barriers[id];
+        if (!named) named = std::make_unique<NamedBarrier>(threads);
+        if (named->count != threads) {
             break_barriers("a named barrier named with another thread count than at its first use", id, threads);
             return nullptr;
         }
-        bar = named_barriers[id].get();
+        bar = named.get();
     }
     return bar;
 }
@@ -289,7 +333,7 @@ void emu_named_barrier_arrive(int id, int threads) {
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
     ++mma_calls;
     const int lane = threadIdx.x & 31;
-    Warp& w = warps[threadIdx.x >> 5];
+    Warp& w = block->warps[threadIdx.x >> 5];
     const int p = w.mma.calls[lane]++ & 1;
     unsigned* a = w.mma.a[p][lane];
     a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
@@ -300,9 +344,75 @@ void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsign
 
 unsigned emu_shfl_xor(unsigned value, int lane_mask) {
     const int lane = threadIdx.x & 31;
-    Warp& w = warps[threadIdx.x >> 5];
+    Warp& w = block->warps[threadIdx.x >> 5];
     const int p = w.shfl_calls[lane]++ & 1;
     w.shfl[p][lane] = value;
     w.shfl_bar.arrive_and_wait();
     return w.shfl[p][(lane ^ lane_mask) & 31];
+}
+
+// Clusters: a cluster address is rank << 24 | the offset in that block's buffer
+unsigned emu_cluster_rank() { return rank; }
+
+void emu_cluster_sync() { cluster_barrier->arrive_and_wait(); }
+
+unsigned long long& emu_block_word(int i) {
+    if (i < 0 || i >= kBlockWords) __builtin_trap();
+    return *(unsigned long long*)(emu_dynamic_smem + block_smem + sizeof kCanary + 8 * i);
+}
+
+namespace {
+// The mbarrier at offset `at` of block `b` (null, and the launch's barriers broken, if none was made there)
+Mbarrier* mbarrier_at(Block& b, unsigned at) {
+    std::lock_guard<std::mutex> lock(b.mbarrier_mutex);
+    const auto found = b.mbarriers.find(at);
+    if (found != b.mbarriers.end()) return found->second.get();
+    break_barriers("an mbarrier used at an address no thread initialised", (int)at, 0);
+    return nullptr;
+}
+}  // namespace
+
+void emu_mbarrier_init(unsigned bar, unsigned count) {
+    std::lock_guard<std::mutex> lock(block->mbarrier_mutex);
+    block->mbarriers[bar] = std::make_unique<Mbarrier>((int)count);
+}
+
+void emu_mbarrier_arrive(unsigned cluster_bar) {
+    if ((cluster_bar >> 24) >= cluster_size) {
+        break_barriers("an mbarrier arrival at a rank outside the cluster", (int)cluster_bar, 0);
+        return;
+    }
+    Mbarrier* m = mbarrier_at(blocks[cluster_bar >> 24], cluster_bar & 0xFFFFFFu);
+    if (m == nullptr) return;
+    std::lock_guard<std::mutex> lock(m->mutex);
+    if (--m->pending == 0) {
+        m->pending = m->count;
+        ++m->phases;
+        m->completed.notify_all();
+    }
+}
+
+void emu_mbarrier_wait(unsigned bar, unsigned parity) {
+    Mbarrier* m = mbarrier_at(*block, bar);
+    if (m == nullptr) return;
+    std::unique_lock<std::mutex> lock(m->mutex);
+    const auto deadline = std::chrono::steady_clock::now() + kNamedWait;
+    while (!m->completed.wait_for(lock, kNamedPoll, [&] { return (m->phases & 1) != parity || barriers_broken; })) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+            break_barriers("an mbarrier's phase never completed", (int)bar, m->count);
+            return;
+        }
+    }
+}
+
+uint4 emu_ld_cluster_v4(unsigned at) {
+    const unsigned r = at >> 24, offset = at & 0xFFFFFFu;
+    if (r >= cluster_size || offset + 16 > block_smem) {  // a GPU reads a peer's shared memory only
+        ++faults;
+        return {0, 0, 0, 0};
+    }
+    if (offset & 15) emu_misaligned_load();
+    uint4 v;
+    std::memcpy(&v, blocks[r].shared.data() + offset, 16);
+    return v;
 }

@@ -48,15 +48,18 @@ bool emu_dpf_scan_bits(int g, unsigned gx, const uint4* pages, long long num_pag
     return false;
 }
 
-void emu_dpf_scan_v1_frag(unsigned gx, size_t smem, const u32* frags, long long num_pages, int domain_bits,
-                          int chunk_levels, const u32* keyrec, int krec, int num_keys, const uint4* root_seed,
-                          const u8* root_t, long long root_stride, int num_groups, int chunks_per_block,
-                          u64* out) {
-    emu_launch(gx, 1, V1_FRAG_THREADS, smem, [=] {
-        dpf_scan_v1_frag<V1_FRAG_GROUP_KEYS>(frags, num_pages, domain_bits, chunk_levels, keyrec, krec, num_keys,
-                                             root_seed, root_t, root_stride, num_groups, chunks_per_block, out);
-    });
-}
+// dpf_scan_v1_frag, one key group a block; dpf_scan_v1_pair, two a cluster of two blocks run at once
+#define EMU_V1_FRAG(KERNEL, CLUSTER)                                                                              \
+    void emu_##KERNEL(unsigned gx, size_t smem, const u32* frags, long long num_pages, int domain_bits,           \
+                      int chunk_levels, const u32* keyrec, int krec, int num_keys, const uint4* root_seed,       \
+                      const u8* root_t, long long root_stride, int num_groups, int chunks_per_block, u64* out) { \
+        emu_launch(gx, 1, V1_FRAG_THREADS, smem, [=] {                                                            \
+            KERNEL<V1_FRAG_GROUP_KEYS>(frags, num_pages, domain_bits, chunk_levels, keyrec, krec, num_keys,       \
+                                       root_seed, root_t, root_stride, num_groups, chunks_per_block, out);        \
+        }, CLUSTER);                                                                                              \
+    }
+EMU_V1_FRAG(dpf_scan_v1_frag, 1)
+EMU_V1_FRAG(dpf_scan_v1_pair, 2)
 
 void emu_dpf_leaf_bits(unsigned gx, const u32* keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
                        const uint4* leaf_seed, const u8* leaf_t, long long leaf_stride, long long padded_leaves,
