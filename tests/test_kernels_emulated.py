@@ -96,7 +96,7 @@ def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_
 
 @pytest.mark.parametrize("num_pages, num_keys, resident_blocks, chunks_per_block", [
     (255, 17, 264, 1),   # one pair (9 + 8 keys) over one partial chunk
-    (700, 21, 264, 1),   # one pair of 11 and 10 keys, 3 chunks a run each
+    (700, 21, 264, 1),   # one pair of 11 and 10 keys, 3 chunks, one run (cluster) each
     (4097, 24, 8, 5),    # runs of 5 chunks and a last of 2, the last chunk of one page: 12 + 12 keys
     (1100, 64, 1, 5),    # two pairs (four groups of 16) over one run of 5 chunks, the last of 76 pages
 ])

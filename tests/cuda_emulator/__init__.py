@@ -87,7 +87,7 @@ EMULATED = {
     "__device__ __forceinline__ void cp_async_wait(": """__device__ __forceinline__ void cp_async_wait() {
     emu_cp_async_wait(N);
 }""",
-    # thread-block clusters: the runtime's (cluster addresses rank << 24 | offset, mbarriers by address)
+    # thread-block clusters: the runtime's (cluster addresses (rank + 1) << 24 | offset, mbarriers by address)
     "__device__ __forceinline__ void cluster_sync(": """__device__ __forceinline__ void cluster_sync() {
     emu_cluster_sync();
 }""",
@@ -105,7 +105,7 @@ EMULATED = {
     return emu_cluster_rank();
 }""",
     "__device__ __forceinline__ u32 cluster_address(": """__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
-    return rank << 24 | local;
+    return (rank + 1) << 24 | local;
 }""",
     "__device__ __forceinline__ void mbarrier_arrive_cluster(": """__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
     emu_mbarrier_arrive(bar);
@@ -117,8 +117,10 @@ EMULATED = {
 # Static __shared__ words of a kernel whose blocks run at once (a cluster's), as the runtime's
 # emu_block_word: static arrays are process-wide here
 BLOCK_WORDS = {
-    "__shared__ __align__(8) unsigned long long ready_bar, freed_bar;":
-        "unsigned long long &ready_bar = emu_block_word(0), &freed_bar = emu_block_word(1);",
+    "dpf_scan.cu": {  # dpf_scan_v1_pair's mbarriers
+        "__shared__ __align__(8) unsigned long long ready_bar, freed_bar;":
+            "unsigned long long &ready_bar = emu_block_word(0), &freed_bar = emu_block_word(1);",
+    },
 }
 SOURCES = ("runtime.cpp", "scan_entries.cpp", "mma_entries.cpp")
 
@@ -132,7 +134,9 @@ def emulated_text(name: str) -> str:
             text = text.replace(_definition(text, head), body)
     # __noinline__ as a macro would break the standard headers that spell the attribute so
     text = text.replace("__noinline__", "__attribute__((noinline))")
-    for declaration, words in BLOCK_WORDS.items():
+    for declaration, words in BLOCK_WORDS.get(name, {}).items():
+        # a declaration no longer matched would leave a process-wide static shared by a cluster's blocks
+        assert declaration in text, f"{name} no longer declares {declaration!r}"
         text = text.replace(declaration, words)
     return text.replace("extern __shared__ uint4 smem[];", "uint4* smem = (uint4*)emu_dynamic_smem;")
 
@@ -187,7 +191,8 @@ def _within_shared_memory(lib: Optional[ctypes.CDLL] = None):
     assert lib.emu_misaligned_loads() == misaligned, \
         f"{lib.emu_misaligned_loads() - misaligned} 16-byte loads from addresses not a multiple of 16"
     after = lib.emu_faults()
-    assert after == before, f"{after - before} blocks wrote past their dynamic shared memory"
+    assert after == before, \
+        f"{after - before} blocks wrote past their dynamic shared memory (or read a peer's past it)"
 
 
 @contextlib.contextmanager

@@ -68,7 +68,8 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
                 unsigned cluster = 1);
 
 // Clusters (bit_products.cuh's helpers as the builder rewrites them). A shared-memory address is
-// its offset in the block's buffer; a cluster address, rank << 24 | that offset.
+// its offset in the block's buffer; a cluster address, (rank + 1) << 24 | that offset (without
+// rank bits: the thread's own block's).
 unsigned emu_cluster_rank();
 void emu_cluster_sync();
 // The block's 8-byte static __shared__ word i (i < 4), kept past its dynamic shared memory, so it

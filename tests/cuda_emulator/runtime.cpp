@@ -137,7 +137,7 @@ struct Block {
 std::unique_ptr<Block[]> blocks;  // the cluster being run (one block where the launch has no clusters)
 unsigned cluster_size;
 size_t block_smem;  // the launch's dynamic shared memory a block
-std::unique_ptr<std::barrier<>> cluster_barrier;  // every thread of the cluster's blocks
+std::unique_ptr<std::barrier<>> cluster_barrier;  // the cluster's threads (one that leaves the kernel drops out)
 thread_local Block* block;  // the thread's, and its rank in the cluster
 thread_local unsigned rank;
 
@@ -250,7 +250,6 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
     barriers_broken = false;
     const unsigned all = threads * cluster;
     std::barrier<> gate(all);
-    cluster_barrier = std::make_unique<std::barrier<>>(all);
     std::vector<std::thread> pool;
     pool.reserve(all);
     for (unsigned p = 0; p < all; ++p) {
@@ -271,12 +270,14 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
                     block->warps.reset(new Warp[(threads + 31) / 32]);
                     for (auto& n : block->named_barriers) n.reset();
                     block->mbarriers.clear();
+                    if (rank == 0) cluster_barrier = std::make_unique<std::barrier<>>(all);
                 }
                 gate.arrive_and_wait();
                 copies_uncommitted.clear();  // a block's copies never land in the next one's memory
                 copy_groups.clear();
                 body();
                 block->barrier->arrive_and_drop();
+                cluster_barrier->arrive_and_drop();
                 gate.arrive_and_wait();
                 if (t == 0 && std::memcmp(emu_dynamic_smem + smem, kCanary, sizeof kCanary) != 0) ++faults;
                 if (t == 0) {  // a bar.arrive no thread waited for: a phase the block left half filled
@@ -351,7 +352,8 @@ unsigned emu_shfl_xor(unsigned value, int lane_mask) {
     return w.shfl[p][(lane ^ lane_mask) & 31];
 }
 
-// Clusters: a cluster address is rank << 24 | the offset in that block's buffer
+// Clusters: a cluster address is (rank + 1) << 24 | the offset in that block's buffer; one without
+// rank bits (a CTA address) is the thread's own block's, as shared::cluster reads it on a GPU
 unsigned emu_cluster_rank() { return rank; }
 
 void emu_cluster_sync() { cluster_barrier->arrive_and_wait(); }
@@ -377,12 +379,21 @@ void emu_mbarrier_init(unsigned bar, unsigned count) {
     block->mbarriers[bar] = std::make_unique<Mbarrier>((int)count);
 }
 
+namespace {
+// The block a cluster address names (null past the cluster)
+Block* block_of(unsigned cluster_at) {
+    const unsigned r = cluster_at >> 24;
+    return r == 0 ? block : r <= cluster_size ? &blocks[r - 1] : nullptr;
+}
+}  // namespace
+
 void emu_mbarrier_arrive(unsigned cluster_bar) {
-    if ((cluster_bar >> 24) >= cluster_size) {
+    Block* b = block_of(cluster_bar);
+    if (b == nullptr) {
         break_barriers("an mbarrier arrival at a rank outside the cluster", (int)cluster_bar, 0);
         return;
     }
-    Mbarrier* m = mbarrier_at(blocks[cluster_bar >> 24], cluster_bar & 0xFFFFFFu);
+    Mbarrier* m = mbarrier_at(*b, cluster_bar & 0xFFFFFFu);
     if (m == nullptr) return;
     std::lock_guard<std::mutex> lock(m->mutex);
     if (--m->pending == 0) {
@@ -406,13 +417,14 @@ void emu_mbarrier_wait(unsigned bar, unsigned parity) {
 }
 
 uint4 emu_ld_cluster_v4(unsigned at) {
-    const unsigned r = at >> 24, offset = at & 0xFFFFFFu;
-    if (r >= cluster_size || offset + 16 > block_smem) {  // a GPU reads a peer's shared memory only
+    Block* b = block_of(at);
+    const unsigned offset = at & 0xFFFFFFu;
+    if (b == nullptr || offset + 16 > block_smem) {  // a GPU reads a block's shared memory only
         ++faults;
         return {0, 0, 0, 0};
     }
     if (offset & 15) emu_misaligned_load();
     uint4 v;
-    std::memcpy(&v, blocks[r].shared.data() + offset, 16);
+    std::memcpy(&v, b->shared.data() + offset, 16);
     return v;
 }
