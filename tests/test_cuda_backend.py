@@ -830,14 +830,6 @@ def test_a_fragments_layout_is_scanned_on_the_tensor_cores_by_either_key_format(
     assert plan.num_chunks == -(-MAINNET_PAGES // 256) and plan.stages[-1].live_out == plan.num_chunks
     assert plan.shared_bytes == cuda_plan.v1_frag_shared_bytes() <= cuda_plan.MAX_SHARED_BYTES
     assert plan.scan_threads == cuda_plan.V1_FRAG_THREADS == 512  # producers and multipliers
-    # in pairs of groups (sm_90 clusters) the A fragments are a ring of five quarter chunks, and
-    # the block still leaves the SM 60 KiB of L1 (a carveout of 196 KiB, 1 KiB of it the system's)
-    pair = cuda_plan.plan_scan(MAINNET_PAGES, 25, 24, key_format=KEY_FORMAT_V1, layout="fragments", v1_pairs=True)
-    assert pair.scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_pair<16>") and pair.scan_threads == 512
-    assert pair.shared_bytes == cuda_plan.v1_pair_shared_bytes() == \
-        plan.shared_bytes - cuda_plan.V1_FRAG_AFRAG_BYTES + 5 * 32 * 32 * 16 <= 195 * 1024 - 16
-    odd = cuda_plan.plan_scan(MAINNET_PAGES, 25, 48, key_format=KEY_FORMAT_V1, layout="fragments", v1_pairs=True)
-    assert odd.scan_kernel == ("dpf_scan.cu", "dpf_scan_v1_frag<16>") and odd.shared_bytes == plan.shared_bytes
 
 
 @pytest.mark.parametrize("sms", [132, 114, 108])

@@ -62,7 +62,7 @@ def test_the_host_constants_are_the_compilers_d_options():
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
                             "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS", "V1_FRAG_CHUNK_LEVELS",
-                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_PAIR_AFRAG_PARTS", "V1_FRAG_ALU_KEYS"}
+                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_FRAG_ALU_KEYS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -226,13 +226,6 @@ def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step
     assert "return r * V1_FRAG_AFRAG_ROW + (r >> 5) + lane;" in code
     assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \
         cuda_plan.scan_shared_bytes(g, c) + cuda_plan.V1_FRAG_AFRAG_BYTES == cuda_plan.v1_frag_shared_bytes()
-    # the pair's ring: V1_PAIR_AFRAG_PARTS + 1 slots of V1P_PART uint4s (a part's rows of 4
-    # quarters, 32 lanes) from afrag on
-    assert "#define V1P_PART (4 * V1P_PART_ROWS * 32)" in code and "#define V1P_PART_ROWS (32 / V1P_PARTS)" in code
-    assert "static_assert(V1_PAIR_AFRAG_PARTS == V1P_PARTS," in code and "s0 + k > V1P_PARTS" in code
-    assert cuda_plan.V1_PAIR_AFRAG_BYTES == (cuda_plan.V1_PAIR_AFRAG_PARTS + 1) * 4 * (32 // 4) * 32 * 16
-    assert cuda_plan.plan_scan(300, 9, 24, key_format=1, layout="fragments", v1_pairs=True).shared_bytes == \
-        cuda_plan.scan_shared_bytes(g, c) + cuda_plan.V1_PAIR_AFRAG_BYTES == cuda_plan.v1_pair_shared_bytes()
 
 
 def test_argument_builders_follow_the_v2_kernel_signatures():

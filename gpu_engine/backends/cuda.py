@@ -352,9 +352,9 @@ class CudaBackend(Backend):
         # the layout of the matrices it loads from now on (both answer v1 and v2 keys)
         self.layout = layout
         if layout == "fragments":
-            # v2 keys' scan and v1 keys' (dpf_scan_v1_frag, and dpf_scan_v1_pair where it runs) must fit a block
-            need = max(cuda_plan.mma_shared_bytes(1, layout), cuda_plan.v1_frag_shared_bytes(),
-                       cuda_plan.v1_pair_shared_bytes() if self.v1_pairs else 0)
+            # v2 keys' scan and v1 keys' (dpf_scan_v1_frag) must both fit a block
+            need = max(cuda_plan.mma_shared_bytes(1, layout),
+                       cuda_plan.v1_frag_shared_bytes())
             if not self.tensor_cores or need > shared_limit:
                 raise BackendUnavailable(
                     f"the fragments layout is read by the tensor cores (1-bit products, sm_80 or later, and "

@@ -73,11 +73,6 @@ V1_FRAG_THREADS = 2 * SCAN_THREADS  # 512
 # after each 32 residues, so the ALU path's reads of 16 residues at once take 8 bank slots)
 V1_FRAG_AFRAG_ROW = 36
 V1_FRAG_AFRAG_BYTES = (128 * V1_FRAG_AFRAG_ROW + 4) * 16  # bytes: the A fragments of a chunk (128 residues)
-# dpf_scan_v1_pair's A fragments: handed over in this many parts of a chunk's (128 / parts
-# residues x 32 lanes x 16 bytes each, unpadded: no ALU path reads them), in a ring of one part
-# more, so the producers write the next chunk's while the multipliers finish this one's last part
-V1_PAIR_AFRAG_PARTS = 4
-V1_PAIR_AFRAG_BYTES = (V1_PAIR_AFRAG_PARTS + 1) * (128 // V1_PAIR_AFRAG_PARTS) * 32 * 16  # bytes
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
 # batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores (an
@@ -185,7 +180,6 @@ def kernel_defines() -> Dict[str, int]:
         "V1_FRAG_CHUNK_LEVELS": V1_FRAG_CHUNK_LEVELS,
         "V1_FRAG_THREADS": V1_FRAG_THREADS,
         "V1_FRAG_AFRAG_ROW": V1_FRAG_AFRAG_ROW,
-        "V1_PAIR_AFRAG_PARTS": V1_PAIR_AFRAG_PARTS,
         "V1_FRAG_ALU_KEYS": V1_FRAG_ALU_KEYS,
     }
 
@@ -286,12 +280,6 @@ def v1_frag_shared_bytes() -> int:
     """Dynamic shared memory of dpf_scan_v1_frag<16>: dpf_scan<16>'s regions for chunks of
     2**V1_FRAG_CHUNK_LEVELS leaves, then its A fragments."""
     return V1_FRAG_AFRAG_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
-
-
-def v1_pair_shared_bytes() -> int:
-    """Dynamic shared memory of dpf_scan_v1_pair<16>: dpf_scan_v1_frag's regions, its A fragments
-    a ring of V1_PAIR_AFRAG_PARTS + 1 parts of a chunk's."""
-    return V1_PAIR_AFRAG_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
 
 
 def check_layout(layout: str) -> None:
@@ -513,16 +501,10 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
     else:
         group_keys, groups = pick_group_keys(num_keys, max_group_keys)
         target_runs = max(1, -(-resident_blocks * WAVES_PER_LAUNCH // groups))
-    # v1 keys over the fragments layout in an even number of groups, where the GPU runs clusters
-    # (v1_pairs): groups in pairs, a chunk read from L2 once a pair (dpf_scan_v1_pair)
-    pairs = v1_pairs and key_format == KEY_FORMAT_V1 and layout == "fragments" and groups % 2 == 0
     if key_format == KEY_FORMAT_V1:
         depth, leaves = domain_bits, num_pages
         c = min(chunk_levels, domain_bits)
-        if layout == "fragments":
-            shared = v1_pair_shared_bytes() if pairs else v1_frag_shared_bytes()
-        else:
-            shared = scan_shared_bytes(group_keys, c)
+        shared = v1_frag_shared_bytes() if layout == "fragments" else scan_shared_bytes(group_keys, c)
     else:
         depth, leaves = tree_depth(domain_bits, key_format), live_nodes(num_pages, LEAF_PAGE_BITS)
         c, shared = 0, 0  # dpf_scan_bits holds G leaves in static shared memory
@@ -539,6 +521,9 @@ def plan_scan(num_pages: int, domain_bits: int, num_keys: int,
         TopStage(a, b, live_nodes(leaves, depth - a), live_nodes(leaves, depth - a - b))
         for a, b in top_stages(depth - c)
     )
+    # v1 keys over the fragments layout in an even number of groups, where the GPU runs clusters
+    # (v1_pairs): groups in pairs, a chunk read from L2 once a pair (dpf_scan_v1_pair)
+    pairs = v1_pairs and key_format == KEY_FORMAT_V1 and layout == "fragments" and groups % 2 == 0
     return ScanPlan(num_pages, domain_bits, num_keys, group_keys, groups, c, chunks, per_block,
                     runs * groups, shared, stages, key_format, layout=layout, v1_pairs=pairs)
 

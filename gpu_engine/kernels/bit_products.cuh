@@ -70,12 +70,6 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-// The same, releasing at CTA scope (mbarrier.arrive's default): for an arrival that frees memory
-// this thread has read, as CUTLASS's consumers free a peer block's buffer
-__device__ __forceinline__ void mbarrier_arrive_cluster_cta(u32 bar) {
-    asm volatile("mbarrier.arrive.release.cta.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
 // 16 bytes of another block's shared memory (at cluster_address's address). Volatile: NVVM keeps
 // volatile asm in its order, so it stays after the mbarrier wait (volatile too) whose acquire
 // orders it, as dpf_scan_v1_pair's PTX shows; no memory clobber, which would also pin the global

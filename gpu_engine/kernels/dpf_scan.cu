@@ -486,21 +486,12 @@ __device__ __forceinline__ int v1f_afrag_index(int r, int lane) {
     return r * V1_FRAG_AFRAG_ROW + (r >> 5) + lane;
 }
 
-// Where a chunk's A fragments go in dpf_scan_v1_frag: its one buffer, v1f_afrag_index's rows.
-// at(q, b, lane): lane's uint4 of residue 32 q + b (dpf_scan_v1_pair's ring of halves says why b
-// comes apart from q).
-struct V1fAfragOne {
-    uint4* afrag;
-    __device__ __forceinline__ uint4* at(int q, int b, int lane) const { return afrag + v1f_afrag_index(32 * q + b, lane); }
-};
-
 // After transpose32, x[b] is bit 32 q + b of key k's masks over pages 32 pg .. 32 pg + 31: the A
 // fragment word of residue 32 q + b, lane (k % 8, pg % 4), register k / 8 + 2 (pg / 4).
-template <class Dst>
-__device__ __forceinline__ void v1f_store_afrag(Dst dst, const u32 (&x)[32], int k, int pg, int q) {
+__device__ __forceinline__ void v1f_store_afrag(uint4* afrag, const u32 (&x)[32], int k, int pg, int q) {
     const int lane = (k & 7) * 4 + (pg & 3), reg = (k >> 3) + 2 * (pg >> 2);
 #pragma unroll
-    for (int b = 0; b < 32; ++b) ((u32*)dst.at(q, b, lane))[reg] = x[b];
+    for (int b = 0; b < 32; ++b) ((u32*)(afrag + v1f_afrag_index(32 * q + b, lane)))[reg] = x[b];
 }
 
 // A producer's share of turning a chunk's masks (big) into its A fragments: the live keys' 32
@@ -509,8 +500,8 @@ __device__ __forceinline__ void v1f_store_afrag(Dst dst, const u32 (&x)[32], int
 // pages 32 ((p / 16) % 8) .., mask words p / 128 and p / 128 + 2, and with one query's 3 keys 96
 // producers one block each, not all 256 two (the multipliers wait for this between chunks; the
 // A rows past the live keys keep stale masks, as their trees do, and their answers are not written).
-template <int G, class Dst>
-__device__ __forceinline__ void v1f_make_afrag(Dst afrag, const uint4* big, int p, int n_leaves, LiveKeys keys) {
+template <int G>
+__device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, int p, int n_leaves, LiveKeys keys) {
     static_assert(V1F_TEAM == 256 && G == 16, "a producer transposes at most two (key, 32 pages, word) blocks");
 #pragma unroll 1
     for (int item = p; item < 32 * keys.live; item += V1F_TEAM) {
@@ -940,12 +931,11 @@ __device__ __forceinline__ V1fGroup v1f_group(int group, int num_groups, int num
 }
 
 // The producers' side of a run (threads V1F_TEAM.. of the block): each chunk's tree expanded,
-// then, once the multipliers are done with the A fragments it overwrites (hand.wait_free(i), from
-// the run's second chunk i = 1 on), turned into its A fragments at hand.afrag(i), which are handed
-// over (hand.ready(i)). Hand: the two teams' barriers of one block and its one buffer
-// (V1fBlockHandover) or a cluster's pair of blocks and its ring (dpf_scan_v1_pair's). Regs: the
-// registers a producer thread gives up to (setmaxnreg, what the multipliers take), or 0 to keep
-// the block's.
+// then, once the multipliers are done with the previous chunk's A fragments (hand.wait_free(i),
+// from the run's second chunk i = 1 on), turned into its A fragments, which are handed over
+// (hand.ready(i)). Hand: the two teams' barriers of one block (V1fBlockHandover) or of a
+// cluster's pair of blocks (dpf_scan_v1_pair's). Regs: the registers a producer thread gives up
+// to (setmaxnreg, what the multipliers take), or 0 to keep the block's.
 template <int G, int Regs, class Hand>
 __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_pages, int c, int depth_top,
                                             const u32* keyrec, int krec, V1fGroup grp, const uint4* root_seed,
@@ -960,17 +950,15 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
                         sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
         const int i = (int)(chunk - chunk_begin);
-        if (i > 0) hand.wait_free(i);  // the A fragments afrag(i) overwrites are read
-        v1f_make_afrag<G>(hand.afrag(i), sh.big, producers.tid, n_leaves, keys);
+        if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
+        v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
         hand.ready(i);                // chunk's A fragments are in place
         team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
     }
 }
 
-// One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE, over one buffer
+// One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
 struct V1fBlockHandover {
-    uint4* buffer;
-    __device__ __forceinline__ V1fAfragOne afrag(int) const { return {buffer}; }
     __device__ __forceinline__ void wait_free(int) const { named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS); }
     __device__ __forceinline__ void ready(int) const { named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS); }
 };
@@ -1014,7 +1002,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
     if (threadIdx.x >= V1F_TEAM) {
         v1f_produce<G, V1F_ROWS_IN_FLIGHT == 2 ? V1F_PRODUCER_REGS : 0>(
             sh, num_pages, c, domain_bits - c, keyrec, krec, grp, root_seed, root_t, root_stride, chunk_begin,
-            chunk_end, V1fBlockHandover{sh.afrag});
+            chunk_end, V1fBlockHandover());
         return;
     }
     if (V1F_ROWS_IN_FLIGHT == 2) setmaxnreg_inc<V1F_MULTIPLIER_REGS>();
@@ -1084,9 +1072,6 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 #endif
 
 #if HAS_CLUSTERS
-#ifndef V1P_FREE_CTA
-#define V1P_FREE_CTA 1
-#endif
 // A pair's barriers as one team sees them: this block's (cta addresses, to wait on) and both
 // blocks' (cluster addresses, to arrive on)
 struct V1pHandover {
@@ -1096,55 +1081,11 @@ struct V1pHandover {
         mbarrier_arrive_cluster(arrive_own);
         mbarrier_arrive_cluster(arrive_peer);
     }
-    // the multipliers' arrival: it releases no writes, only reads whose values the products have
-    // taken, so at CTA scope (no MEMBAR.GPU, which would wait for the B loads in flight)
-    __device__ __forceinline__ void arrive_after_reads() const {
-#if V1P_FREE_CTA
-        mbarrier_arrive_cluster_cta(arrive_own);
-        mbarrier_arrive_cluster_cta(arrive_peer);
-#else
-        arrive();
-#endif
-    }
 };
-
-// A pair's A fragments: a ring of V1_PAIR_AFRAG_PARTS + 1 parts of a chunk's, part k of chunk i
-// (rows 8 k .. 8 k + 7 of every residue quarter q: residues 32 q + 8 k .., which the multipliers
-// multiply in the order of k) in slot (4 i + k) % 5, rows of 32 lanes (V1P_PART uint4s a slot).
-// The multipliers free chunk i's parts 0-2 once done with part 2 (three quarters through the
-// chunk), which frees the slots chunk i + 1 takes: chunk i - 1's last part's and chunk i's parts
-// 0-2. So the producers transpose chunk i + 1 while the multipliers finish chunk i, where with
-// one buffer the multipliers waited for the transposes every chunk. (Halves, a ring of 3, took
-// 24 KiB more shared memory and left the SMs 28 KiB of L1 instead of 60: slower.)
-#ifndef V1P_RING
-#define V1P_RING 1
-#endif
-#define V1P_PARTS 4
-#define V1P_PART_ROWS (32 / V1P_PARTS)
-#define V1P_PART (4 * V1P_PART_ROWS * 32)
-static_assert(V1_PAIR_AFRAG_PARTS == V1P_PARTS, "the host sizes the ring");
-
-// Slot of part k of a chunk whose part 0 is in slot s0 (k, s0 < V1P_PARTS + 1)
-__device__ __forceinline__ int v1p_slot(int s0, int k) {
-    return V1P_RING ? (s0 + k > V1P_PARTS ? s0 + k - V1P_PARTS - 1 : s0 + k) : k;
-}
-
-// Chunk i's parts in the ring: at(q, b, lane), lane's uint4 of residue 32 q + b
-struct V1pAfragParts {
-    uint4* ring;
-    int s0;  // part 0's slot
-    __device__ __forceinline__ uint4* at(int q, int b, int lane) const {
-        return ring + v1p_slot(s0, b / V1P_PART_ROWS) * V1P_PART + (V1P_PART_ROWS * q + b % V1P_PART_ROWS) * 32 + lane;
-    }
-};
-
-__device__ __forceinline__ int v1p_first_slot(int i) { return V1P_PARTS * i % (V1P_PARTS + 1); }
 
 // The producers' side: wait on this block's `freed`, arrive on both blocks' `ready`
 struct V1pProducerHandover {
     V1pHandover freed, readied;
-    uint4* ring;
-    __device__ __forceinline__ V1pAfragParts afrag(int i) const { return {ring, v1p_first_slot(i)}; }
     __device__ __forceinline__ void wait_free(int i) const { freed.wait(i - 1); }
     __device__ __forceinline__ void ready(int) const { readied.arrive(); }
 };
@@ -1180,12 +1121,11 @@ __device__ __forceinline__ void v1p_load_row(u32 (&w)[8][2], const u32* b_at, in
     }
 }
 
-// Row b's 16 products, 8 column tiles by this block's A fragments (own_at: the lane's of row b's
-// part, at its first row) and the peer's (peer_at, its cluster address), and their fold
+// Row b's 16 products, 8 column tiles by this block's A fragments (own_at: the lane's of residue
+// 32 cq) and the peer's (peer_at, its cluster address), and their fold
 __device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
                                                  const u32 (&w)[8][2], int h, int b, const V1fFold& fold) {
-    const int row = (b % V1P_PART_ROWS) * 32;
-    const uint4 a[2] = {own_at[row], ld_cluster_v4(peer_at + row * 16)};
+    const uint4 a[2] = {own_at[b * V1_FRAG_AFRAG_ROW], ld_cluster_v4(peer_at + b * V1_FRAG_AFRAG_ROW * 16)};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -1196,13 +1136,9 @@ __device__ __forceinline__ void v1p_row_products(u32 (&acc)[2][2][2][8], const u
         }
 }
 
-// A pair's multiplier warp over chunk i, V1P_ROWS rows in flight; own_at, peer_at: the lane's A
-// fragment of residue 32 cq in slot 0 of the ring, here and in the peer. free: whether to free
-// parts 0 .. V1P_PARTS - 2 once multiplied (not after a run's last chunk).
+// A pair's multiplier warp over one chunk, V1P_ROWS rows in flight
 __device__ __forceinline__ void v1p_multiply(u32 (&acc)[2][2][2][8], const uint4* own_at, u32 peer_at,
-                                             const u32* b_at, int i, bool free, const V1pHandover& freed) {
-    static_assert(V1P_PART_ROWS % V1P_ROWS == 0, "a step's rows lie in one part");
-    const int s0 = v1p_first_slot(i);
+                                             const u32* b_at) {
     u32 w[V1P_ROWS][8][2];
 #pragma unroll
     for (int r = 0; r + 1 < V1P_ROWS; ++r) v1p_load_row(w[r], b_at, r);
@@ -1211,18 +1147,13 @@ __device__ __forceinline__ void v1p_multiply(u32 (&acc)[2][2][2][8], const uint4
         V1fFold fold;
 #pragma unroll 1
         for (int s = 0; s < 16; s += V1P_ROWS) {
-            const int part = v1p_slot(s0, (16 * h + s) / V1P_PART_ROWS) * V1P_PART;
-            const uint4* own = own_at + part;
-            const u32 peer = peer_at + part * 16;
 #pragma unroll
             for (int r = 0; r < V1P_ROWS; ++r) {
                 const int b = 16 * h + s + r, ahead = b + V1P_ROWS - 1;
                 if (ahead < 32) v1p_load_row(w[(r + V1P_ROWS - 1) % V1P_ROWS], b_at, ahead);
-                v1p_row_products(acc, own, peer, w[r], h, b, fold);
+                v1p_row_products(acc, own_at, peer_at, w[r], h, b, fold);
                 fold.next();
             }
-            // parts 0 .. V1P_PARTS - 2 read: both blocks' slots of chunk i + 1 may be written
-            if (free && 16 * h + s + V1P_ROWS == (V1P_RING ? 32 - V1P_PART_ROWS : 32)) freed.arrive_after_reads();
         }
     }
 }
@@ -1265,13 +1196,13 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
     if (threadIdx.x >= V1F_TEAM) {
         v1f_produce<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
                                                       root_seed, root_t, root_stride, chunk_begin, chunk_end,
-                                                      V1pProducerHandover{freed, ready, sh.afrag});
+                                                      V1pProducerHandover{freed, ready});
     } else {
         setmaxnreg_inc<V1P_MULTIPLIER_REGS>();  // (sm_90a; elsewhere a no-op, as the producers' setmaxnreg_dec)
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         const int cq = warp & 3, slice0 = 64 * (int)rank + 32 * (warp >> 2);
-        // the lane's A fragment of residue 32 cq in the ring's slot 0 (V1pAfragParts), here and in the peer
-        const uint4* own_at = sh.afrag + V1P_PART_ROWS * cq * 32 + lane;
+        // the lane's A fragment of residue 32 cq (row b: + b V1_FRAG_AFRAG_ROW), here and in the peer
+        const uint4* own_at = sh.afrag + v1f_afrag_index(32 * cq, lane);
         const u32 peer_at = cluster_address(shared_address(own_at), rank ^ 1);
         // [own tile, peer's][key g, g + 8][bit half h][column tile j], as dpf_scan_v1_frag's acc[..][c][j]
         u32 acc[2][2][2][8];
@@ -1283,7 +1214,8 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
             // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
             const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
                               + fragment_offset(t, cq + 4 * (g & 1));
-            v1p_multiply(acc, own_at, peer_at, b_at, i, chunk + 1 < chunk_end, freed);
+            v1p_multiply(acc, own_at, peer_at, b_at);
+            if (chunk + 1 < chunk_end) freed.arrive();  // both blocks' A fragments may be overwritten
         }
 #pragma unroll
         for (int u = 0; u < 2; ++u) {

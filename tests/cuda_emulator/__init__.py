@@ -110,9 +110,6 @@ EMULATED = {
     "__device__ __forceinline__ void mbarrier_arrive_cluster(": """__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
     emu_mbarrier_arrive(bar);
 }""",
-    "__device__ __forceinline__ void mbarrier_arrive_cluster_cta(": """__device__ __forceinline__ void mbarrier_arrive_cluster_cta(u32 bar) {
-    emu_mbarrier_arrive(bar);
-}""",
     "__device__ __forceinline__ uint4 ld_cluster_v4(": """__device__ __forceinline__ uint4 ld_cluster_v4(u32 at) {
     return emu_ld_cluster_v4(at);
 }""",
