@@ -345,81 +345,12 @@ __device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int k
     }
 }
 
-#ifndef V1F_ROOT_AHEAD
-#define V1F_ROOT_AHEAD 1
-#endif
-#ifndef V1P_CLOCKS
-#define V1P_CLOCKS 0
-#endif
-#if V1P_CLOCKS
-// probe: SM cycles summed over warps (lane 0): 0 multipliers' READY waits, 1 multipliers' loop,
-// 2 producers' expansion, 3 FREE waits, 4 transposes, 5 READY arrive + team_sync, 6 producers' loop
-__device__ unsigned long long v1p_clocks[8];
-__device__ unsigned long long v1p_levels[8];
-#define CLK_T(v) long long v = clock64()
-#define CLK_ADD(slot, t0) do { const long long _t = clock64(); if ((threadIdx.x & 31) == 0) atomicAdd((slot) < 8 ? &v1p_clocks[(slot) & 7] : &v1p_levels[(slot) & 7], (unsigned long long)(_t - (t0))); } while (0)
-#else
-#define CLK_T(v)
-#define CLK_ADD(slot, t0)
-#endif
-
-// A chunk's root for one live key (the team's threads tid < keys.live, key key0 + tid): its seed
-// and t bit, from the key record where the chunk is the whole tree (depth_top 0), else from the
-// top stages' output.
-struct ChunkRoot {
-    uint4 seed;
-    u32 t;
-};
-
-template <int G>
-__device__ __forceinline__ ChunkRoot load_chunk_root(long long chunk, int depth_top, const u32* keyrec, int krec,
-                                                     int key0, const uint4* root_seed, const u8* root_t,
-                                                     long long root_stride, LiveKeys keys, Team team) {
-    ChunkRoot root = {make_uint4(0, 0, 0, 0), 0u};
-    if ((unsigned)team.tid < (unsigned)keys.live) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
-        const int key = key0 + team.tid;
-        if (depth_top == 0) {
-            const u32* rec = keyrec + (long long)key * krec;
-            root = {make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]),
-                    rec[KREC_ROOT_T]};
-        } else {
-            root = {root_seed[key * root_stride + chunk], root_t[key * root_stride + chunk]};
-        }
-    }
-    return root;
-}
-
-// Expands a chunk (2^c leaves under one node, n_leaves of them live; root: load_chunk_root's) for
+// Expands chunk `chunk` (2^c leaves under one node of depth depth_top, n_leaves of them live) for
 // keys key0 .. key0 + G - 1 (the first keys.live of them) in shared memory: its leaves land in
 // `big` as masks, [leaf * G + key].
 // Level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1)
 // land there; the chunk roots sit where level -1 would have written. The team's threads do the
 // work and meet at its barrier, last after the leaves.
-template <int G>
-__device__ __forceinline__ void expand_chunk_from(ChunkRoot root, int c, int n_leaves, uint4* big, uint4* half,
-                                                  u8* big_t, u8* half_t, const uint4* cw_seed, const u8* cw_t,
-                                                  const uint4* final_cw, LiveKeys keys, Team team) {
-    uint4* root_buf = (c & 1) ? half : big;
-    u8* root_buf_t = (c & 1) ? half_t : big_t;
-    if ((unsigned)team.tid < (unsigned)keys.live) {
-        root_buf[team.tid] = root.seed;
-        root_buf_t[team.tid] = (u8)root.t;
-    }
-    team_sync(team);
-    for (int l = 0; l < c; ++l) {
-        CLK_T(tx);
-        const int to_big = ((c - 1 - l) & 1) == 0;
-        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
-        expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
-                        to_big ? big : half, to_big ? big_t : half_t, n_par,
-                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
-        team_sync(team);
-        if (team.barrier != 0) CLK_ADD(8 + (l & 7), tx);
-    }
-}
-
-// expand_chunk_from chunk `chunk`'s root, loaded here (dpf_scan<G>'s whole block, where other
-// warps' loads hide the wait)
 template <int G>
 __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leaves, int depth_top,
                                              const u32* keyrec, int krec, int key0,
@@ -427,9 +358,28 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              uint4* big, uint4* half, u8* big_t, u8* half_t,
                                              const uint4* cw_seed, const u8* cw_t, const uint4* final_cw,
                                              LiveKeys keys, Team team) {
-    expand_chunk_from<G>(load_chunk_root<G>(chunk, depth_top, keyrec, krec, key0, root_seed, root_t, root_stride,
-                                            keys, team),
-                         c, n_leaves, big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys, team);
+    uint4* root_buf = (c & 1) ? half : big;
+    u8* root_buf_t = (c & 1) ? half_t : big_t;
+    if ((unsigned)team.tid < (unsigned)keys.live) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
+        const int key = key0 + team.tid;
+        if (depth_top == 0) {
+            const u32* rec = keyrec + (long long)key * krec;
+            root_buf[team.tid] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+            root_buf_t[team.tid] = (u8)rec[KREC_ROOT_T];
+        } else {
+            root_buf[team.tid] = root_seed[key * root_stride + chunk];
+            root_buf_t[team.tid] = root_t[key * root_stride + chunk];
+        }
+    }
+    team_sync(team);
+    for (int l = 0; l < c; ++l) {
+        const int to_big = ((c - 1 - l) & 1) == 0;
+        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
+        expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
+                        to_big ? big : half, to_big ? big_t : half_t, n_par,
+                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
+        team_sync(team);
+    }
 }
 
 template <int G>
@@ -980,7 +930,6 @@ __device__ __forceinline__ V1fGroup v1f_group(int group, int num_groups, int num
     return {group * per_group + min(group, extra), per_group + (group < extra ? 1 : 0)};
 }
 
-
 // The producers' side of a run (threads V1F_TEAM.. of the block): each chunk's tree expanded,
 // then, once the multipliers are done with the previous chunk's A fragments (hand.wait_free(i),
 // from the run's second chunk i = 1 on), turned into its A fragments, which are handed over
@@ -996,39 +945,16 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
     const LiveKeys keys = live_keys(grp.live);
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
-    CLK_T(tl);
-    // each chunk's roots loaded a chunk ahead: beside the multipliers' stream of loads a global
-    // load takes microseconds, which the producers waited out at every chunk's start
-    ChunkRoot root = load_chunk_root<G>(chunk_begin, depth_top, keyrec, krec, grp.key0, root_seed, root_t,
-                                        root_stride, keys, producers);
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
-        CLK_T(t0);
-#if V1F_ROOT_AHEAD
-        const ChunkRoot next = chunk + 1 < chunk_end ? load_chunk_root<G>(chunk + 1, depth_top, keyrec, krec, grp.key0,
-                                                                          root_seed, root_t, root_stride, keys, producers)
-                                                     : root;
-        expand_chunk_from<G>(root, c, n_leaves, sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t,
-                             sh.final_cw, keys, producers);
-        root = next;
-#else
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
                         sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
-#endif
-        CLK_ADD(2, t0);
         const int i = (int)(chunk - chunk_begin);
-        CLK_T(t1);
         if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
-        CLK_ADD(3, t1);
-        CLK_T(t2);
         v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
-        CLK_ADD(4, t2);
-        CLK_T(t3);
         hand.ready(i);                // chunk's A fragments are in place
         team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
-        CLK_ADD(5, t3);
     }
-    CLK_ADD(6, tl);
 }
 
 // One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
@@ -1282,19 +1208,15 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
         u32 acc[2][2][2][8];
 #pragma unroll
         for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
-        CLK_T(tl);
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int i = (int)(chunk - chunk_begin);
-            CLK_T(t0);
             ready.wait(i);  // both blocks' A fragments of the chunk are in place
-            CLK_ADD(0, t0);
             // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
             const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
                               + fragment_offset(t, cq + 4 * (g & 1));
             v1p_multiply(acc, own_at, peer_at, b_at);
             if (chunk + 1 < chunk_end) freed.arrive();  // both blocks' A fragments may be overwritten
         }
-        CLK_ADD(1, tl);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const V1fGroup tile = u == 0 ? grp : peer;
