@@ -957,29 +957,6 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     }
 }
 
-// The producers' side of a pair's run where the multipliers transpose (V1P_MT): each chunk's
-// tree expanded into big once the multipliers have taken the previous chunk's leaves (bar.sync
-// V1F_AFRAG_FREE, from the run's second chunk on), then handed over (bar.arrive V1F_AFRAG_READY).
-// The producers bind a pair's two-group batches (a probe of the teams' cycles, NOTES-cuda.md:
-// the multipliers waited for the A fragments ~20% of the time at Q = 8, the producers for the
-// multipliers under 1%), so their transposes, ~7% of their time, go to the multipliers.
-template <int G, int Regs>
-__device__ __forceinline__ void v1p_produce_leaves(const V1fShared& sh, long long num_pages, int c, int depth_top,
-                                                   const u32* keyrec, int krec, V1fGroup grp,
-                                                   const uint4* root_seed, const u8* root_t, long long root_stride,
-                                                   long long chunk_begin, long long chunk_end) {
-    if (Regs > 0) setmaxnreg_dec<Regs>();
-    const LiveKeys keys = live_keys(grp.live);
-    const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
-    for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
-        if (chunk > chunk_begin) named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // chunk - 1's leaves taken
-        expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
-                        sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
-        named_barrier_arrive(V1F_AFRAG_READY, V1_FRAG_THREADS);  // the chunk's leaves are in big
-    }
-}
-
 // One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
 struct V1fBlockHandover {
     __device__ __forceinline__ void wait_free(int) const { named_barrier(V1F_AFRAG_FREE, V1_FRAG_THREADS); }
@@ -1120,9 +1097,6 @@ struct V1pProducerHandover {
 // 28.7 with 4 and 176, 28.7 with 2 and 176; 2 rows and 168 registers spilled and took 28.4-33.6.
 // Elsewhere (no setmaxnreg: 128 registers a thread) 1 row, which does not spill (2 do). Variants
 // to time: -DV1P_ROWS=n, -DV1P_MULTIPLIER_REGS=n.
-#ifndef V1P_MT
-#define V1P_MT 1
-#endif
 #ifndef V1P_ROWS
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define V1P_ROWS 4
@@ -1131,7 +1105,7 @@ struct V1pProducerHandover {
 #endif
 #endif
 #ifndef V1P_MULTIPLIER_REGS
-#define V1P_MULTIPLIER_REGS (V1P_MT ? 192 : 184)  // the transposes' registers beside the accumulators
+#define V1P_MULTIPLIER_REGS 184
 #endif
 static_assert(V1P_ROWS == 1 || V1P_ROWS == 2 || V1P_ROWS == 4, "rows in flight divide 16, and 8 (128 registers) spill");
 static_assert(V1P_MULTIPLIER_REGS % 8 == 0 && V1P_MULTIPLIER_REGS >= 128 && V1P_MULTIPLIER_REGS <= 232,
@@ -1220,13 +1194,9 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
     const V1pHandover freed = {freed_at, cluster_address(freed_at, rank), cluster_address(freed_at, rank ^ 1)};
 
     if (threadIdx.x >= V1F_TEAM) {
-        if (V1P_MT)
-            v1p_produce_leaves<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
-                                                                 root_seed, root_t, root_stride, chunk_begin, chunk_end);
-        else
-            v1f_produce<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
-                                                          root_seed, root_t, root_stride, chunk_begin, chunk_end,
-                                                          V1pProducerHandover{freed, ready});
+        v1f_produce<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
+                                                      root_seed, root_t, root_stride, chunk_begin, chunk_end,
+                                                      V1pProducerHandover{freed, ready});
     } else {
         setmaxnreg_inc<V1P_MULTIPLIER_REGS>();  // (sm_90a; elsewhere a no-op, as the producers' setmaxnreg_dec)
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1238,17 +1208,8 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
         u32 acc[2][2][2][8];
 #pragma unroll
         for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
-        const LiveKeys keys = live_keys(grp.live);
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int i = (int)(chunk - chunk_begin);
-            if (V1P_MT) {
-                named_barrier(V1F_AFRAG_READY, V1_FRAG_THREADS);  // the chunk's leaves are in big
-                if (i > 0) freed.wait(i - 1);  // both blocks' multipliers are done with chunk - 1's A fragments
-                v1f_make_afrag<G>(sh.afrag, sh.big, threadIdx.x, (int)min((long long)(1 << c), num_pages - (chunk << c)),
-                                  keys);
-                if (chunk + 1 < chunk_end) named_barrier_arrive(V1F_AFRAG_FREE, V1_FRAG_THREADS);  // big read
-                ready.arrive();  // this block's A fragments of the chunk are in place, for both blocks
-            }
             ready.wait(i);  // both blocks' A fragments of the chunk are in place
             // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
             const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
