@@ -360,9 +360,6 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              LiveKeys keys, Team team) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
-#ifdef V1F_DIAG_NOROOT  // probe: a team's chunks load no root past chunk 0 (mod n): answers wrong by design
-    if (team.barrier != 0 && chunk > 0 && (chunk % V1F_DIAG_NOROOT) != 0) { team_sync(team); goto levels; }
-#endif
     if ((unsigned)team.tid < (unsigned)keys.live) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
         const int key = key0 + team.tid;
         if (depth_top == 0) {
@@ -375,9 +372,6 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
         }
     }
     team_sync(team);
-#ifdef V1F_DIAG_NOROOT
-levels:
-#endif
     for (int l = 0; l < c; ++l) {
         const int to_big = ((c - 1 - l) & 1) == 0;
         const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
