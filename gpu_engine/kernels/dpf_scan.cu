@@ -345,28 +345,6 @@ __device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int k
     }
 }
 
-#ifndef V1P_CLOCKS
-#define V1P_CLOCKS 0
-#endif
-// probe (WIP): clock() spans summed in registers over a run, flushed once a run by lane 0 into
-// v1p_clocks (u64): 0 multipliers' READY waits, 1 multipliers' loop, 2 producers' loop, 3 a
-// chunk's start to its first level (root store, first barrier), 4 levels 0-5, 5 levels 6-7,
-// 6 FREE waits, 7 transposes, 8 READY arrive + barrier
-struct ClockAcc {
-    u32 v[9];
-};
-#if V1P_CLOCKS
-__device__ unsigned long long v1p_clocks[16];
-__device__ __forceinline__ u32 clk_now() { return (u32)clock(); }
-__device__ __forceinline__ void clk_flush(const ClockAcc& a) {
-    if ((threadIdx.x & 31) == 0)
-        for (int k = 0; k < 9; ++k) atomicAdd(&v1p_clocks[k], (unsigned long long)a.v[k]);
-}
-#else
-__device__ __forceinline__ u32 clk_now() { return 0u; }
-__device__ __forceinline__ void clk_flush(const ClockAcc&) {}
-#endif
-
 // Expands chunk `chunk` (2^c leaves under one node of depth depth_top, n_leaves of them live) for
 // keys key0 .. key0 + G - 1 (the first keys.live of them) in shared memory: its leaves land in
 // `big` as masks, [leaf * G + key].
@@ -379,8 +357,7 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              const uint4* root_seed, const u8* root_t, long long root_stride,
                                              uint4* big, uint4* half, u8* big_t, u8* half_t,
                                              const uint4* cw_seed, const u8* cw_t, const uint4* final_cw,
-                                             LiveKeys keys, Team team, ClockAcc* clk = nullptr) {
-    const u32 c0 = clk_now();
+                                             LiveKeys keys, Team team) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
     if ((unsigned)team.tid < (unsigned)keys.live) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
@@ -395,8 +372,6 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
         }
     }
     team_sync(team);
-    u32 c1 = clk_now();
-    if (V1P_CLOCKS && clk) clk->v[3] += c1 - c0;
     for (int l = 0; l < c; ++l) {
         const int to_big = ((c - 1 - l) & 1) == 0;
         const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
@@ -404,11 +379,6 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                         to_big ? big : half, to_big ? big_t : half_t, n_par,
                         &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
         team_sync(team);
-        if (V1P_CLOCKS && clk) {
-            const u32 c2 = clk_now();
-            clk->v[l < c - 2 ? 4 : 5] += c2 - c1;
-            c1 = c2;
-        }
     }
 }
 
@@ -975,27 +945,16 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
     const LiveKeys keys = live_keys(grp.live);
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
-    ClockAcc clk = {};
-    const u32 t_run = clk_now();
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
         expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
-                        sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers, &clk);
+                        sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
         const int i = (int)(chunk - chunk_begin);
-        const u32 t1 = clk_now();
         if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
-        const u32 t2 = clk_now();
         v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
-        const u32 t3 = clk_now();
         hand.ready(i);                // chunk's A fragments are in place
         team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
-        const u32 t4 = clk_now();
-        clk.v[6] += t2 - t1;
-        clk.v[7] += t3 - t2;
-        clk.v[8] += t4 - t3;
     }
-    clk.v[2] = clk_now() - t_run;
-    clk_flush(clk);
 }
 
 // One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
@@ -1249,21 +1208,15 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
         u32 acc[2][2][2][8];
 #pragma unroll
         for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
-        ClockAcc clk = {};
-        const u32 t_run = clk_now();
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int i = (int)(chunk - chunk_begin);
-            const u32 t0 = clk_now();
             ready.wait(i);  // both blocks' A fragments of the chunk are in place
-            clk.v[0] += clk_now() - t0;
             // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
             const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
                               + fragment_offset(t, cq + 4 * (g & 1));
             v1p_multiply(acc, own_at, peer_at, b_at);
             if (chunk + 1 < chunk_end) freed.arrive();  // both blocks' A fragments may be overwritten
         }
-        clk.v[1] = clk_now() - t_run;
-        clk_flush(clk);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const V1fGroup tile = u == 0 ? grp : peer;
