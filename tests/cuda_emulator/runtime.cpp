@@ -69,55 +69,58 @@ void break_barriers(const char* what, int id, int threads) {
     ++barrier_faults;
 }
 
-// A named barrier (bar.sync id, count): `count` threads, in phases. A phase that does not fill
-// within kNamedWait means threads wait for others that never come (fewer threads name the
-// barrier than its count, or some wait at another barrier): on a GPU, a hang.
+// A barrier of `count` arrivals a phase: a named barrier (bar.sync id, count), or an mbarrier
+// (arrivals by any thread of the cluster; a wait for the phase of a parity returns once that
+// phase has completed, at once for the parity of the phase before the current one, as on a GPU).
+// A wait that is not over within kNamedWait means threads wait for others that never come (fewer
+// threads arrive than the count, or some wait at another barrier): on a GPU, a hang.
 constexpr auto kNamedWait = std::chrono::seconds(60);
 constexpr auto kNamedPoll = std::chrono::milliseconds(100);
-struct NamedBarrier {
-    explicit NamedBarrier(int count) : count(count) {}
-    // bar.arrive: counted, and the phase opened if this fills it, without waiting for it
+struct PhasedBarrier {
+    explicit PhasedBarrier(int count) : count(count) {}
+    // an arrival (bar.arrive, mbarrier.arrive): counted, and the phase completed if this fills it,
+    // without waiting for it
     void arrive() {
         std::lock_guard<std::mutex> lock(mutex);
         count_arrival();
     }
+    // bar.sync: an arrival, then the wait for the phase it arrived in
     void arrive_and_wait(int id) {
         std::unique_lock<std::mutex> lock(mutex);
         const unsigned long long phase = phases;
-        if (count_arrival()) return;
-        const auto deadline = std::chrono::steady_clock::now() + kNamedWait;
-        // woken by the phase, else looks every kNamedPoll for another barrier's break
-        while (!opened.wait_for(lock, kNamedPoll, [&] { return phases != phase || barriers_broken; })) {
-            if (std::chrono::steady_clock::now() >= deadline) {
-                break_barriers("a named barrier's phase never filled", id, count);
-                return;
-            }
-        }
+        if (!count_arrival()) wait(lock, [&] { return phases != phase; }, "a named barrier's phase never filled", id);
     }
-    // one more thread arrived (the mutex held): true where it filled the phase, which opens
+    // mbarrier.try_wait.parity in a loop: until the phase of parity `parity` has completed
+    void wait_parity(unsigned parity, int id) {
+        std::unique_lock<std::mutex> lock(mutex);
+        wait(lock, [&] { return (phases & 1) != parity; }, "an mbarrier's phase never completed", id);
+    }
+    const int count;
+    int arrived = 0;                // in the current phase
+    unsigned long long phases = 0;  // completed
+    std::mutex mutex;
+    std::condition_variable completed;
+
+  private:
+    // one more arrival (the mutex held): true where it filled the phase, which completes
     bool count_arrival() {
         if (++arrived != count) return false;
         arrived = 0;
         ++phases;
-        opened.notify_all();
+        completed.notify_all();
         return true;
     }
-    const int count;
-    int arrived = 0;
-    unsigned long long phases = 0;
-    std::mutex mutex;
-    std::condition_variable opened;
-};
-
-// An mbarrier: `count` arrivals a phase; a wait for the phase of a parity returns once that phase
-// has completed (at once for the parity of the phase before the current one, as on a GPU)
-struct Mbarrier {
-    explicit Mbarrier(int count) : count(count), pending(count) {}
-    const int count;
-    int pending;
-    unsigned long long phases = 0;  // completed
-    std::mutex mutex;
-    std::condition_variable completed;
+    // woken by a phase's completion, else looks every kNamedPoll for another barrier's break
+    template <class Done>
+    void wait(std::unique_lock<std::mutex>& lock, Done done, const char* never, int id) {
+        const auto deadline = std::chrono::steady_clock::now() + kNamedWait;
+        while (!completed.wait_for(lock, kNamedPoll, [&] { return done() || barriers_broken; })) {
+            if (std::chrono::steady_clock::now() >= deadline) {
+                break_barriers(never, id, count);
+                return;
+            }
+        }
+    }
 };
 
 // A block being run: its shared memory (dynamic, the canary, then the static words of
@@ -129,9 +132,9 @@ struct Block {
     std::vector<unsigned char> shared;
     std::unique_ptr<std::barrier<>> barrier;
     std::unique_ptr<Warp[]> warps;
-    std::unique_ptr<NamedBarrier> named_barriers[16];
+    std::unique_ptr<PhasedBarrier> named_barriers[16];
     std::mutex named_mutex;
-    std::map<unsigned, std::unique_ptr<Mbarrier>> mbarriers;
+    std::map<unsigned, std::unique_ptr<PhasedBarrier>> mbarriers;
     std::mutex mbarrier_mutex;
 };
 std::unique_ptr<Block[]> blocks;  // the cluster being run (one block where the launch has no clusters)
@@ -286,7 +289,7 @@ void emu_launch(unsigned gx, unsigned gy, unsigned threads, size_t smem, const s
                             break_barriers("a named barrier's phase left unfilled at the block's end", id,
                                            block->named_barriers[id]->count);
                     for (auto& [at, m] : block->mbarriers)  // arrivals the block's barriers never completed
-                        if (m->pending != m->count)
+                        if (m->arrived != 0)
                             break_barriers("an mbarrier's phase left unfilled at the block's end", (int)at, m->count);
                 }
             }
@@ -301,8 +304,8 @@ void __syncthreads() { block->barrier->arrive_and_wait(); }
 
 namespace {
 // Barrier id of `threads` threads, made at its first use (null once the launch's barriers broke)
-NamedBarrier* named_barrier_of(int id, int threads) {
-    NamedBarrier* bar;
+PhasedBarrier* named_barrier_of(int id, int threads) {
+    PhasedBarrier* bar;
     {
         std::lock_guard<std::mutex> lock(block->named_mutex);
         if (barriers_broken) return nullptr;
@@ -312,7 +315,7 @@ NamedBarrier* named_barrier_of(int id, int threads) {
             return nullptr;
         }
         auto& named = block->named_barriers[id];
-        if (!named) named = std::make_unique<NamedBarrier>(threads);
+        if (!named) named = std::make_unique<PhasedBarrier>(threads);
         if (named->count != threads) {
             break_barriers("a named barrier named with another thread count than at its first use", id, threads);
             return nullptr;
@@ -324,11 +327,11 @@ NamedBarrier* named_barrier_of(int id, int threads) {
 }  // namespace
 
 void emu_named_barrier(int id, int threads) {
-    if (NamedBarrier* bar = named_barrier_of(id, threads)) bar->arrive_and_wait(id);
+    if (PhasedBarrier* bar = named_barrier_of(id, threads)) bar->arrive_and_wait(id);
 }
 
 void emu_named_barrier_arrive(int id, int threads) {
-    if (NamedBarrier* bar = named_barrier_of(id, threads)) bar->arrive();
+    if (PhasedBarrier* bar = named_barrier_of(id, threads)) bar->arrive();
 }
 
 void emu_mma_and_popc(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
@@ -365,7 +368,7 @@ unsigned long long& emu_block_word(int i) {
 
 namespace {
 // The mbarrier at offset `at` of block `b` (null, and the launch's barriers broken, if none was made there)
-Mbarrier* mbarrier_at(Block& b, unsigned at) {
+PhasedBarrier* mbarrier_at(Block& b, unsigned at) {
     std::lock_guard<std::mutex> lock(b.mbarrier_mutex);
     const auto found = b.mbarriers.find(at);
     if (found != b.mbarriers.end()) return found->second.get();
@@ -376,7 +379,7 @@ Mbarrier* mbarrier_at(Block& b, unsigned at) {
 
 void emu_mbarrier_init(unsigned bar, unsigned count) {
     std::lock_guard<std::mutex> lock(block->mbarrier_mutex);
-    block->mbarriers[bar] = std::make_unique<Mbarrier>((int)count);
+    block->mbarriers[bar] = std::make_unique<PhasedBarrier>((int)count);
 }
 
 namespace {
@@ -393,27 +396,13 @@ void emu_mbarrier_arrive(unsigned cluster_bar) {
         break_barriers("an mbarrier arrival at a rank outside the cluster", (int)cluster_bar, 0);
         return;
     }
-    Mbarrier* m = mbarrier_at(*b, cluster_bar & 0xFFFFFFu);
-    if (m == nullptr) return;
-    std::lock_guard<std::mutex> lock(m->mutex);
-    if (--m->pending == 0) {
-        m->pending = m->count;
-        ++m->phases;
-        m->completed.notify_all();
-    }
+    PhasedBarrier* m = mbarrier_at(*b, cluster_bar & 0xFFFFFFu);
+    if (m != nullptr) m->arrive();
 }
 
 void emu_mbarrier_wait(unsigned bar, unsigned parity) {
-    Mbarrier* m = mbarrier_at(*block, bar);
-    if (m == nullptr) return;
-    std::unique_lock<std::mutex> lock(m->mutex);
-    const auto deadline = std::chrono::steady_clock::now() + kNamedWait;
-    while (!m->completed.wait_for(lock, kNamedPoll, [&] { return (m->phases & 1) != parity || barriers_broken; })) {
-        if (std::chrono::steady_clock::now() >= deadline) {
-            break_barriers("an mbarrier's phase never completed", (int)bar, m->count);
-            return;
-        }
-    }
+    PhasedBarrier* m = mbarrier_at(*block, bar);
+    if (m != nullptr) m->wait_parity(parity, (int)bar);
 }
 
 uint4 emu_ld_cluster_v4(unsigned at) {
