@@ -54,66 +54,67 @@ def _definition(source: str, head: str) -> str:
         i += 1
 
 
-# Definitions the shim (cuda_emu.h) replaces, by their first line: inline PTX cannot build for a
+# Definitions the shim (cuda_emu.h) replaces, each the one of the kernel text that starts as it
+# does, to its first parenthesis: inline PTX cannot build for a
 # CPU. mma.sync's product comes from the runtime; cp.async copies land when issued or at the
 # wait_group that lets them (COPIES_LAND: the earliest and the latest a copy may); an L2 prefetch
 # (plain or evict_last) loads nothing, but is counted and its address checked; bar.sync's and bar.arrive's named barriers are
 # the runtime's.
-EMULATED = {
-    "__device__ __forceinline__ void mma_and_popc(": """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+EMULATED = (
+    """__device__ __forceinline__ void mma_and_popc(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     emu_mma_and_popc(d, a0, a1, a2, a3, b0, b1);
 }""",
-    "__device__ __forceinline__ u32 shared_address(": """__device__ __forceinline__ u32 shared_address(const void* p) {
+    """__device__ __forceinline__ u32 shared_address(const void* p) {
     return (u32)((const unsigned char*)p - emu_dynamic_smem);
 }""",
-    "__device__ __forceinline__ void cp_async16(": """__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    """__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     emu_cp_async16(dst, src);
 }""",
-    "__device__ __forceinline__ void cp_async_commit(": """__device__ __forceinline__ void cp_async_commit() {
+    """__device__ __forceinline__ void cp_async_commit() {
     emu_cp_async_commit();
 }""",
-    "__device__ __forceinline__ void prefetch_l2(": """__device__ __forceinline__ void prefetch_l2(const void* p) {
+    """__device__ __forceinline__ void prefetch_l2(const void* p) {
     emu_prefetch_l2(p);
 }""",
-    "__device__ __forceinline__ void prefetch_l2_last(": """__device__ __forceinline__ void prefetch_l2_last(const void* p) {
+    """__device__ __forceinline__ void prefetch_l2_last(const void* p) {
     emu_prefetch_l2(p);
 }""",
-    "__device__ __forceinline__ void named_barrier(": """__device__ __forceinline__ void named_barrier(int id, int threads) {
+    """__device__ __forceinline__ void named_barrier(int id, int threads) {
     emu_named_barrier(id, threads);
 }""",
-    "__device__ __forceinline__ void named_barrier_arrive(": """__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    """__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     emu_named_barrier_arrive(id, threads);
 }""",
-    "__device__ __forceinline__ void cp_async_wait(": """__device__ __forceinline__ void cp_async_wait() {
+    """__device__ __forceinline__ void cp_async_wait() {
     emu_cp_async_wait(N);
 }""",
     # thread-block clusters: the runtime's (cluster addresses (rank + 1) << 24 | offset, mbarriers by address)
-    "__device__ __forceinline__ void cluster_sync(": """__device__ __forceinline__ void cluster_sync() {
+    """__device__ __forceinline__ void cluster_sync() {
     emu_cluster_sync();
 }""",
-    "__device__ __forceinline__ void mbarrier_init(": """__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
+    """__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
     emu_mbarrier_init(bar, count);
 }""",
-    "__device__ __forceinline__ void fence_mbarrier_init(": """__device__ __forceinline__ void fence_mbarrier_init() {}""",
-    "__device__ __forceinline__ void mbarrier_wait(": """__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    """__device__ __forceinline__ void fence_mbarrier_init() {}""",
+    """__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     emu_mbarrier_wait(bar, parity);
 }""",
-    "__device__ __forceinline__ void mbarrier_wait_cluster(": """__device__ __forceinline__ void mbarrier_wait_cluster(u32 bar, u32 parity) {
+    """__device__ __forceinline__ void mbarrier_wait_cluster(u32 bar, u32 parity) {
     emu_mbarrier_wait(bar, parity);
 }""",
-    "__device__ __forceinline__ u32 cluster_rank(": """__device__ __forceinline__ u32 cluster_rank() {
+    """__device__ __forceinline__ u32 cluster_rank() {
     return emu_cluster_rank();
 }""",
-    "__device__ __forceinline__ u32 cluster_address(": """__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
+    """__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
     return (rank + 1) << 24 | local;
 }""",
-    "__device__ __forceinline__ void mbarrier_arrive_cluster(": """__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
+    """__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar) {
     emu_mbarrier_arrive(bar);
 }""",
-    "__device__ __forceinline__ uint4 ld_cluster_v4(": """__device__ __forceinline__ uint4 ld_cluster_v4(u32 at) {
+    """__device__ __forceinline__ uint4 ld_cluster_v4(u32 at) {
     return emu_ld_cluster_v4(at);
 }""",
-}
+)
 # Static __shared__ words of a kernel whose blocks run at once (a cluster's), as the runtime's
 # emu_block_word: static arrays are process-wide here
 BLOCK_WORDS = {
@@ -129,7 +130,8 @@ def emulated_text(name: str) -> str:
     """Kernel file `name` as NVRTC gets it, rewritten for the shim: EMULATED's definitions,
     __noinline__ as GCC spells it, BLOCK_WORDS, and dynamic shared memory as the block's buffer."""
     text = kernel_source(name)
-    for head, body in EMULATED.items():
+    for body in EMULATED:
+        head = body[: body.index("(") + 1]
         if head in text:
             text = text.replace(_definition(text, head), body)
     # __noinline__ as a macro would break the standard headers that spell the attribute so
