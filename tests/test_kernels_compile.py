@@ -62,7 +62,8 @@ def test_the_host_constants_are_the_compilers_d_options():
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
                             "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS", "V1_FRAG_CHUNK_LEVELS",
-                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_FRAG_ALU_KEYS"}
+                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_FRAG_TOP_CHUNKS", "V1_FRAG_TOP_LEVELS",
+                            "V1_FRAG_ALU_KEYS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}
     assert [o for o in NVRTC_OPTIONS if o.startswith("-D")] == [
@@ -224,8 +225,17 @@ def test_the_v1_fragments_scan_carves_dpf_scans_regions_for_chunks_of_one_k_step
         assert "const V1fShared sh = v1f_shared<G>(smem);" in body[:body.index("\n}")]
     assert cuda_plan.V1_FRAG_AFRAG_BYTES == (128 * 36 + 4) * 16
     assert "return r * V1_FRAG_AFRAG_ROW + (r >> 5) + lane;" in code
+    # then the first levels' nodes of a batch of chunks (seeds, then t bytes), found from afrag
+    assert "uint4* seed = sh.afrag + 128 * V1_FRAG_AFRAG_ROW + 4;" in code
+    assert "return {seed, (u8*)(seed + V1F_TOP_NODES * G)};" in code
+    assert "#define V1F_TOP_NODES (V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS)" in code
+    assert cuda_plan.V1_FRAG_TOPS_BYTES == (cuda_plan.V1_FRAG_TOP_CHUNKS << cuda_plan.V1_FRAG_TOP_LEVELS) * g * (16 + 1)
     assert cuda_plan.plan_scan(3, 2, 3, key_format=1, layout="fragments").shared_bytes == \
-        cuda_plan.scan_shared_bytes(g, c) + cuda_plan.V1_FRAG_AFRAG_BYTES == cuda_plan.v1_frag_shared_bytes()
+        cuda_plan.scan_shared_bytes(g, c) + cuda_plan.V1_FRAG_AFRAG_BYTES + cuda_plan.V1_FRAG_TOPS_BYTES == \
+        cuda_plan.v1_frag_shared_bytes()
+    # under the SM's 196 KiB carve-out of shared memory (1 KiB of it the system's, 16 bytes the
+    # pair's barriers): 60 KiB of L1 left
+    assert cuda_plan.v1_frag_shared_bytes() + 16 <= 195 * 1024
 
 
 def test_argument_builders_follow_the_v2_kernel_signatures():

@@ -73,6 +73,13 @@ V1_FRAG_THREADS = 2 * SCAN_THREADS  # 512
 # after each 32 residues, so the ALU path's reads of 16 residues at once take 8 bank slots)
 V1_FRAG_AFRAG_ROW = 36
 V1_FRAG_AFRAG_BYTES = (128 * V1_FRAG_AFRAG_ROW + 4) * 16  # bytes: the A fragments of a chunk (128 residues)
+# the producers expand the first V1_FRAG_TOP_LEVELS levels of V1_FRAG_TOP_CHUNKS chunks' trees
+# together (alone, each of those levels was one ChaCha8 chain with most threads idle), keeping the
+# nodes of level V1_FRAG_TOP_LEVELS (seed and t) for the chunks: V1_FRAG_TOPS_BYTES, which keeps
+# a block under 195 KiB (the SM's shared memory carve-out of 196 KiB, with 60 KiB of L1 left)
+V1_FRAG_TOP_CHUNKS = 8
+V1_FRAG_TOP_LEVELS = 3
+V1_FRAG_TOPS_BYTES = (V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS) * V1_FRAG_GROUP_KEYS * 17  # bytes
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
 # batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores (an
@@ -180,6 +187,8 @@ def kernel_defines() -> Dict[str, int]:
         "V1_FRAG_CHUNK_LEVELS": V1_FRAG_CHUNK_LEVELS,
         "V1_FRAG_THREADS": V1_FRAG_THREADS,
         "V1_FRAG_AFRAG_ROW": V1_FRAG_AFRAG_ROW,
+        "V1_FRAG_TOP_CHUNKS": V1_FRAG_TOP_CHUNKS,
+        "V1_FRAG_TOP_LEVELS": V1_FRAG_TOP_LEVELS,
         "V1_FRAG_ALU_KEYS": V1_FRAG_ALU_KEYS,
     }
 
@@ -277,9 +286,10 @@ def scan_shared_bytes(group_keys: int, chunk_levels: int) -> int:
 
 
 def v1_frag_shared_bytes() -> int:
-    """Dynamic shared memory of dpf_scan_v1_frag<16>: dpf_scan<16>'s regions for chunks of
-    2**V1_FRAG_CHUNK_LEVELS leaves, then its A fragments."""
-    return V1_FRAG_AFRAG_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
+    """Dynamic shared memory of dpf_scan_v1_frag<16> and dpf_scan_v1_pair<16>: dpf_scan<16>'s
+    regions for chunks of 2**V1_FRAG_CHUNK_LEVELS leaves, then its A fragments and the first
+    levels' nodes of a batch of chunks."""
+    return V1_FRAG_AFRAG_BYTES + V1_FRAG_TOPS_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
 
 
 def check_layout(layout: str) -> None:

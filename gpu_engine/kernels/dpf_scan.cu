@@ -896,11 +896,14 @@ __device__ __noinline__ void v1f_alu_run(const uint4* afrag, u32* red, const u32
 
 // dpf_scan_v1_frag's shared memory: dpf_scan's regions (cuda_plan.SCAN_SHARED_REGIONS), sized for
 // V1F_L leaves whatever c, then the A fragments of the chunk being multiplied (128 residues x 32
-// lanes, padded: v1f_afrag_index, cuda_plan.V1_FRAG_AFRAG_BYTES).
+// lanes, padded: v1f_afrag_index, cuda_plan.V1_FRAG_AFRAG_BYTES), then the nodes of chunk level
+// V1_FRAG_TOP_LEVELS of V1_FRAG_TOP_CHUNKS chunks (v1f_expand_tops; cuda_plan.V1_FRAG_TOPS_BYTES).
 struct V1fShared {
     uint4 *big, *half, *cw_seed, *final_cw, *afrag;
     u8 *big_t, *half_t, *cw_t;
 };
+
+#define V1F_TOP_NODES (V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS)  // nodes a key in tops
 
 template <int G>
 __device__ __forceinline__ V1fShared v1f_shared(uint4* smem) {
@@ -915,6 +918,88 @@ __device__ __forceinline__ V1fShared v1f_shared(uint4* smem) {
     uint4* afrag = (uint4*)(cw_t + V1_FRAG_CHUNK_LEVELS * G);
     return {big, half, cw_seed, final_cw, afrag, big_t, half_t, cw_t};
 }
+
+// tops (seeds, [node * G + key]) and its t bits, after the A fragments: found from afrag where
+// used, not carried in V1fShared (two more pointers live beside the multipliers' accumulators
+// made them spill)
+struct V1fTops {
+    uint4* seed;
+    u8* t;
+};
+
+template <int G>
+__device__ __forceinline__ V1fTops v1f_tops(const V1fShared& sh) {
+    uint4* seed = sh.afrag + 128 * V1_FRAG_AFRAG_ROW + 4;
+    return {seed, (u8*)(seed + V1F_TOP_NODES * G)};
+}
+
+// Chunk levels 0 .. V1_FRAG_TOP_LEVELS - 1 of chunks chunk0 .. chunk0 + nb - 1 (nb <=
+// V1_FRAG_TOP_CHUNKS) expanded together, as one forest, into tops (chunk b's nodes of level
+// V1_FRAG_TOP_LEVELS at [(b 2^V1_FRAG_TOP_LEVELS + j) * G + key]), half and big the scratch. A
+// chunk's first levels have 1 to 4 nodes a key, 12 to 48 items for 12 keys: alone, each level was
+// one ChaCha8 chain with most producers idle at its barrier (the first six levels a third of the
+// producers' time at Q = 8, NOTES-cuda.md); 8 chunks at once fill the threads. The children of
+// node i of a level are nodes 2i and 2i + 1 of the next, so the forest's nodes, chunk by chunk,
+// expand as one tree's level does.
+template <int G>
+__device__ __forceinline__ void v1f_expand_tops(const V1fShared& sh, long long num_pages, int c, long long chunk0,
+                                                int nb, int depth_top, const u32* keyrec, int krec, int key0,
+                                                const uint4* root_seed, const u8* root_t, long long root_stride,
+                                                LiveKeys keys, Team team) {
+    const V1fTops tops = v1f_tops<G>(sh);
+    for (int idx = team.tid; idx < nb * keys.live; idx += team.size) {  // the chunks' roots, [b * G + key]
+        const int at = live_slot<G>(idx, keys), key = key0 + at % G;
+        if (depth_top == 0) {  // the chunk is the tree (nb is 1): the key's root
+            const u32* rec = keyrec + (long long)key * krec;
+            sh.half[at] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+            sh.half_t[at] = (u8)rec[KREC_ROOT_T];
+        } else {
+            sh.half[at] = root_seed[key * root_stride + chunk0 + at / G];
+            sh.half_t[at] = root_t[key * root_stride + chunk0 + at / G];
+        }
+    }
+    team_sync(team);
+    for (int l = 0; l < V1_FRAG_TOP_LEVELS; ++l) {
+        // live parents: the nb chunks' 2^l nodes each, but the tree's last chunk's past num_pages
+        const int n_par = (int)min((long long)nb << l, live_nodes(num_pages, c - l) - (chunk0 << l));
+        const bool from_half = (l & 1) == 0, last = l == V1_FRAG_TOP_LEVELS - 1;
+        expand_level<G>(from_half ? sh.half : sh.big, from_half ? sh.half_t : sh.big_t,
+                        last ? tops.seed : from_half ? sh.big : sh.half, last ? tops.t : from_half ? sh.big_t : sh.half_t,
+                        n_par, &sh.cw_seed[l * G], &sh.cw_t[l * G], (const uint4*)0, keys, team);
+        team_sync(team);
+    }
+}
+
+// The rest of chunk b of its v1f_expand_tops batch: its nodes of level V1_FRAG_TOP_LEVELS copied
+// from tops to where that level's parents sit in expand_chunk, then levels V1_FRAG_TOP_LEVELS ..
+// c - 1 (n_leaves of its leaves live) as there: the leaves land in big as masks.
+template <int G>
+__device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int b, int n_leaves, LiveKeys keys,
+                                                Team team) {
+    const V1fTops tops = v1f_tops<G>(sh);
+    constexpr int from = V1_FRAG_TOP_LEVELS;
+    const bool in_big = ((c - 1 - from) & 1) != 0;  // level `from` reads big where c - 1 - from is odd
+    uint4* in = in_big ? sh.big : sh.half;
+    u8* in_t = in_big ? sh.big_t : sh.half_t;
+    const int n_in = ((n_leaves + (1 << (c - from)) - 1) >> (c - from)) * G;
+    for (int i = team.tid; i < n_in; i += team.size) {
+        in[i] = tops.seed[b * (1 << from) * G + i];
+        in_t[i] = tops.t[b * (1 << from) * G + i];
+    }
+    team_sync(team);
+    for (int l = from; l < c; ++l) {
+        const int to_big = ((c - 1 - l) & 1) == 0;
+        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
+        expand_level<G>(to_big ? sh.half : sh.big, to_big ? sh.half_t : sh.big_t,
+                        to_big ? sh.big : sh.half, to_big ? sh.big_t : sh.half_t, n_par,
+                        &sh.cw_seed[l * G], &sh.cw_t[l * G], l == c - 1 ? sh.final_cw : (const uint4*)0, keys, team);
+        team_sync(team);
+    }
+}
+
+#ifndef V1F_BATCH_TOPS
+#define V1F_BATCH_TOPS 1  // 0: each chunk's tree expanded alone (expand_chunk), to time against
+#endif
 
 // Key group `group`'s keys: the batch's keys split evenly over the groups (their sizes differ by
 // one at most), so the blocks of a run expand about as many trees each and keep pace (with the
@@ -945,11 +1030,21 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     // the tile's rows past live are not expanded: their A rows are stale masks, their answers not written
     const LiveKeys keys = live_keys(grp.live);
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
+    // chunks of more levels than the batched ones: their first levels V1_FRAG_TOP_CHUNKS at a time
+    const bool batched = V1F_BATCH_TOPS && c > V1_FRAG_TOP_LEVELS;
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
-        expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
-                        sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
         const int i = (int)(chunk - chunk_begin);
+        if (batched) {
+            const int b = i % V1_FRAG_TOP_CHUNKS;
+            if (b == 0)  // big and half are free: the chunk before's transposes are done
+                v1f_expand_tops<G>(sh, num_pages, c, chunk, (int)min((long long)V1_FRAG_TOP_CHUNKS, chunk_end - chunk),
+                                   depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride, keys, producers);
+            v1f_expand_rest<G>(sh, c, b, n_leaves, keys, producers);
+        } else {
+            expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
+                            sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
+        }
         if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
         v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
         hand.ready(i);                // chunk's A fragments are in place
@@ -1075,11 +1170,13 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 // A pair's barriers as one team sees them: this block's (cta addresses, to wait on) and both
 // blocks' (cluster addresses, to arrive on)
 struct V1pHandover {
-    u32 wait_at, arrive_own, arrive_peer;
-    __device__ __forceinline__ void wait(int i) const { mbarrier_wait_cluster(wait_at, i & 1); }
+    u32 at, rank;  // the barrier's shared-memory address (the same in both blocks), this block's rank
+    __device__ __forceinline__ void wait(int i) const { mbarrier_wait_cluster(at, i & 1); }
+    // (the cluster addresses made at each arrival: kept in registers, two of them spilled beside
+    // the multipliers' accumulators)
     __device__ __forceinline__ void arrive() const {
-        mbarrier_arrive_cluster(arrive_own);
-        mbarrier_arrive_cluster(arrive_peer);
+        mbarrier_arrive_cluster(cluster_address(at, rank));
+        mbarrier_arrive_cluster(cluster_address(at, rank ^ 1));
     }
 };
 
@@ -1190,8 +1287,7 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
     __syncthreads();  // the corrections are in place
     cluster_sync();   // both blocks' barriers exist before either block arrives on the other's
     const u32 ready_at = shared_address(&ready_bar), freed_at = shared_address(&freed_bar);
-    const V1pHandover ready = {ready_at, cluster_address(ready_at, rank), cluster_address(ready_at, rank ^ 1)};
-    const V1pHandover freed = {freed_at, cluster_address(freed_at, rank), cluster_address(freed_at, rank ^ 1)};
+    const V1pHandover ready = {ready_at, rank}, freed = {freed_at, rank};
 
     if (threadIdx.x >= V1F_TEAM) {
         v1f_produce<G, 2 * 128 - V1P_MULTIPLIER_REGS>(sh, num_pages, c, domain_bits - c, keyrec, krec, grp,
