@@ -4,7 +4,9 @@
         docs/benchmarks/keyformats_*.csv docs/benchmarks/wgmma_*.csv \
         docs/benchmarks/v1frag_mainnet.csv docs/benchmarks/v1frag_mainnet_waves.csv \
         docs/benchmarks/v1frag_65536_fragments.csv docs/benchmarks/v1alu_mainnet.csv \
-        docs/benchmarks/v1frag_h200_mainnet.csv docs/benchmarks/v1frag_h200_65536_fragments.csv
+        docs/benchmarks/v1alu_65536.csv docs/benchmarks/v1frag_h200_mainnet.csv \
+        docs/benchmarks/v1frag_h200_65536_fragments.csv docs/benchmarks/v1alu_h200_mainnet.csv \
+        docs/benchmarks/v1alu_h200_65536.csv
 
 Keys over a matrix in the fragments layout are series of their own: v2 keys on Hopper's warpgroup
 products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv), v1 keys on the ALU for one or two
