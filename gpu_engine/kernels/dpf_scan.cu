@@ -330,28 +330,6 @@ __device__ __forceinline__ void flush_columns(const uint4 (&acc)[G], u64* out, i
 }
 
 // The c levels' seed and t corrections of keys key0 .. key0 + G - 1 ([level][key]) and their final_cw.
-#ifndef V1P_CLOCKS
-#define V1P_CLOCKS 0
-#endif
-// probe (WIP): clock() spans summed in registers over a run, flushed once a run by lane 0 into
-// v1p_clocks (u64): 0 multipliers' READY waits, 1 multipliers' loop, 2 producers' loop, 3 the
-// batched levels 0-2 (v1f_expand_tops), 4 a chunk's copy from tops and levels 3-5, 5 levels 6-7,
-// 6 FREE waits, 7 transposes, 8 READY arrive + barrier
-struct ClockAcc {
-    u32 v[9];
-};
-#if V1P_CLOCKS
-__device__ unsigned long long v1p_clocks[16];
-__device__ __forceinline__ u32 clk_now() { return (u32)clock(); }
-__device__ __forceinline__ void clk_flush(const ClockAcc& a) {
-    if ((threadIdx.x & 31) == 0)
-        for (int k = 0; k < 9; ++k) atomicAdd(&v1p_clocks[k], (unsigned long long)a.v[k]);
-}
-#else
-__device__ __forceinline__ u32 clk_now() { return 0u; }
-__device__ __forceinline__ void clk_flush(const ClockAcc&) {}
-#endif
-
 template <int G>
 __device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int key0, int domain_bits, int c,
                                               uint4* cw_seed, u8* cw_t, uint4* final_cw) {
@@ -997,8 +975,7 @@ __device__ __forceinline__ void v1f_expand_tops(const V1fShared& sh, long long n
 // c - 1 (n_leaves of its leaves live) as there: the leaves land in big as masks.
 template <int G>
 __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int b, int n_leaves, LiveKeys keys,
-                                                Team team, ClockAcc* clk = nullptr) {
-    u32 c1 = clk_now();
+                                                Team team) {
     const V1fTops tops = v1f_tops<G>(sh);
     constexpr int from = V1_FRAG_TOP_LEVELS;
     const bool in_big = ((c - 1 - from) & 1) != 0;  // level `from` reads big where c - 1 - from is odd
@@ -1017,11 +994,6 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
                         to_big ? sh.big : sh.half, to_big ? sh.big_t : sh.half_t, n_par,
                         &sh.cw_seed[l * G], &sh.cw_t[l * G], l == c - 1 ? sh.final_cw : (const uint4*)0, keys, team);
         team_sync(team);
-        if (V1P_CLOCKS && clk) {
-            const u32 c2 = clk_now();
-            clk->v[l < c - 2 ? 4 : 5] += c2 - c1;
-            c1 = c2;
-        }
     }
 }
 
@@ -1060,38 +1032,24 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
     // chunks of more levels than the batched ones: their first levels V1_FRAG_TOP_CHUNKS at a time
     const bool batched = V1F_BATCH_TOPS && c > V1_FRAG_TOP_LEVELS;
-    ClockAcc clk = {};
-    const u32 t_run = clk_now();
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
         const int i = (int)(chunk - chunk_begin);
         if (batched) {
             const int b = i % V1_FRAG_TOP_CHUNKS;
-            if (b == 0) {  // big and half are free: the chunk before's transposes are done
-                const u32 t0 = clk_now();
+            if (b == 0)  // big and half are free: the chunk before's transposes are done
                 v1f_expand_tops<G>(sh, num_pages, c, chunk, (int)min((long long)V1_FRAG_TOP_CHUNKS, chunk_end - chunk),
                                    depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride, keys, producers);
-                clk.v[3] += clk_now() - t0;
-            }
-            v1f_expand_rest<G>(sh, c, b, n_leaves, keys, producers, &clk);
+            v1f_expand_rest<G>(sh, c, b, n_leaves, keys, producers);
         } else {
             expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
                             sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
         }
-        const u32 t1 = clk_now();
         if (i > 0) hand.wait_free(i);  // chunk - 1's A fragments read
-        const u32 t2 = clk_now();
         v1f_make_afrag<G>(sh.afrag, sh.big, producers.tid, n_leaves, keys);
-        const u32 t3 = clk_now();
         hand.ready(i);                // chunk's A fragments are in place
         team_sync(producers);  // every producer has read big before the next chunk's tree overwrites it
-        const u32 t4 = clk_now();
-        clk.v[6] += t2 - t1;
-        clk.v[7] += t3 - t2;
-        clk.v[8] += t4 - t3;
     }
-    clk.v[2] = clk_now() - t_run;
-    clk_flush(clk);
 }
 
 // One block's teams meeting at named barriers V1F_AFRAG_READY and V1F_AFRAG_FREE
@@ -1346,21 +1304,15 @@ dpf_scan_v1_pair(const u32* __restrict__ frags, long long num_pages, int domain_
         u32 acc[2][2][2][8];
 #pragma unroll
         for (int i = 0; i < 64; ++i) (&acc[0][0][0][0])[i] = 0u;
-        ClockAcc clk = {};
-        const u32 t_run = clk_now();
         for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             const int i = (int)(chunk - chunk_begin);
-            const u32 t0 = clk_now();
             ready.wait(i);  // both blocks' A fragments of the chunk are in place
-            clk.v[0] += clk_now() - t0;
             // lane (g, t) reads B column g of a tile: slice slice0 + 4 j + g / 2, word cq + 4 (g % 2)
             const u32* b_at = v1f_chunk_words(frags, chunk << c) + (long long)(slice0 + (g >> 1)) * V1F_SLICE_WORDS
                               + fragment_offset(t, cq + 4 * (g & 1));
             v1p_multiply(acc, own_at, peer_at, b_at);
             if (chunk + 1 < chunk_end) freed.arrive();  // both blocks' A fragments may be overwritten
         }
-        clk.v[1] = clk_now() - t_run;
-        clk_flush(clk);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const V1fGroup tile = u == 0 ? grp : peer;
