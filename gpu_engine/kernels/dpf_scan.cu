@@ -997,74 +997,8 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
     }
 }
 
-// Levels V1_FRAG_TOP_LEVELS .. c - 3 of chunks b and b + 1 (nb2 of them: 2, or 1 for a batch's
-// odd last chunk) of a v1f_expand_tops batch expanded together, as one forest, from their nodes in
-// tops: chunk b's nodes of level c - 2 land in half[0, 2^(c-2) G), chunk b + 1's after them, where
-// they wait for its v1f_expand_leaves (which writes only big). Alone, a chunk's levels 3, 4 and 5
-// were one ChaCha8 chain on 3, 6 and 12 of the 8 producer warps (at 12 keys), a node of them 1.5
-// times one of levels 6-7 (NOTES-cuda.md).
-template <int G>
-__device__ __forceinline__ void v1f_expand_mid(const V1fShared& sh, long long num_pages, int c, long long chunk0,
-                                               int nb2, int b, LiveKeys keys, Team team) {
-    const V1fTops tops = v1f_tops<G>(sh);
-    constexpr int from = V1_FRAG_TOP_LEVELS;
-    const uint4* in = tops.seed + b * (1 << from) * G;
-    const u8* in_t = tops.t + b * (1 << from) * G;
-    for (int l = from; l <= c - 3; ++l) {
-        const bool to_half = ((c - 3 - l) & 1) == 0;  // the last lands in half
-        uint4* out = to_half ? sh.half : sh.big;
-        u8* out_t = to_half ? sh.half_t : sh.big_t;
-        // live parents: the chunks' 2^l nodes each, but the tree's last chunk's past num_pages
-        const int n_par = (int)min((long long)nb2 << l, live_nodes(num_pages, c - l) - (chunk0 << l));
-        expand_level<G>(in, in_t, out, out_t, n_par, &sh.cw_seed[l * G], &sh.cw_t[l * G], (const uint4*)0, keys,
-                        team);
-        team_sync(team);
-        in = out;
-        in_t = out_t;
-    }
-}
-
-// Chunk levels c - 2 and c - 1 of chunk s (0 or 1) of a v1f_expand_mid pair, fused: a thread
-// expands a node of level c - 2 (from half, after the pair's first chunk's nodes for s = 1) and
-// at once its two children, writing the node's four leaves as masks to big. Nothing lands in half,
-// so the pair's second chunk's nodes wait there while the first's leaves are made and transposed.
-template <int G>
-__device__ __forceinline__ void v1f_expand_leaves(const V1fShared& sh, int c, int s, int n_leaves, LiveKeys keys,
-                                                  Team team) {
-    const uint4* in = sh.half + (s << (c - 2)) * G;
-    const u8* in_t = sh.half_t + (s << (c - 2)) * G;
-    const uint4* cw_seed = &sh.cw_seed[(c - 2) * G];
-    const u8* cw_t = &sh.cw_t[(c - 2) * G];
-    const int total = ((n_leaves + 3) >> 2) * keys.live;  // live nodes of level c - 2, for every live key
-    for (int idx = team.tid; idx < total; idx += team.size) {
-        const int at = live_slot<G>(idx, keys), node = at / G, key = at - node * G;
-        uint4 left, right;
-        u32 tl, tr;
-        prg_expand(in[at], left, right, tl, tr);
-        const u32 on = 0u - (u32)in_t[at];  // store_children's corrections, kept in registers
-        const uint4 cw = and_mask(cw_seed[key], on);
-        const u32 tcw = cw_t[key] & on;
-        left = xor4(left, cw);
-        right = xor4(right, cw);
-        tl ^= tcw & 1u;
-        tr ^= (tcw >> 1) & 1u;
-        uint4 l0, r0, l1, r1;
-        u32 tl0, tr0, tl1, tr1;
-        prg_expand(left, l0, r0, tl0, tr0);
-        prg_expand(right, l1, r1, tl1, tr1);
-        store_children<G>(2 * node * G + key, tl, l0, r0, tl0, tr0, sh.big, sh.big_t, cw_seed + G, cw_t + G,
-                          sh.final_cw);
-        store_children<G>((2 * node + 1) * G + key, tr, l1, r1, tl1, tr1, sh.big, sh.big_t, cw_seed + G, cw_t + G,
-                          sh.final_cw);
-    }
-    team_sync(team);
-}
-
 #ifndef V1F_BATCH_TOPS
 #define V1F_BATCH_TOPS 1  // 0: each chunk's tree expanded alone (expand_chunk), to time against
-#endif
-#ifndef V1F_PAIR_MID
-#define V1F_PAIR_MID 1  // 0: each chunk's levels past the batched ones alone (v1f_expand_rest), to time against
 #endif
 
 // Key group `group`'s keys: the batch's keys split evenly over the groups (their sizes differ by
@@ -1098,8 +1032,6 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
     // chunks of more levels than the batched ones: their first levels V1_FRAG_TOP_CHUNKS at a time
     const bool batched = V1F_BATCH_TOPS && c > V1_FRAG_TOP_LEVELS;
-    // and, where a chunk has levels between those and its last two, those of two chunks together
-    const bool paired = V1F_PAIR_MID && c >= V1_FRAG_TOP_LEVELS + 3;
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
         const int i = (int)(chunk - chunk_begin);
@@ -1108,14 +1040,7 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
             if (b == 0)  // big and half are free: the chunk before's transposes are done
                 v1f_expand_tops<G>(sh, num_pages, c, chunk, (int)min((long long)V1_FRAG_TOP_CHUNKS, chunk_end - chunk),
                                    depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride, keys, producers);
-            if (paired) {
-                if ((b & 1) == 0)  // big and half are free, and chunk b + 1's nodes in tops
-                    v1f_expand_mid<G>(sh, num_pages, c, chunk,
-                                      b + 1 < V1_FRAG_TOP_CHUNKS && chunk + 1 < chunk_end ? 2 : 1, b, keys, producers);
-                v1f_expand_leaves<G>(sh, c, b & 1, n_leaves, keys, producers);
-            } else {
-                v1f_expand_rest<G>(sh, c, b, n_leaves, keys, producers);
-            }
+            v1f_expand_rest<G>(sh, c, b, n_leaves, keys, producers);
         } else {
             expand_chunk<G>(c, chunk, n_leaves, depth_top, keyrec, krec, grp.key0, root_seed, root_t, root_stride,
                             sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys, producers);
