@@ -72,6 +72,8 @@ def test_the_fragments_layout_gives_every_page_back(matrices):
     (700, 21, 264, 1, True),    # two groups of 11 and 10 keys (the keys split evenly), prefetching
     (4097, 33, 1, 17, True),    # one run of 17 chunks, the last of one page; three groups of 11 keys
     (4097, 17, 8, 5, True),     # runs of 5 chunks and a last of 2: two groups of 9 and 8 keys
+    (100, 5, 264, 1, False),    # d = 7: chunks of 7 levels, levels 3-6 expanded past the batched ones
+    (40, 2, 264, 1, False),     # d = 6: chunks of 6 levels, levels 3-5 past the batched ones
 ])
 @pytest.mark.parametrize("rows_in_flight, prefetch_rows", [(1, 4), (2, 0), (2, 4)])
 def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_keys, resident_blocks,
@@ -99,6 +101,7 @@ def test_v1_keys_over_the_fragments_layout_match_numpy(matrices, num_pages, num_
     (700, 21, 264, 1),   # one pair of 11 and 10 keys, 3 chunks, one run (cluster) each
     (4097, 24, 8, 5),    # runs of 5 chunks and a last of 2, the last chunk of one page: 12 + 12 keys
     (1100, 64, 1, 5),    # two pairs (four groups of 16) over one run of 5 chunks, the last of 76 pages
+    (100, 18, 264, 1),   # d = 7: one pair of 9 + 9 keys over a chunk of 7 levels
 ])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_pairs_of_key_groups_in_a_cluster_match_numpy(matrices, num_pages, num_keys, resident_blocks,
