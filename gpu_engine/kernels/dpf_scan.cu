@@ -26,34 +26,18 @@ typedef unsigned char u8;
 // A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
 // multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
 // FMA pipe; measured slower on the H100 (longer dependency chain, docs/benchmarks/NOTES-cuda.md).
-// Variants (WIP, untimed) for some rotations only, by amount (bit 0: 16, 1: 12, 2: 8, 3: 7):
-// PRG_IMAD_ROTATIONS the multiply (PRG_ROTATE_WITH_IMAD=1 is 15), PRG_PRMT_ROTATIONS (16 and 8
-// only) a byte permute (PRMT), to move part of the expansion's 465 ALU instructions a node off the
-// ALU pipe.
 #ifndef PRG_ROTATE_WITH_IMAD
 #define PRG_ROTATE_WITH_IMAD 0
 #endif
-#ifndef PRG_IMAD_ROTATIONS
-#define PRG_IMAD_ROTATIONS (PRG_ROTATE_WITH_IMAD ? 15 : 0)
-#endif
-#ifndef PRG_PRMT_ROTATIONS
-#define PRG_PRMT_ROTATIONS 0
-#endif
 
 __device__ __forceinline__ u32 rotl32(u32 x, int n) {
-    const int bit = n == 16 ? 1 : n == 12 ? 2 : n == 8 ? 4 : 8;  // n is a constant where inlined
-#if PRG_PRMT_ROTATIONS
-    if ((PRG_PRMT_ROTATIONS & bit) && (n == 16 || n == 8)) return __byte_perm(x, x, n == 16 ? 0x1032 : 0x2103);
-#endif
-#if PRG_IMAD_ROTATIONS
-    if (PRG_IMAD_ROTATIONS & bit) {
-        u64 p;
-        asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
-        return (u32)p + (u32)(p >> 32);
-    }
-#endif
-    (void)bit;
+#if PRG_ROTATE_WITH_IMAD
+    u64 p;
+    asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
+    return (u32)p + (u32)(p >> 32);
+#else
     return __funnelshift_l(x, x, n);
+#endif
 }
 
 #define QUARTER(a, b, c, d)                  \
