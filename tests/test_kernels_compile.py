@@ -62,7 +62,7 @@ def test_the_host_constants_are_the_compilers_d_options():
                             "KREC_FINAL", "KREC_ROOT_T", "KREC_CW", "LEAF_PAGES", "PAGE_WORDS",
                             "MMA_THREADS", "MMA_SLICE_WORDS", "MMA_CHUNK_PAGES", "MMA_PIPELINE_TILES",
                             "MMA_FRAG_STAGES", "LEAF_BITS_TILE", "V1_FRAG_GROUP_KEYS", "V1_FRAG_CHUNK_LEVELS",
-                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_FRAG_TOP_CHUNKS", "V1_FRAG_TOP_LEVELS",
+                            "V1_FRAG_THREADS", "V1_FRAG_AFRAG_ROW", "V1_FRAG_TOP_CHUNKS", "V1_FRAG_TOP_LEVELS", "V1_FRAG_TOP_NODES",
                             "V1_FRAG_ALU_KEYS"}
     # each is the module constant of its name, and reaches NVRTC (and nvcc here) as -DNAME=value
     assert defines == {name: getattr(cuda_plan, name) for name in defines}

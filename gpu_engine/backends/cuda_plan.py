@@ -81,7 +81,10 @@ V1_FRAG_AFRAG_BYTES = (128 * V1_FRAG_AFRAG_ROW + 4) * 16  # bytes: the A fragmen
 # 89.0 against 94.2; 4 chunks x 4 levels and 16 x 2 within the drift (NOTES-cuda.md)
 V1_FRAG_TOP_CHUNKS = 8
 V1_FRAG_TOP_LEVELS = 3
-V1_FRAG_TOPS_BYTES = (V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS) * V1_FRAG_GROUP_KEYS * 17  # bytes
+# nodes a key the batch keeps: the kernel asserts its -D options give the same, so a variant of
+# V1_FRAG_TOP_CHUNKS or V1_FRAG_TOP_LEVELS alone cannot outgrow the shared memory sized here
+V1_FRAG_TOP_NODES = V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS
+V1_FRAG_TOPS_BYTES = V1_FRAG_TOP_NODES * V1_FRAG_GROUP_KEYS * 17  # bytes
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
 # batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores (an
@@ -191,6 +194,7 @@ def kernel_defines() -> Dict[str, int]:
         "V1_FRAG_AFRAG_ROW": V1_FRAG_AFRAG_ROW,
         "V1_FRAG_TOP_CHUNKS": V1_FRAG_TOP_CHUNKS,
         "V1_FRAG_TOP_LEVELS": V1_FRAG_TOP_LEVELS,
+        "V1_FRAG_TOP_NODES": V1_FRAG_TOP_NODES,
         "V1_FRAG_ALU_KEYS": V1_FRAG_ALU_KEYS,
     }
 

@@ -25,7 +25,8 @@ typedef unsigned char u8;
 
 // A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
 // multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
-// FMA pipe; measured slower on the H100 (longer dependency chain, docs/benchmarks/NOTES-cuda.md).
+// FMA pipe; measured slower on the H100 (a longer dependency chain, and the pair's producers then
+// spill 24 bytes; docs/benchmarks/NOTES-cuda.md).
 #ifndef PRG_ROTATE_WITH_IMAD
 #define PRG_ROTATE_WITH_IMAD 0
 #endif
@@ -438,7 +439,8 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // c + 4 (n % 2). A block holds one key group (an m16 tile of up to 16 keys: the batch's keys split
 // evenly over its groups) and a run of chunks of 256 pages (mma k-steps)
 // and is two teams of V1_FRAG_THREADS / 2 threads. The producers (warps 8..15) expand the next
-// chunk's tree in shared memory, dpf_scan<16>'s way, meeting at their own named barrier, while
+// chunk's tree in shared memory (the first levels of 8 chunks at once, v1f_expand_tops, then each
+// chunk's rest, v1f_expand_rest), meeting at their own named barrier, while
 // the multipliers (warps 0..7) multiply the current chunk: the expansion (ChaCha8 on the ALU) and
 // the products (loads from L2 and DRAM, the tensor cores) overlap instead of taking turns. Between
 // chunks the producers turn the leaves' masks into the A fragments, residue by residue, in a
@@ -904,6 +906,9 @@ struct V1fShared {
 };
 
 #define V1F_TOP_NODES (V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS)  // nodes a key in tops
+static_assert(V1F_TOP_NODES == V1_FRAG_TOP_NODES, "tops as the host sized it (cuda_plan.V1_FRAG_TOPS_BYTES)");
+static_assert(V1_FRAG_TOP_CHUNKS << (V1_FRAG_TOP_LEVELS - 1) <= V1F_L / 2,
+              "a batch's last level fits half, its scratch");
 
 template <int G>
 __device__ __forceinline__ V1fShared v1f_shared(uint4* smem) {
@@ -938,7 +943,8 @@ __device__ __forceinline__ V1fTops v1f_tops(const V1fShared& sh) {
 // V1_FRAG_TOP_LEVELS at [(b 2^V1_FRAG_TOP_LEVELS + j) * G + key]), half and big the scratch. A
 // chunk's first levels have 1 to 4 nodes a key, 12 to 48 items for 12 keys: alone, each level was
 // one ChaCha8 chain with most producers idle at its barrier (the first six levels a third of the
-// producers' time at Q = 8, NOTES-cuda.md); 8 chunks at once fill the threads. The children of
+// producers' time at Q = 8, NOTES-cuda.md); 8 chunks at once make them 96, 192 and 384 items for
+// the 256 producers (12 keys). The children of
 // node i of a level are nodes 2i and 2i + 1 of the next, so the forest's nodes, chunk by chunk,
 // expand as one tree's level does.
 template <int G>
