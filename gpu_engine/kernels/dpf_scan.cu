@@ -979,21 +979,11 @@ __device__ __forceinline__ void v1f_expand_tops(const V1fShared& sh, long long n
 // The rest of chunk b of its v1f_expand_tops batch: its nodes of level V1_FRAG_TOP_LEVELS copied
 // from tops to where that level's parents sit in expand_chunk, then levels V1_FRAG_TOP_LEVELS ..
 // c - 1 (n_leaves of its leaves live) as there: the leaves land in big as masks.
-#ifndef V1F_TOPS_IN_PLACE
-#define V1F_TOPS_IN_PLACE 1  // 0: each chunk's level-3 nodes copied out of tops first, as landed
-#endif
-
 template <int G>
 __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int b, int n_leaves, LiveKeys keys,
                                                 Team team) {
     const V1fTops tops = v1f_tops<G>(sh);
     constexpr int from = V1_FRAG_TOP_LEVELS;
-#if V1F_TOPS_IN_PLACE
-    // level `from` reads chunk b's nodes in tops where they are (a node's slot is relative to its
-    // first), so neither a copy nor a barrier comes before it
-    const uint4* first = tops.seed + b * (1 << from) * G;
-    const u8* first_t = tops.t + b * (1 << from) * G;
-#else
     const bool in_big = ((c - 1 - from) & 1) != 0;  // level `from` reads big where c - 1 - from is odd
     uint4* in = in_big ? sh.big : sh.half;
     u8* in_t = in_big ? sh.big_t : sh.half_t;
@@ -1003,13 +993,10 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
         in_t[i] = tops.t[b * (1 << from) * G + i];
     }
     team_sync(team);
-    const uint4* first = in;
-    const u8* first_t = in_t;
-#endif
     for (int l = from; l < c; ++l) {
         const int to_big = ((c - 1 - l) & 1) == 0;
         const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
-        expand_level<G>(l == from ? first : to_big ? sh.half : sh.big, l == from ? first_t : to_big ? sh.half_t : sh.big_t,
+        expand_level<G>(to_big ? sh.half : sh.big, to_big ? sh.half_t : sh.big_t,
                         to_big ? sh.big : sh.half, to_big ? sh.big_t : sh.half_t, n_par,
                         &sh.cw_seed[l * G], &sh.cw_t[l * G], l == c - 1 ? sh.final_cw : (const uint4*)0, keys, team);
         team_sync(team);
