@@ -346,11 +346,43 @@ __device__ __forceinline__ void load_chunk_cw(const u32* keyrec, int krec, int k
     }
 }
 
+// Key `key`'s node over chunk `chunk` (the root of its tree where depth_top is 0) into
+// dst[at], dst_t[at]
+__device__ __forceinline__ void load_chunk_root(uint4* dst, u8* dst_t, int at, int key, long long chunk,
+                                                int depth_top, const u32* keyrec, int krec, const uint4* root_seed,
+                                                const u8* root_t, long long root_stride) {
+    if (depth_top == 0) {
+        const u32* rec = keyrec + (long long)key * krec;
+        dst[at] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
+        dst_t[at] = (u8)rec[KREC_ROOT_T];
+    } else {
+        dst[at] = root_seed[key * root_stride + chunk];
+        dst_t[at] = root_t[key * root_stride + chunk];
+    }
+}
+
+// Chunk levels from .. c - 1 of a chunk (n_leaves of its leaves live): level l (parents at chunk
+// depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1) land there as masks, and
+// level `from`'s parents sit where level from - 1 would have written. The team meets at its
+// barrier after each level.
+template <int G>
+__device__ __forceinline__ void expand_levels(int from, int c, int n_leaves, uint4* big, uint4* half, u8* big_t,
+                                              u8* half_t, const uint4* cw_seed, const u8* cw_t,
+                                              const uint4* final_cw, LiveKeys keys, Team team) {
+    for (int l = from; l < c; ++l) {
+        const int to_big = ((c - 1 - l) & 1) == 0;
+        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
+        expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
+                        to_big ? big : half, to_big ? big_t : half_t, n_par,
+                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
+        team_sync(team);
+    }
+}
+
 // Expands chunk `chunk` (2^c leaves under one node of depth depth_top, n_leaves of them live) for
 // keys key0 .. key0 + G - 1 (the first keys.live of them) in shared memory: its leaves land in
 // `big` as masks, [leaf * G + key].
-// Level l (parents at chunk depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1)
-// land there; the chunk roots sit where level -1 would have written. The team's threads do the
+// The chunk roots sit where level -1 would have written (expand_levels). The team's threads do the
 // work and meet at its barrier, last after the leaves.
 template <int G>
 __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leaves, int depth_top,
@@ -361,26 +393,11 @@ __device__ __forceinline__ void expand_chunk(int c, long long chunk, int n_leave
                                              LiveKeys keys, Team team) {
     uint4* root_buf = (c & 1) ? half : big;
     u8* root_buf_t = (c & 1) ? half_t : big_t;
-    if ((unsigned)team.tid < (unsigned)keys.live) {  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
-        const int key = key0 + team.tid;
-        if (depth_top == 0) {
-            const u32* rec = keyrec + (long long)key * krec;
-            root_buf[team.tid] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
-            root_buf_t[team.tid] = (u8)rec[KREC_ROOT_T];
-        } else {
-            root_buf[team.tid] = root_seed[key * root_stride + chunk];
-            root_buf_t[team.tid] = root_t[key * root_stride + chunk];
-        }
-    }
+    if ((unsigned)team.tid < (unsigned)keys.live)  // unsigned, as threadIdx.x was: the same SASS in dpf_scan<G>
+        load_chunk_root(root_buf, root_buf_t, team.tid, key0 + team.tid, chunk, depth_top, keyrec, krec, root_seed,
+                        root_t, root_stride);
     team_sync(team);
-    for (int l = 0; l < c; ++l) {
-        const int to_big = ((c - 1 - l) & 1) == 0;
-        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
-        expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
-                        to_big ? big : half, to_big ? big_t : half_t, n_par,
-                        &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
-        team_sync(team);
-    }
+    expand_levels<G>(0, c, n_leaves, big, half, big_t, half_t, cw_seed, cw_t, final_cw, keys, team);
 }
 
 template <int G>
@@ -954,15 +971,9 @@ __device__ __forceinline__ void v1f_expand_tops(const V1fShared& sh, long long n
                                                 LiveKeys keys, Team team) {
     const V1fTops tops = v1f_tops<G>(sh);
     for (int idx = team.tid; idx < nb * keys.live; idx += team.size) {  // the chunks' roots, [b * G + key]
-        const int at = live_slot<G>(idx, keys), key = key0 + at % G;
-        if (depth_top == 0) {  // the chunk is the tree (nb is 1): the key's root
-            const u32* rec = keyrec + (long long)key * krec;
-            sh.half[at] = make_uint4(rec[KREC_ROOT], rec[KREC_ROOT + 1], rec[KREC_ROOT + 2], rec[KREC_ROOT + 3]);
-            sh.half_t[at] = (u8)rec[KREC_ROOT_T];
-        } else {
-            sh.half[at] = root_seed[key * root_stride + chunk0 + at / G];
-            sh.half_t[at] = root_t[key * root_stride + chunk0 + at / G];
-        }
+        const int at = live_slot<G>(idx, keys);  // where depth_top is 0 the chunk is the tree, and nb is 1
+        load_chunk_root(sh.half, sh.half_t, at, key0 + at % G, chunk0 + at / G, depth_top, keyrec, krec, root_seed,
+                        root_t, root_stride);
     }
     team_sync(team);
     for (int l = 0; l < V1_FRAG_TOP_LEVELS; ++l) {
@@ -977,8 +988,8 @@ __device__ __forceinline__ void v1f_expand_tops(const V1fShared& sh, long long n
 }
 
 // The rest of chunk b of its v1f_expand_tops batch: its nodes of level V1_FRAG_TOP_LEVELS copied
-// from tops to where that level's parents sit in expand_chunk, then levels V1_FRAG_TOP_LEVELS ..
-// c - 1 (n_leaves of its leaves live) as there: the leaves land in big as masks.
+// from tops to where that level's parents sit (expand_levels), then levels V1_FRAG_TOP_LEVELS ..
+// c - 1 (n_leaves of its leaves live): the leaves land in big as masks.
 template <int G>
 __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int b, int n_leaves, LiveKeys keys,
                                                 Team team) {
@@ -993,14 +1004,8 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
         in_t[i] = tops.t[b * (1 << from) * G + i];
     }
     team_sync(team);
-    for (int l = from; l < c; ++l) {
-        const int to_big = ((c - 1 - l) & 1) == 0;
-        const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
-        expand_level<G>(to_big ? sh.half : sh.big, to_big ? sh.half_t : sh.big_t,
-                        to_big ? sh.big : sh.half, to_big ? sh.big_t : sh.half_t, n_par,
-                        &sh.cw_seed[l * G], &sh.cw_t[l * G], l == c - 1 ? sh.final_cw : (const uint4*)0, keys, team);
-        team_sync(team);
-    }
+    expand_levels<G>(from, c, n_leaves, sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys,
+                     team);
 }
 
 #ifndef V1F_BATCH_TOPS
