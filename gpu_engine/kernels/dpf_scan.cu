@@ -27,58 +27,18 @@ typedef unsigned char u8;
 // multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
 // FMA pipe; measured slower on the H100 (a longer dependency chain, and the pair's producers then
 // spill 24 bytes; docs/benchmarks/NOTES-cuda.md).
-// Variants (WIP, untimed) for some rotations only, by amount (bit 0: 16, 1: 12, 2: 8, 3: 7):
-// PRG_IMAD_ROTATIONS the multiply (PRG_ROTATE_WITH_IMAD=1 is 15), PRG_PRMT_ROTATIONS (16 and 8
-// only) a byte permute (PRMT), to move part of the expansion's 465 ALU instructions a node off the
-// ALU pipe.
 #ifndef PRG_ROTATE_WITH_IMAD
 #define PRG_ROTATE_WITH_IMAD 0
 #endif
-#ifndef PRG_IMAD_ROTATIONS
-#define PRG_IMAD_ROTATIONS (PRG_ROTATE_WITH_IMAD ? 15 : 0)
-#endif
-#ifndef PRG_CONST_ROTATIONS
-#define PRG_CONST_ROTATIONS 0
-#endif
-#if PRG_CONST_ROTATIONS
-// 2^16, 2^12, 2^8, 2^7 where the compiler cannot see them (a constant it sees becomes a shift)
-__constant__ u32 prg_rot_pow[4] = {1u << 16, 1u << 12, 1u << 8, 1u << 7};
-#endif
-#ifndef PRG_HILO_ROTATIONS
-#define PRG_HILO_ROTATIONS 0
-#endif
-#ifndef PRG_PRMT_ROTATIONS
-#define PRG_PRMT_ROTATIONS 0
-#endif
 
 __device__ __forceinline__ u32 rotl32(u32 x, int n) {
-    const int bit = n == 16 ? 1 : n == 12 ? 2 : n == 8 ? 4 : 8;  // n is a constant where inlined
-#if PRG_PRMT_ROTATIONS
-    if ((PRG_PRMT_ROTATIONS & bit) && (n == 16 || n == 8)) return __byte_perm(x, x, n == 16 ? 0x1032 : 0x2103);
-#endif
-#if PRG_CONST_ROTATIONS
-    if (PRG_CONST_ROTATIONS & bit) {  // x * 2^n's low and high words, 2^n from constant memory: two IMADs
-        const u32 m = prg_rot_pow[n == 16 ? 0 : n == 12 ? 1 : n == 8 ? 2 : 3];
-        return x * m + __umulhi(x, m);
-    }
-#endif
-#if PRG_HILO_ROTATIONS
-    if (PRG_HILO_ROTATIONS & bit) {  // x * 2^n's low and high words (disjoint bits) added, on the FMA pipe
-        u32 lo, hi;
-        asm("mul.lo.u32 %0, %1, %2;" : "=r"(lo) : "r"(x), "r"(1u << n));
-        asm("mul.hi.u32 %0, %1, %2;" : "=r"(hi) : "r"(x), "r"(1u << n));
-        return lo + hi;
-    }
-#endif
-#if PRG_IMAD_ROTATIONS
-    if (PRG_IMAD_ROTATIONS & bit) {
-        u64 p;
-        asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
-        return (u32)p + (u32)(p >> 32);
-    }
-#endif
-    (void)bit;
+#if PRG_ROTATE_WITH_IMAD
+    u64 p;
+    asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
+    return (u32)p + (u32)(p >> 32);
+#else
     return __funnelshift_l(x, x, n);
+#endif
 }
 
 #define QUARTER(a, b, c, d)                  \
@@ -403,18 +363,16 @@ __device__ __forceinline__ void load_chunk_root(uint4* dst, u8* dst_t, int at, i
 
 // Chunk levels from .. c - 1 of a chunk (n_leaves of its leaves live): level l (parents at chunk
 // depth l) writes to `big` when c-1-l is even, so the leaves (l = c-1) land there as masks, and
-// level `from`'s parents sit in first, first_t, or (where first is null) where level from - 1
-// would have written. The team meets at its barrier after each level.
+// level `from`'s parents sit where level from - 1 would have written. The team meets at its
+// barrier after each level.
 template <int G>
 __device__ __forceinline__ void expand_levels(int from, int c, int n_leaves, uint4* big, uint4* half, u8* big_t,
                                               u8* half_t, const uint4* cw_seed, const u8* cw_t,
-                                              const uint4* final_cw, LiveKeys keys, Team team,
-                                              const uint4* first = 0, const u8* first_t = 0) {
+                                              const uint4* final_cw, LiveKeys keys, Team team) {
     for (int l = from; l < c; ++l) {
         const int to_big = ((c - 1 - l) & 1) == 0;
         const int n_par = (n_leaves + (1 << (c - l)) - 1) >> (c - l);
-        const bool given = first != 0 && l == from;
-        expand_level<G>(given ? first : to_big ? half : big, given ? first_t : to_big ? half_t : big_t,
+        expand_level<G>(to_big ? half : big, to_big ? half_t : big_t,
                         to_big ? big : half, to_big ? big_t : half_t, n_par,
                         &cw_seed[l * G], &cw_t[l * G], l == c - 1 ? final_cw : (const uint4*)0, keys, team);
         team_sync(team);
@@ -1032,20 +990,11 @@ __device__ __forceinline__ void v1f_expand_tops(const V1fShared& sh, long long n
 // The rest of chunk b of its v1f_expand_tops batch: its nodes of level V1_FRAG_TOP_LEVELS copied
 // from tops to where that level's parents sit (expand_levels), then levels V1_FRAG_TOP_LEVELS ..
 // c - 1 (n_leaves of its leaves live): the leaves land in big as masks.
-#ifndef V1F_TOPS_IN_PLACE
-#define V1F_TOPS_IN_PLACE 1  // WIP: 0 copies each chunk's level-`from` nodes out of tops first
-#endif
-
 template <int G>
 __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int b, int n_leaves, LiveKeys keys,
                                                 Team team) {
     const V1fTops tops = v1f_tops<G>(sh);
     constexpr int from = V1_FRAG_TOP_LEVELS;
-#if V1F_TOPS_IN_PLACE
-    // level `from` reads chunk b's nodes in tops where they are: no copy, no barrier before it
-    expand_levels<G>(from, c, n_leaves, sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys,
-                     team, tops.seed + b * (1 << from) * G, tops.t + b * (1 << from) * G);
-#else
     const bool in_big = ((c - 1 - from) & 1) != 0;  // level `from` reads big where c - 1 - from is odd
     uint4* in = in_big ? sh.big : sh.half;
     u8* in_t = in_big ? sh.big_t : sh.half_t;
@@ -1057,7 +1006,6 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
     team_sync(team);
     expand_levels<G>(from, c, n_leaves, sh.big, sh.half, sh.big_t, sh.half_t, sh.cw_seed, sh.cw_t, sh.final_cw, keys,
                      team);
-#endif
 }
 
 #ifndef V1F_BATCH_TOPS
