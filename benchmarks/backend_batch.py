@@ -118,14 +118,14 @@ def write_csv(path: str, header: Sequence[str], rows: Sequence[dict]) -> None:
 
 
 def csv_header(device: str, pages: int, domain_bits: int, backend: str, dispatch: DispatchShape,
-               argv: Sequence[str], extra: str = "") -> List[str]:
+               argv: Sequence[str], extra: str = "", script: str = "backend_batch.py") -> List[str]:
     return [
         f"gpu: {device}",
         f"shape: pages={pages}, domain_bits={domain_bits}",
         f"backend: {backend}",
         f"dispatch: micro_batch={dispatch.micro_batch}, streams={dispatch.streams}, graph={dispatch.graph}"
         + (f"; {extra}" if extra else ""),
-        "command: python3 benchmarks/backend_batch.py " + " ".join(shlex.quote(a) for a in argv),
+        f"command: python3 benchmarks/{script} " + " ".join(shlex.quote(a) for a in argv),
         "date: " + _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     ]
 

@@ -2,7 +2,7 @@
 # One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
-#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1alu|all   (CSVs and logs under $OUT)
+#   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1alu|sustained|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
 #  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
 #  NCU_DEFINE="V1_FRAG_ALU_KEYS=3 V1F_XOR_PREFETCH=0" profiles a kernel variant, as --define does for backend_batch.py;
@@ -74,6 +74,12 @@ if [ "$stage" = v1alu ]; then  # v1 keys over the fragments layout, the default 
     for v in ${V1ALU_VARIANTS:-}; do  # e.g. V1ALU_VARIANTS="V1F_XOR_PREFETCH=1 V1F_XOR_PREFETCH=3": single queries of a variant
         bench "v1alu_mainnet_$v" $V1M --layout fragments --q 1 --define "$v"
     done
+    exit 0
+fi
+if [ "$stage" = sustained ]; then  # v1 keys over the fragments layout at mainnet, each Q back to back for 5 s: the steady rate under the power cap, with the SM clock and power (sustained_mainnet.csv)
+    timeout 300 python3 benchmarks/sustained.py --backend cuda --pages $MAINNET --domain-bits 25 --gpu-matrix \
+        --key-format v1 --layout fragments --q ${SUSTAINED_Q:-8,32,1,8,6,10} --seconds 5 \
+        --out "$OUT/sustained_mainnet.csv" 2>&1 | tee "$OUT/sustained_mainnet.log"
     exit 0
 fi
 if [ "$stage" = wgmma ]; then  # Hopper's warpgroup products against mma.sync, fragments layout (wgmma_*.csv)

@@ -158,3 +158,38 @@ def test_variant_rows_read_back_as_one_field_a_variant():
         {"variant": "V1P_ROWS=2,V1P_MULTIPLIER_REGS=176", "q": "32", "scan_ms_median": "93.000",
          "scan_ms_min": "93.000", "gpu_ms_median": "93.500", "wall_ms_median": "94.000", "qps_wall": "340.4",
          "same_answers": "False"}]
+
+
+def test_sustained_runs_each_q_for_its_seconds_and_checks_answers_on_the_cpu_backend(tmp_path):
+    from benchmarks import sustained
+
+    out = tmp_path / "sustained.csv"
+    argv = ["--backend", "cpu", "--pages", "40", "--q", "2,1", "--seconds", "0.2", "--out", str(out)]
+    assert sustained.main(argv) == 0
+    lines = out.read_text().splitlines()
+    assert lines[4] == "# command: python3 benchmarks/sustained.py " + " ".join(argv)
+    rows = [dict(zip(sustained.CSV_COLUMNS, line.split(", "))) for line in lines if not line.startswith("#")]
+    assert list(rows[0].values()) == list(sustained.CSV_COLUMNS)
+    for row, q in zip(rows[1:], ("2", "1")):
+        assert row["q"] == q and row["answers_ok"] == "True"
+        assert int(row["batches"]) >= 2 and float(row["seconds"]) >= 0.1
+        # the steady rate is the second half's median batch
+        assert float(row["steady_qps"]) == round(int(q) * 1e3 / float(row["steady_ms"]), 1)
+        assert row["steady_sm_mhz"] == row["steady_power_capped"] == ""  # no GPU sampled on the cpu backend
+
+
+def test_sustained_summarises_the_samples_inside_a_window():
+    import datetime
+
+    from benchmarks.sustained import POWER_CAP_REASON, GpuSampler, parse_samples
+
+    smi = ("2026/11/28 08:37:44.501, 675, 669.12, 0x0000000000000004\n"
+           "2026/11/28 08:37:44.601, 1155, [N/A], 0x0000000000000004\n2026/11/28 08:37:44.7")
+    when = datetime.datetime(2026, 11, 28, 8, 37, 44, 501000).timestamp()
+    assert parse_samples(smi) == [(when, 675.0, 669.12, POWER_CAP_REASON)]  # a field missing, a line cut short
+
+    sampler = GpuSampler(enabled=False)
+    sampler.samples = [(9.9, 1980.0, 300.0, 0), (10.0, 1800.0, 690.0, POWER_CAP_REASON),
+                       (10.1, 1900.0, 700.0, POWER_CAP_REASON | 0x1), (10.2, 1980.0, 650.0, 0), (11.0, 345.0, 80.0, 1)]
+    assert sampler.summary(10.0, 10.2) == {"steady_sm_mhz": 1893, "steady_power_w": 680, "steady_power_capped": 0.67}
+    assert sampler.summary(20.0, 21.0) == {"steady_sm_mhz": "", "steady_power_w": "", "steady_power_capped": ""}

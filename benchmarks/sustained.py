@@ -1,0 +1,156 @@
+"""Batches of Q queries back to back for seconds at a time, as under steady load: the rate the power cap allows.
+
+    python3 benchmarks/sustained.py --backend cuda --pages 16817159 --domain-bits 25 --gpu-matrix \
+        --key-format v1 --layout fragments --q 8,32,1,8 --seconds 5 --out FILE.csv
+
+backend_batch.py times 5 batches right after its single-query loop; on a GPU at its power cap that
+catches the clock's dip after the loop (an H200 read 32-34 ms at Q = 8 that way, 28 ms in a
+burst after rest). Here each Q runs alone for --seconds: a row gives its first batch, the median of
+all, and the steady rate (the median of the second half), with the SM clock, the board's power and
+the share of samples the power cap held it (nvidia-smi every 100 ms, where there is one). Each Q's
+first batch is checked: party 0's answers XOR party 1's give every query's target page.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+# Not an installed package: run from a checkout, the repository root is what must be importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.backend_batch import csv_header, make_queries, make_resident, parse_dispatch  # noqa: E402
+from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
+from gpu_engine.backends import create_backend  # noqa: E402
+from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS  # noqa: E402
+from gpu_engine.dpf import KeyBatch, format_by_name  # noqa: E402
+from gpu_engine.matrix import domain_bits_for  # noqa: E402
+from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
+
+CSV_COLUMNS = ("q", "batches", "seconds", "first_ms", "median_ms", "steady_ms", "steady_qps",
+               "steady_sm_mhz", "steady_power_w", "steady_power_capped", "answers_ok")
+SAMPLE_MS = 100  # nvidia-smi's sampling period (ms)
+POWER_CAP_REASON = 0x4  # clocks_throttle_reasons: the software power cap
+
+
+def parse_samples(text: str) -> List[tuple]:
+    """GpuSampler.QUERY's lines (csv, noheader, nounits) as (epoch s, SM MHz, W, throttle reasons)."""
+    samples = []
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        try:  # nvidia-smi stamps local time, as datetime reads it
+            when = _dt.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((when, float(fields[1]), float(fields[2]), int(fields[3], 16)))
+        except (ValueError, IndexError):
+            continue  # a line cut short by terminate(), or a field the GPU does not report ([N/A])
+    return samples
+
+
+class GpuSampler:
+    """nvidia-smi sampling the SM clock, power and throttle reasons in the background, read at stop()."""
+
+    QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+    def __init__(self, enabled: bool) -> None:
+        self._proc = None
+        self.samples: List[tuple] = []  # (epoch s, SM MHz, W, throttle reasons)
+        smi = shutil.which("nvidia-smi")
+        if enabled and smi:
+            self._proc = subprocess.Popen([smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                           f"-lms={SAMPLE_MS}"], stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        self.samples = parse_samples(out)
+
+    def summary(self, start: float, end: float) -> dict:
+        """Mean SM clock and power over [start, end] (epoch s), and the share of samples power-capped."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return {"steady_sm_mhz": "", "steady_power_w": "", "steady_power_capped": ""}
+        return {"steady_sm_mhz": round(statistics.mean(s[1] for s in inside)),
+                "steady_power_w": round(statistics.mean(s[2] for s in inside)),
+                "steady_power_capped": round(sum(1 for s in inside if s[3] & POWER_CAP_REASON) / len(inside), 2)}
+
+
+def run_q(resident, page_of, queries, q: int, dispatch, seconds: float) -> tuple:
+    """(row without the sampler's columns, the steady half's start and end in epoch s) for one Q."""
+    batch0, batch1 = KeyBatch.from_keys(queries.party0), KeyBatch.from_keys(queries.party1)
+    answers0, answers1 = resident.answer(batch0, dispatch), resident.answer(batch1, dispatch)  # also the warm-up
+    ok = all((answers0[i] ^ answers1[i]).tobytes() == page_of(t) for i, t in enumerate(queries.targets))
+    walls, starts = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or not walls:
+        starts.append(time.time())
+        t0 = time.perf_counter()
+        resident.answer(batch0, dispatch)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    steady = walls[len(walls) // 2:]
+    row = {"q": q, "batches": len(walls), "seconds": round(sum(walls) / 1e3, 2), "first_ms": round(walls[0], 3),
+           "median_ms": round(statistics.median(walls), 3), "steady_ms": round(statistics.median(steady), 3),
+           "steady_qps": round(q * 1e3 / statistics.median(steady), 1), "answers_ok": ok}
+    return row, (starts[len(walls) // 2], time.time())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--pages", type=int, default=65536)
+    ap.add_argument("--domain-bits", type=int, default=None)
+    ap.add_argument("--q", default="8,32", help="comma-separated query counts, run in this order")
+    ap.add_argument("--seconds", type=float, default=5.0, help="how long each Q runs back to back (s)")
+    ap.add_argument("--dispatch", default="micro_batch=0,streams=1,graph=1", help="micro_batch=..,streams=..,graph=..")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
+    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1", help="docs/PROTOCOL.md 3, 3.1")
+    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages", help="cuda: how the matrix is stored")
+    add_define_argument(ap)
+    ap.add_argument("--out", required=True, help="CSV path")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    if args.gpu_matrix and args.backend != "cuda":
+        ap.error("--gpu-matrix needs --backend cuda")
+    d = domain_bits_for(args.pages, args.domain_bits)
+    dispatch = parse_dispatch(args.dispatch)
+    apply_defines(args)
+    backend = create_backend(args.backend, layout=args.layout)
+    resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, print)
+    key_format = format_by_name(args.key_format)
+    rng = np.random.default_rng(args.seed)
+    sampler = GpuSampler(enabled=args.backend == "cuda")
+    rows, windows = [], []
+    try:
+        for q in (int(x) for x in args.q.split(",") if x):
+            row, window = run_q(resident, page_of, make_queries(q, args.pages, d, rng, key_format), q, dispatch,
+                                args.seconds)
+            print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            rows.append(row)
+            windows.append(window)
+    finally:
+        sampler.stop()
+    device = backend.memory_info()["device"]
+    resident.release()
+    header = csv_header(device, args.pages, d, args.backend, dispatch, argv,
+                        f"keys={args.key_format}, layout={args.layout}, seconds={args.seconds}", "sustained.py")
+    with open(args.out, "w") as fh:
+        fh.writelines(f"# {line}\n" for line in header)
+        fh.write(", ".join(CSV_COLUMNS) + "\n")
+        for row, window in zip(rows, windows):
+            row.update(sampler.summary(*window))
+            fh.write(", ".join(str(row[c]) for c in CSV_COLUMNS) + "\n")
+    return 0 if all(r["answers_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
