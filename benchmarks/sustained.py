@@ -18,6 +18,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -64,15 +65,19 @@ class GpuSampler:
         self.samples: List[tuple] = []  # (epoch s, SM MHz, W, throttle reasons)
         smi = shutil.which("nvidia-smi")
         if enabled and smi:
+            # a file, not a pipe: a pipe left unread fills in about 100 s and stalls the sampling
+            self._log = tempfile.TemporaryFile("w+")
             self._proc = subprocess.Popen([smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-                                           f"-lms={SAMPLE_MS}"], stdout=subprocess.PIPE, text=True)
+                                           f"-lms={SAMPLE_MS}"], stdout=self._log, text=True)
 
     def stop(self) -> None:
         if self._proc is None:
             return
         self._proc.terminate()
-        out, _ = self._proc.communicate(timeout=10)
-        self.samples = parse_samples(out)
+        self._proc.wait(timeout=10)
+        self._log.seek(0)
+        self.samples = parse_samples(self._log.read())
+        self._log.close()
 
     def summary(self, start: float, end: float) -> dict:
         """Mean SM clock and power over [start, end] (epoch s), and the share of samples power-capped."""
