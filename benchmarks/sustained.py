@@ -4,16 +4,18 @@
         --key-format v1 --layout fragments --q 8,32,1,8 --seconds 5 --out FILE.csv
 
 backend_batch.py times 5 batches right after its single-query loop; on a GPU at its power cap that
-catches the clock's dip after the loop (an H200 read 32-34 ms at Q = 8 that way, 28 ms in a
-burst after rest). Here each Q runs alone for --seconds: a row gives its first batch, the median of
-all, and the steady rate (the median of the second half), with the SM clock, the board's power and
-the share of samples the power cap held it (nvidia-smi every 100 ms, where there is one). Each Q's
-first batch is checked: party 0's answers XOR party 1's give every query's target page.
+catches the clock's dip after the loop (an H200 read 31.7-34.4 ms at Q = 8 that way, 28 ms in a
+burst after rest). Here each Q runs alone for --seconds: a row gives its first timed batch, the
+median of all, and the steady rate (the median of the second half), with the SM clock, the board's
+power and the share of samples the power cap held it (nvidia-smi -i on the GPU CuPy runs on, every
+100 ms, where there is one). Each Q first answers one batch for each party, untimed: party 0's
+answers XOR party 1's must give every query's target page.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import shutil
 import statistics
 import subprocess
@@ -39,6 +41,7 @@ from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
 CSV_COLUMNS = ("q", "batches", "seconds", "first_ms", "median_ms", "steady_ms", "steady_qps",
                "steady_sm_mhz", "steady_power_w", "steady_power_capped", "answers_ok")
 SAMPLE_MS = 100  # nvidia-smi's sampling period (ms)
+MIN_BATCHES = 4  # batches a Q runs however long they take, so its steady half holds two at least
 POWER_CAP_REASON = 0x4  # clocks_throttle_reasons: the software power cap
 
 
@@ -60,24 +63,34 @@ class GpuSampler:
 
     QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, gpu: Optional[str]) -> None:
+        """Samples GPU `gpu` (a PCI bus id, as nvidia-smi -i takes it), or nothing where it is None."""
         self._proc = None
         self.samples: List[tuple] = []  # (epoch s, SM MHz, W, throttle reasons)
         smi = shutil.which("nvidia-smi")
-        if enabled and smi:
+        if gpu and smi:
             # a file, not a pipe: a pipe left unread fills in about 100 s and stalls the sampling
             self._log = tempfile.TemporaryFile("w+")
-            self._proc = subprocess.Popen([smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-                                           f"-lms={SAMPLE_MS}"], stdout=self._log, text=True)
+            self._proc = subprocess.Popen([smi, "-i", gpu, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                           f"-lms={SAMPLE_MS}"], stdout=self._log, stderr=subprocess.STDOUT, text=True)
 
     def stop(self) -> None:
+        """Ends the sampling and reads what it wrote (once; a second call does nothing)."""
         if self._proc is None:
             return
-        self._proc.terminate()
-        self._proc.wait(timeout=10)
+        proc, self._proc = self._proc, None
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         self._log.seek(0)
-        self.samples = parse_samples(self._log.read())
+        text = self._log.read()
         self._log.close()
+        self.samples = parse_samples(text)
+        if not self.samples:  # the columns come out blank: say why
+            print(f"nvidia-smi gave no samples (exit {proc.returncode}): {text.strip()[:300]}", file=sys.stderr)
 
     def summary(self, start: float, end: float) -> dict:
         """Mean SM clock and power over [start, end] (epoch s), and the share of samples power-capped."""
@@ -96,7 +109,7 @@ def run_q(resident, page_of, queries, q: int, dispatch, seconds: float) -> tuple
     ok = all((answers0[i] ^ answers1[i]).tobytes() == page_of(t) for i, t in enumerate(queries.targets))
     walls, starts = [], []
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end or not walls:
+    while time.perf_counter() < end or len(walls) < MIN_BATCHES:
         starts.append(time.time())
         t0 = time.perf_counter()
         resident.answer(batch0, dispatch)
@@ -108,13 +121,39 @@ def run_q(resident, page_of, queries, q: int, dispatch, seconds: float) -> tuple
     return row, (starts[len(walls) // 2], time.time())
 
 
+def positive_ints(text: str) -> List[int]:
+    """'8,32' -> [8, 32]: query counts, each at least 1."""
+    try:
+        qs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not qs or min(qs) < 1:
+        raise argparse.ArgumentTypeError(f"expected query counts of 1 or more, got {text!r}")
+    return qs
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+def cuda_bus_id() -> str:
+    """The PCI bus id of the GPU CuPy runs on (what nvidia-smi -i takes; its indices need not match CUDA's)."""
+    import cupy
+
+    return cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.runtime.getDevice())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--pages", type=int, default=65536)
     ap.add_argument("--domain-bits", type=int, default=None)
-    ap.add_argument("--q", default="8,32", help="comma-separated query counts, run in this order")
-    ap.add_argument("--seconds", type=float, default=5.0, help="how long each Q runs back to back (s)")
+    ap.add_argument("--q", type=positive_ints, default="8,32", help="comma-separated query counts, run in this order")
+    ap.add_argument("--seconds", type=positive_seconds, default=5.0,
+                    help=f"how long each Q runs back to back (s; {MIN_BATCHES} batches at least)")
     ap.add_argument("--dispatch", default="micro_batch=0,streams=1,graph=1", help="micro_batch=..,streams=..,graph=..")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
@@ -133,10 +172,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, print)
     key_format = format_by_name(args.key_format)
     rng = np.random.default_rng(args.seed)
-    sampler = GpuSampler(enabled=args.backend == "cuda")
+    sampler = GpuSampler(cuda_bus_id() if args.backend == "cuda" else None)
     rows, windows = [], []
     try:
-        for q in (int(x) for x in args.q.split(",") if x):
+        for q in args.q:
             row, window = run_q(resident, page_of, make_queries(q, args.pages, d, rng, key_format), q, dispatch,
                                 args.seconds)
             print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
@@ -144,8 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             windows.append(window)
     finally:
         sampler.stop()
+        resident.release()
     device = backend.memory_info()["device"]
-    resident.release()
     header = csv_header(device, args.pages, d, args.backend, dispatch, argv,
                         f"keys={args.key_format}, layout={args.layout}, seconds={args.seconds}", "sustained.py")
     with open(args.out, "w") as fh:

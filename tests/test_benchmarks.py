@@ -169,13 +169,74 @@ def test_sustained_runs_each_q_for_its_seconds_and_checks_answers_on_the_cpu_bac
     lines = out.read_text().splitlines()
     assert lines[4] == "# command: python3 benchmarks/sustained.py " + " ".join(argv)
     rows = [dict(zip(sustained.CSV_COLUMNS, line.split(", "))) for line in lines if not line.startswith("#")]
-    assert list(rows[0].values()) == list(sustained.CSV_COLUMNS)
-    for row, q in zip(rows[1:], ("2", "1")):
-        assert row["q"] == q and row["answers_ok"] == "True"
-        assert int(row["batches"]) >= 2 and float(row["seconds"]) >= 0.1
-        # the steady rate is the second half's median batch (each figure rounded on its own)
-        assert float(row["steady_qps"]) == pytest.approx(int(q) * 1e3 / float(row["steady_ms"]), abs=0.2)
-        assert row["steady_sm_mhz"] == row["steady_power_capped"] == ""  # no GPU sampled on the cpu backend
+    assert len(rows) == 3 and list(rows[0].values()) == list(sustained.CSV_COLUMNS)
+    for row, q in zip(rows[1:], (2, 1)):
+        assert row["q"] == str(q) and row["answers_ok"] == "True"
+        assert int(row["batches"]) >= sustained.MIN_BATCHES and float(row["seconds"]) >= 0.1
+        # the steady rate is the second half's median batch, each figure rounded on its own
+        ms = float(row["steady_ms"])
+        assert q * 1e3 / (ms + 5e-4) - 0.05 <= float(row["steady_qps"]) <= q * 1e3 / (ms - 5e-4) + 0.05
+        assert row["steady_sm_mhz"] == row["steady_power_w"] == row["steady_power_capped"] == ""  # no GPU sampled
+
+
+def test_sustained_times_the_batches_after_the_checked_pair_and_takes_the_second_half(monkeypatch):
+    import types
+
+    import numpy as np
+
+    from benchmarks import sustained
+
+    clock = types.SimpleNamespace(t=0.0)
+    monkeypatch.setattr(sustained, "time", types.SimpleNamespace(perf_counter=lambda: clock.t,
+                                                                  time=lambda: 1000.0 + clock.t))
+    monkeypatch.setattr(sustained, "KeyBatch", types.SimpleNamespace(from_keys=lambda keys: keys))
+
+    class Resident:  # each answer takes the next duration (s), the two checked batches first
+        def __init__(self, durations):
+            self.durations = iter(durations)
+
+        def answer(self, batch, dispatch):
+            clock.t += next(self.durations)
+            return np.array([[1, 2]], np.uint8) if batch == "party 0" else np.array([[3, 3]], np.uint8)
+
+    queries = types.SimpleNamespace(party0="party 0", party1="party 1", targets=[7])
+    resident = Resident([0.001, 0.001, 0.003, 0.002, 0.004, 0.006, 0.008])
+    row, window = sustained.run_q(resident, {7: bytes([2, 1])}.get, queries, 1, None, seconds=0.016)
+    # batches run until 0.018 s: 3, 2, 4, 6 ms end at 0.017, so a fifth (8 ms) runs; the steady half is 4, 6, 8
+    assert row == {"q": 1, "batches": 5, "seconds": 0.02, "first_ms": 3.0, "median_ms": 4.0, "steady_ms": 6.0,
+                   "steady_qps": 166.7, "answers_ok": True}
+    assert window == (pytest.approx(1000.007), pytest.approx(1000.025))  # the third batch's start to the end
+    # batches slower than --seconds: MIN_BATCHES all the same; a wrong XOR is reported
+    clock.t = 0.0
+    row, _ = sustained.run_q(Resident([0.001, 0.001] + [0.5] * 9), {7: bytes([2, 2])}.get, queries, 2, None,
+                             seconds=0.1)
+    assert row["batches"] == sustained.MIN_BATCHES and row["steady_qps"] == 4.0 and row["answers_ok"] is False
+
+
+def test_sustained_samples_the_backends_gpu_by_bus_id_and_reads_the_samples_at_stop(tmp_path, monkeypatch, capsys):
+    import os
+    import time
+
+    from benchmarks.sustained import POWER_CAP_REASON, GpuSampler
+
+    smi = tmp_path / "nvidia-smi"  # prints two samples and keeps running, as nvidia-smi -lms does
+    smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
+                   'echo "2026/11/28 08:37:44.501, 1830, 694.10, 0x0000000000000004"\n'
+                   'echo "2026/11/28 08:37:44.601, 1980, 681.00, 0x0000000000000000"\nexec sleep 30\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    sampler = GpuSampler("00000000:3B:00.0")
+    time.sleep(0.5)
+    sampler.stop()
+    sampler.stop()  # a second stop does nothing
+    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "00000000:3B:00.0"]
+    assert [s[1:] for s in sampler.samples] == [(1830.0, 694.1, POWER_CAP_REASON), (1980.0, 681.0, 0)]
+    smi.write_text("#!/bin/sh\necho 'Field \"clocks_throttle_reasons.active\" is not a valid field'\nexit 2\n")
+    failed = GpuSampler("00000000:3B:00.0")
+    time.sleep(0.3)
+    failed.stop()
+    assert failed.samples == [] and "nvidia-smi gave no samples (exit 2): Field" in capsys.readouterr().err
+    assert GpuSampler(None).samples == [] and GpuSampler(None).stop() is None  # the cpu backend: no sampling
 
 
 def test_sustained_summarises_the_samples_inside_a_window():
@@ -188,7 +249,7 @@ def test_sustained_summarises_the_samples_inside_a_window():
     when = datetime.datetime(2026, 11, 28, 8, 37, 44, 501000).timestamp()
     assert parse_samples(smi) == [(when, 675.0, 669.12, POWER_CAP_REASON)]  # a field missing, a line cut short
 
-    sampler = GpuSampler(enabled=False)
+    sampler = GpuSampler(None)
     sampler.samples = [(9.9, 1980.0, 300.0, 0), (10.0, 1800.0, 690.0, POWER_CAP_REASON),
                        (10.1, 1900.0, 700.0, POWER_CAP_REASON | 0x1), (10.2, 1980.0, 650.0, 0), (11.0, 345.0, 80.0, 1)]
     assert sampler.summary(10.0, 10.2) == {"steady_sm_mhz": 1893, "steady_power_w": 680, "steady_power_capped": 0.67}
