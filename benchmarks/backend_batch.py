@@ -77,6 +77,11 @@ def _median_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
+def parties_xor_to_targets(answers0, answers1, queries: Queries, page_of: Callable[[int], bytes]) -> bool:
+    """Whether party 0's answer XOR party 1's gives each query's target page."""
+    return all((answers0[i] ^ answers1[i]).tobytes() == page_of(t) for i, t in enumerate(queries.targets))
+
+
 def bench_q(resident, page_of: Callable[[int], bytes], queries: Queries, q: int,
             dispatch: DispatchShape, repeat: int, log: Callable[[str], None]) -> dict:
     """One CSV row: the single-query loop and the batch, each timed `repeat` times (median)."""
@@ -88,9 +93,7 @@ def bench_q(resident, page_of: Callable[[int], bytes], queries: Queries, q: int,
     resident.answer(singles[0], dispatch)
     answers0 = resident.answer(batch0, dispatch)
     answers1 = resident.answer(batch1, dispatch)
-    xor_ok = all(
-        (answers0[i] ^ answers1[i]).tobytes() == page_of(t) for i, t in enumerate(queries.targets)
-    )
+    xor_ok = parties_xor_to_targets(answers0, answers1, queries, page_of)
     single_answers = np.concatenate([resident.answer(s, dispatch) for s in singles])
     same = hashlib.sha256(single_answers.tobytes()).digest() == hashlib.sha256(answers0.tobytes()).digest()
     single_ms = _median_ms(lambda: [resident.answer(s, dispatch) for s in singles], repeat)
@@ -108,13 +111,14 @@ def bench_q(resident, page_of: Callable[[int], bytes], queries: Queries, q: int,
     }
 
 
-def write_csv(path: str, header: Sequence[str], rows: Sequence[dict]) -> None:
+def write_csv(path: str, header: Sequence[str], rows: Sequence[dict],
+              columns: Sequence[str] = CSV_COLUMNS) -> None:
     with open(path, "w") as fh:
         for line in header:
             fh.write(f"# {line}\n")
-        fh.write(", ".join(CSV_COLUMNS) + "\n")
+        fh.write(", ".join(columns) + "\n")
         for row in rows:
-            fh.write(", ".join(str(row[c]) for c in CSV_COLUMNS) + "\n")
+            fh.write(", ".join(str(row[c]) for c in columns) + "\n")
 
 
 def csv_header(device: str, pages: int, domain_bits: int, backend: str, dispatch: DispatchShape,

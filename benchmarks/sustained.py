@@ -30,7 +30,8 @@ import numpy as np
 # Not an installed package: run from a checkout, the repository root is what must be importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.backend_batch import csv_header, make_queries, make_resident, parse_dispatch  # noqa: E402
+from benchmarks.backend_batch import (  # noqa: E402
+    csv_header, make_queries, make_resident, parse_dispatch, parties_xor_to_targets, write_csv)
 from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS  # noqa: E402
@@ -106,7 +107,7 @@ def run_q(resident, page_of, queries, q: int, dispatch, seconds: float) -> tuple
     """(row without the sampler's columns, the steady half's start and end in epoch s) for one Q."""
     batch0, batch1 = KeyBatch.from_keys(queries.party0), KeyBatch.from_keys(queries.party1)
     answers0, answers1 = resident.answer(batch0, dispatch), resident.answer(batch1, dispatch)  # also the warm-up
-    ok = all((answers0[i] ^ answers1[i]).tobytes() == page_of(t) for i, t in enumerate(queries.targets))
+    ok = parties_xor_to_targets(answers0, answers1, queries, page_of)
     walls, starts = [], []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(walls) < MIN_BATCHES:
@@ -114,10 +115,10 @@ def run_q(resident, page_of, queries, q: int, dispatch, seconds: float) -> tuple
         t0 = time.perf_counter()
         resident.answer(batch0, dispatch)
         walls.append((time.perf_counter() - t0) * 1e3)
-    steady = walls[len(walls) // 2:]
+    steady_ms = statistics.median(walls[len(walls) // 2:])
     row = {"q": q, "batches": len(walls), "seconds": round(sum(walls) / 1e3, 2), "first_ms": round(walls[0], 3),
-           "median_ms": round(statistics.median(walls), 3), "steady_ms": round(statistics.median(steady), 3),
-           "steady_qps": round(q * 1e3 / statistics.median(steady), 1), "answers_ok": ok}
+           "median_ms": round(statistics.median(walls), 3), "steady_ms": round(steady_ms, 3),
+           "steady_qps": round(q * 1e3 / steady_ms, 1), "answers_ok": ok}
     return row, (starts[len(walls) // 2], time.time())
 
 
@@ -187,12 +188,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = backend.memory_info()["device"]
     header = csv_header(device, args.pages, d, args.backend, dispatch, argv,
                         f"keys={args.key_format}, layout={args.layout}, seconds={args.seconds}", "sustained.py")
-    with open(args.out, "w") as fh:
-        fh.writelines(f"# {line}\n" for line in header)
-        fh.write(", ".join(CSV_COLUMNS) + "\n")
-        for row, window in zip(rows, windows):
-            row.update(sampler.summary(*window))
-            fh.write(", ".join(str(row[c]) for c in CSV_COLUMNS) + "\n")
+    for row, window in zip(rows, windows):
+        row.update(sampler.summary(*window))
+    write_csv(args.out, header, rows, CSV_COLUMNS)
     return 0 if all(r["answers_ok"] for r in rows) else 1
 
 
