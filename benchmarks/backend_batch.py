@@ -164,25 +164,30 @@ def run(resident, page_of, pages: int, domain_bits: int, qs: Sequence[int], disp
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_matrix_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that say which backend, matrix and keys a benchmark runs (backend_batch.py, sustained.py)."""
     ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--pages", type=int, default=65536)
     ap.add_argument("--domain-bits", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
+    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1", help="docs/PROTOCOL.md 3, 3.1")
+    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages",
+                    help="cuda: how the matrix is stored (fragments: both key formats on the tensor cores)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_matrix_arguments(ap)
     ap.add_argument("--q", default="1,2,4,8,16,32", help="comma-separated query counts")
     ap.add_argument("--dispatch", action="append", default=None,
                     help="micro_batch=..,streams=..,graph=.. (repeatable: one CSV each, tag appended)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per figure (median)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
     ap.add_argument("--max-group-keys", type=int, default=None, help="cuda: keys per block, at most")
     ap.add_argument("--chunk-levels", type=int, default=None, help="cuda: log2 pages per expanded chunk")
-    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1", help="docs/PROTOCOL.md 3, 3.1")
     ap.add_argument("--v2-scan", choices=V2_SCANS, default=None,
                     help="cuda, v2 keys: by batch size (the default where the GPU has tensor cores), "
                          "tensor cores, or the ALU")
-    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages",
-                    help="cuda: how the matrix is stored (fragments: both key formats on the tensor cores)")
     ap.add_argument("--wgmma", choices=("auto", "on", "off"), default="auto",
                     help="cuda, fragments layout: Hopper's warpgroup products (auto: on sm_90) or mma.sync")
     ap.add_argument("--mma-chunks", type=int, default=None,
@@ -191,6 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="CSV path")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    if args.gpu_matrix and args.backend != "cuda":
+        ap.error("--gpu-matrix needs --backend cuda")
 
     d = domain_bits_for(args.pages, args.domain_bits)
     qs = [int(x) for x in args.q.split(",") if x]
@@ -203,8 +210,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from gpu_engine.backends.cuda import CudaBackend
 
         backend = CudaBackend(layout=args.layout, wgmma=args.wgmma == "on")
-    if args.gpu_matrix and args.backend != "cuda":
-        ap.error("--gpu-matrix needs --backend cuda")
     resident, page_of = make_resident(backend, args.pages, d, args.seed, args.gpu_matrix, log)
     extra = [f"-D{define}" for define in args.define]
     if args.max_group_keys:

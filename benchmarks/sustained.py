@@ -31,13 +31,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.backend_batch import (  # noqa: E402
-    csv_header, make_queries, make_resident, parse_dispatch, parties_xor_to_targets, write_csv)
+    add_matrix_arguments, csv_header, make_queries, make_resident, parse_dispatch, parties_xor_to_targets,
+    write_csv)
 from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
-from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS  # noqa: E402
 from gpu_engine.dpf import KeyBatch, format_by_name  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
-from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
 
 CSV_COLUMNS = ("q", "batches", "seconds", "first_ms", "median_ms", "steady_ms", "steady_qps",
                "steady_sm_mhz", "steady_power_w", "steady_power_capped", "answers_ok")
@@ -149,17 +148,11 @@ def cuda_bus_id() -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--pages", type=int, default=65536)
-    ap.add_argument("--domain-bits", type=int, default=None)
+    add_matrix_arguments(ap)
     ap.add_argument("--q", type=positive_ints, default="8,32", help="comma-separated query counts, run in this order")
     ap.add_argument("--seconds", type=positive_seconds, default=5.0,
                     help=f"how long each Q runs back to back (s; {MIN_BATCHES} batches at least)")
     ap.add_argument("--dispatch", default="micro_batch=0,streams=1,graph=1", help="micro_batch=..,streams=..,graph=..")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
-    ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1", help="docs/PROTOCOL.md 3, 3.1")
-    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages", help="cuda: how the matrix is stored")
     add_define_argument(ap)
     ap.add_argument("--out", required=True, help="CSV path")
     argv = list(sys.argv[1:] if argv is None else argv)
