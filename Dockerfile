@@ -15,13 +15,15 @@ WORKDIR /app
 # tests/test_docker_image.py installs the same requirement string into a clean venv.
 ARG MORPHO_EXTRAS=""
 # Dependencies first, so a code change does not reinstall them.
+# The protocol core (pir/) is a distribution of its own that the project requires: installed for good.
 COPY pyproject.toml README.md ./
+COPY pir pir
 RUN mkdir -p gpu_engine morphoweb queries policies epochs engine \
     && touch gpu_engine/__init__.py morphoweb/__init__.py queries/__init__.py policies/__init__.py \
        epochs/__init__.py engine/__init__.py \
-    && pip install --no-cache-dir ".${MORPHO_EXTRAS:+[$MORPHO_EXTRAS]}" \
+    && pip install --no-cache-dir ./pir ".${MORPHO_EXTRAS:+[$MORPHO_EXTRAS]}" \
     && pip uninstall --yes morphoweb \
-    && rm -rf gpu_engine morphoweb queries policies epochs engine build morphoweb.egg-info
+    && rm -rf gpu_engine morphoweb queries policies epochs engine build morphoweb.egg-info pir
 COPY manage.py gunicorn.conf.py ./
 COPY gpu_engine gpu_engine
 COPY morphoweb morphoweb

@@ -35,7 +35,7 @@ sys.path.insert(0, str(BASE_DIR))
 from benchmarks.report import cpu_model  # noqa: E402
 from benchmarks.stack import Party  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
-from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from morpho_pir.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, static_policy  # noqa: E402
 from gpu_engine.matrix import load_epoch, write_matrix_file  # noqa: E402
 from gpu_engine.scheduler import DEFAULT_POLICIES  # noqa: E402

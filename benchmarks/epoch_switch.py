@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.placement import patterned_matrix  # noqa: E402
 from benchmarks.report import write_csv  # noqa: E402
-from gpu_engine.dpf import format_by_name, gen_keys  # noqa: E402
+from morpho_pir.dpf import format_by_name, gen_keys  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.matrix import ServedEpoch  # noqa: E402
 from gpu_engine.placement import Placement, create_device_group, parse_devices  # noqa: E402
-from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
+from morpho_pir.protocol import KEY_FORMAT_NAMES  # noqa: E402
 
 CSV_COLUMNS = ("phase", "seconds", "requests", "from_epoch_1", "from_epoch_2", "wrong", "refused",
                "qps", "p50_ms", "p99_ms", "max_gap_ms")

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import cpu_model  # noqa: E402
 from gpu_engine.backends.cpu import NumpyBackend  # noqa: E402
-from gpu_engine.dpf import DpfKey, KeyBatch  # noqa: E402
+from morpho_pir.dpf import DpfKey, KeyBatch  # noqa: E402
 from gpu_engine.matrix import load_matrix  # noqa: E402
-from gpu_engine.protocol import MAX_BATCH_QUERIES  # noqa: E402
+from morpho_pir.protocol import MAX_BATCH_QUERIES  # noqa: E402
 from queries.client import PirClient, plan_query  # noqa: E402
 
 COLUMNS = "endpoint,queries,reps,mean_ms,p50_ms,p95_ms,min_ms,max_ms,queries_per_s"

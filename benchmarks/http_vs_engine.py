@@ -35,11 +35,11 @@ from benchmarks.placement import throughput_qps  # noqa: E402
 from benchmarks.report import cpu_model, write_csv  # noqa: E402
 from benchmarks.stack import Party  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
-from gpu_engine.dpf import random_keys  # noqa: E402
+from morpho_pir.dpf import random_keys  # noqa: E402
 from gpu_engine.matrix import ServedEpoch, load_matrix, write_epoch_metadata, write_matrix_file  # noqa: E402
 from gpu_engine.placement import create_device_group, load_placed, parse_devices  # noqa: E402
-from gpu_engine.protocol import PAGE_BYTES  # noqa: E402
-from gpu_engine.protocol import KEYS_PER_QUERY as KEYS  # noqa: E402
+from morpho_pir.protocol import PAGE_BYTES  # noqa: E402
+from morpho_pir.protocol import KEYS_PER_QUERY as KEYS  # noqa: E402
 from gpu_engine.remote import RemoteEngine  # noqa: E402
 
 PROFILE_SECONDS = 6  # py-spy's sampling time within a 10 s closed loop (s)

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.report import cpu_model, write_csv  # noqa: E402
-from gpu_engine.dpf import gen_keys  # noqa: E402
-from gpu_engine.keygen import gen_key_pairs  # noqa: E402
+from morpho_pir.dpf import gen_keys  # noqa: E402
+from morpho_pir.keygen import gen_key_pairs  # noqa: E402
 
 FIELDS = ["method", "domain_bits", "keys", "repeats", "best_s", "median_s", "pairs_per_s",
           "pairs_per_s_median"]

@@ -39,11 +39,11 @@ from benchmarks.report import pyplot  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.backends.base import Backend, DispatchShape, ResidentMatrix  # noqa: E402
 from gpu_engine.costmodel import CostFit, FormatCosts  # noqa: E402
-from gpu_engine.dpf import gen_keys  # noqa: E402
+from morpho_pir.dpf import gen_keys  # noqa: E402
 from gpu_engine.engine import Engine, EngineBusy, static_policy  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
 from gpu_engine.matrix import ServedEpoch, random_matrix  # noqa: E402
-from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
+from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
 from gpu_engine.scheduler import LanePolicy  # noqa: E402
 
 MODES = ("latency", "throughput", "adaptive", "slo")

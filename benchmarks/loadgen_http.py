@@ -41,7 +41,7 @@ from benchmarks.loadgen import (  # noqa: E402
     report,
     summarise,
 )
-from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
+from morpho_pir.protocol import KEYS_PER_QUERY  # noqa: E402
 
 
 class Refused(Exception):

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_engine.backends import create_backend  # noqa: E402
 from gpu_engine.backends.cpu import reference_answers  # noqa: E402
-from gpu_engine.dpf import KeyBatch, gen_keys  # noqa: E402
+from morpho_pir.dpf import KeyBatch, gen_keys  # noqa: E402
 from gpu_engine.matrix import WORDS_PER_PAGE, PageMatrix  # noqa: E402
 from gpu_engine.placement import Placement, create_device_group, parse_devices, shard_bounds  # noqa: E402
-from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
+from morpho_pir.protocol import KEYS_PER_QUERY  # noqa: E402
 
 CSV_COLUMNS = ("placement", "devices", "q", "latency_ms", "qps", "latency_vs_one", "qps_vs_one",
                "checked")

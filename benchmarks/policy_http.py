@@ -43,7 +43,7 @@ sys.path.insert(0, str(BASE_DIR))
 
 from benchmarks import loadgen, loadgen_http  # noqa: E402
 from gpu_engine.engine_stats import percentile  # noqa: E402
-from gpu_engine.protocol import KEYS_PER_QUERY  # noqa: E402
+from morpho_pir.protocol import KEYS_PER_QUERY  # noqa: E402
 from gpu_engine.scheduler import LanePolicy  # noqa: E402
 from morphoweb.partyprocs import NotHealthy, free_port, isolated_env, wait_healthy  # noqa: E402
 

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS, describe_plan  # noqa: E402
-from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
+from morpho_pir.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
-from gpu_engine.protocol import KEY_FORMAT_NAMES  # noqa: E402
+from morpho_pir.protocol import KEY_FORMAT_NAMES  # noqa: E402
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from benchmarks.backend_batch import (  # noqa: E402
     write_csv)
 from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import create_backend  # noqa: E402
-from gpu_engine.dpf import KeyBatch, format_by_name  # noqa: E402
+from morpho_pir.dpf import KeyBatch, format_by_name  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
 
 CSV_COLUMNS = ("q", "batches", "seconds", "first_ms", "median_ms", "steady_ms", "steady_qps",

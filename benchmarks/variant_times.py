@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kernel_times import time_kernels  # noqa: E402
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS  # noqa: E402
-from gpu_engine.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
+from morpho_pir.dpf import KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for  # noqa: E402
-from gpu_engine.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
+from morpho_pir.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
 
 COLUMNS = "variant,q,scan_ms_median,scan_ms_min,gpu_ms_median,wall_ms_median,qps_wall,same_answers"
 

@@ -20,7 +20,7 @@ from django.dispatch import receiver
 
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS
 from gpu_engine.placement import parse_devices
-from gpu_engine.protocol import BACKEND_NAMES
+from gpu_engine.choices import BACKEND_NAMES
 
 
 @dataclass(frozen=True)

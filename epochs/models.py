@@ -22,7 +22,7 @@ from gpu_engine.matrix import (
     load_matrix,
     read_epoch_metadata,
 )
-from gpu_engine.protocol import parse_hex
+from morpho_pir.protocol import parse_hex
 
 U64_MAX = (1 << 64) - 1
 

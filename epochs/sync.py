@@ -36,7 +36,7 @@ from gpu_engine.backends import BackendUnavailable
 from gpu_engine.engine import SwitchMode
 from gpu_engine.placement import Placement, PlacementError
 from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, MatrixChanged
-from gpu_engine.protocol import parse_hex
+from morpho_pir.protocol import parse_hex
 from gpu_engine.remote import RemoteError
 
 log = logging.getLogger(__name__)

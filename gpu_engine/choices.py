@@ -22,3 +22,6 @@ class LabelledChoice(enum.StrEnum):
     def choices(cls) -> List[Tuple[str, str]]:
         """(value, label) pairs, as Django fields and DRF choice fields take them."""
         return [(member.value, member.label) for member in cls]
+
+
+BACKEND_NAMES = ("auto", "cpu", "cuda")  # MORPHO_ENGINE_BACKEND: auto = CUDA where present, else CPU

@@ -16,12 +16,12 @@ import numpy as np
 from gpu_engine.backends.base import Backend, PendingAnswer, ResidentMatrix
 from gpu_engine.choices import LabelledChoice
 from gpu_engine.costmodel import FormatCosts, RateMeter
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, format_name, random_keys
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, format_name, random_keys
 from gpu_engine.engine_stats import EngineStats
 from gpu_engine.matrix import ServedEpoch
 from gpu_engine.placement import DeviceFailed, check_placeable, describe_placement, load_placed
-from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
-from gpu_engine.state import RowDigest, ServedState
+from morpho_pir.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES
+from morpho_pir.state import RowDigest, ServedState
 from gpu_engine.scheduler import (
     HEAD_REQUESTS,
     LANES,

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
-from gpu_engine.protocol import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, parse_hex
+from morpho_pir.protocol import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, parse_hex
 
 WORDS_PER_PAGE = PAGE_BYTES // 4  # 1024 u32 words
 WORDS_PER_ROW = ROW_BYTES // 4

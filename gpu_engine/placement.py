@@ -17,9 +17,9 @@ from gpu_engine.backends.base import (
     ResidentMatrix,
 )
 from gpu_engine.choices import LabelledChoice
-from gpu_engine.dpf import KeyBatch, subtree_keys_many
+from morpho_pir.dpf import KeyBatch, subtree_keys_many
 from gpu_engine.matrix import MatrixShape, PageMatrix
-from gpu_engine.protocol import LEAF_PAGES, ROWS_PER_PAGE
+from morpho_pir.protocol import LEAF_PAGES, ROWS_PER_PAGE
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gpu_engine import wire
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, key_format_of
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, key_format_of
 from gpu_engine.engine import BatchAnswer, EngineOverloaded, EngineUnavailable, settle
 from gpu_engine.matrix import ServedEpoch, epoch_from_description
-from gpu_engine.protocol import MAX_BATCH_QUERIES, PAGE_BYTES
+from morpho_pir.protocol import MAX_BATCH_QUERIES, PAGE_BYTES
 from gpu_engine.scheduler import LanePolicy
-from gpu_engine.state import ServedState
+from morpho_pir.state import ServedState
 
 log = logging.getLogger(__name__)
 

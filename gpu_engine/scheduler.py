@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.costmodel import CostFit
 from gpu_engine.backends.cuda_plan import MAX_LAUNCH_KEYS, MAX_LAUNCH_QUERIES
-from gpu_engine.protocol import MAX_BATCH_QUERIES
+from morpho_pir.protocol import MAX_BATCH_QUERIES
 
 LANES = ("interactive", "bulk")  # in priority order
 MODES = ("latency", "throughput", "adaptive", "slo")

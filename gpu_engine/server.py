@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 import zmq
 
 from gpu_engine import wire
-from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length_from_bytes
+from morpho_pir.dpf import KeyBatch, KeyFormatError, key_length_from_bytes
 from gpu_engine.engine import BatchAnswer, Engine, EngineBusy, EngineOverloaded
 from gpu_engine.scheduler import LANES
 

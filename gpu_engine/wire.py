@@ -23,9 +23,9 @@ from typing import Any, Dict, Mapping, Tuple
 
 import zmq
 
-from gpu_engine.protocol import PAGE_BYTES
+from morpho_pir.protocol import PAGE_BYTES
 from gpu_engine.scheduler import LANES, LanePolicy
-from gpu_engine.state import ServedState
+from morpho_pir.state import ServedState
 
 QUERY = b"Q"
 ANSWER = b"A"

@@ -9,7 +9,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from gpu_engine.protocol import MAX_BATCH_QUERIES
+from morpho_pir.protocol import MAX_BATCH_QUERIES
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 

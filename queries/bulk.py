@@ -13,7 +13,7 @@ from django.db.models import Exists, F, Max, OuterRef, Q
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
-from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
+from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries.models import ACTIVE, BulkChunk, BulkJob, BulkResult, JobStatus
 
 log = logging.getLogger(__name__)

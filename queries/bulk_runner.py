@@ -9,9 +9,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from django.conf import settings
 
-from gpu_engine.dpf import KeyBatch, KeyFormatError, key_length
+from morpho_pir.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
-from gpu_engine.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, query_key_counts
+from morpho_pir.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, query_key_counts
 from gpu_engine.scheduler import LanePolicy
 from queries.models import BulkChunk
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from gpu_engine.dpf import KEY_FORMAT_V1, format_by_name
-from gpu_engine.keygen import gen_key_pairs
-from gpu_engine.protocol import (KEY_FORMAT_NAMES, KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES,
+from morpho_pir.dpf import KEY_FORMAT_V1, format_by_name
+from morpho_pir.keygen import gen_key_pairs
+from morpho_pir.protocol import (KEY_FORMAT_NAMES, KEYS_PER_QUERY, MAX_BATCH_QUERIES, PAGE_BYTES,
                                  ROW_BYTES, ROWS_PER_PAGE, HexError, parse_hex)
 from queries.client_plan import (BulkState, StateError, choose_pages, parse_result_line,
                                  read_rows_file)
@@ -115,7 +115,7 @@ def plan_queries(pages: Sequence[int], num_pages: int, domain_bits: int,
                  key_format: int = KEY_FORMAT_V1) -> list[PlannedQuery]:
     """For each page, key pairs for it and two other pages drawn at random, in random order.
 
-    The keys of all the queries are made in one vectorised batch (gpu_engine.keygen), in
+    The keys of all the queries are made in one vectorised batch (morpho_pir.keygen), in
     `key_format` (KEY_FORMAT_V1, or KEY_FORMAT_V2 of docs/PROTOCOL.md section 3.1)."""
     rand = rand or secrets.SystemRandom()
     chosen = [choose_pages(page, num_pages, rand) for page in pages]

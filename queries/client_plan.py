@@ -11,9 +11,9 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from gpu_engine.dpf import KEY_FORMAT_V1, key_length
-from gpu_engine.keygen import KeyPairs, gen_key_pairs, random_root_seeds
-from gpu_engine.protocol import KEYS_PER_QUERY
+from morpho_pir.dpf import KEY_FORMAT_V1, key_length
+from morpho_pir.keygen import KeyPairs, gen_key_pairs, random_root_seeds
+from morpho_pir.protocol import KEYS_PER_QUERY
 
 STATE_FORMAT = 1
 

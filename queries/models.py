@@ -9,8 +9,8 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
-from gpu_engine.dpf import key_length
-from gpu_engine.protocol import KEYS_PER_QUERY
+from morpho_pir.dpf import key_length
+from morpho_pir.protocol import KEYS_PER_QUERY
 
 
 class JobStatus(models.TextChoices):

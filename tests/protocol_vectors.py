@@ -1,7 +1,7 @@
 """The test vectors of docs/PROTOCOL.md section 7 and its answer formula, shared by the test modules."""
 import numpy as np
 
-from gpu_engine.dpf import KeyBatch, eval_pages
+from morpho_pir.dpf import KeyBatch, eval_pages
 from gpu_engine.matrix import PageMatrix
 
 ROOT0 = bytes(range(16))

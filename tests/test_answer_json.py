@@ -6,7 +6,7 @@ import pytest
 from rest_framework.renderers import JSONRenderer
 
 from gpu_engine.engine import BatchAnswer
-from gpu_engine.state import ServedState
+from morpho_pir.state import ServedState
 from queries.api.answers import AnswerBody, AnswerJSONRenderer
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
-from gpu_engine.dpf import gen_keys, key_length
+from morpho_pir.dpf import gen_keys, key_length
 from engine.holder import get_engine
 from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import (

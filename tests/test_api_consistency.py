@@ -11,7 +11,7 @@ from django.contrib.auth.models import Permission, User
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 
 pytestmark = pytest.mark.django_db
 

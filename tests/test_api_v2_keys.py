@@ -10,8 +10,8 @@ from django.contrib.auth.models import User
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from gpu_engine.dpf import KEY_FORMAT_V2, gen_keys, key_length
-from gpu_engine.keygen import gen_key_pairs
+from morpho_pir.dpf import KEY_FORMAT_V2, gen_keys, key_length
+from morpho_pir.keygen import gen_key_pairs
 from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import (
     KEY0_HEX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256, V2_KEY0_HEX, V2_KEY1_HEX, vector_pages,

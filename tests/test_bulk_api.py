@@ -13,7 +13,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from gpu_engine.backends.cpu import reference_answers
-from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys
+from morpho_pir.dpf import DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix
 from engine.holder import get_engine
 from queries import bulk

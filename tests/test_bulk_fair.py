@@ -9,7 +9,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from queries import bulk
 from queries.models import BulkChunk, BulkJob, BulkResult, JobStatus
 from queries.tasks import answer_chunk

@@ -12,7 +12,7 @@ from rest_framework import exceptions
 from rest_framework.test import APIClient
 
 import queries.api.bulk_parsing as bulk_parsing
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from queries.api.bulk_limits import slots
 from queries.api.bulk_parsing import QuerySpool, StreamingBulkJSONParser, ndjson_lines
 from queries.models import BulkJob

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import reference_answers
-from gpu_engine.dpf import KeyBatch, gen_keys
+from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix, write_matrix_file
 from tests.conftest import REPO, redis_reachable, server_env
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gpu_engine.dpf import DpfKey, eval_point, page_mask
+from morpho_pir.dpf import DpfKey, eval_point, page_mask
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
 from queries.client import (MISMATCH_ATTEMPTS, EpochInfo, EpochMismatch, PirClient, ServerError,
                             plan_query)

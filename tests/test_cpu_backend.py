@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend, NumpyResident, mask_chunk_bits, reference_answers
-from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys
+from morpho_pir.dpf import DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import PAGE_BYTES, random_matrix
 from tests.protocol_vectors import (
     ANSWER0_PREFIX, ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, protocol_answers, vector_matrix,

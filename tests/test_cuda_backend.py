@@ -7,7 +7,7 @@ import pytest
 
 from gpu_engine.backends import BackendUnavailable, DispatchShape
 from gpu_engine.backends import cuda_plan
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, gen_keys
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import PAGE_BYTES, PageMatrix, random_matrix
 from tests.protocol_vectors import (
     ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256,
@@ -161,7 +161,7 @@ def test_v2_plan_covers_every_leaf_once(pages, d, keys):
 def _simulate_scan_bits(plan, matrix, keys):
     """dpf_scan_bits<G> as its text runs, block by block (the leaves as dpf_expand_top leaves
     them, with final_cw applied as the kernel applies it): (K, 4096) u8 answers."""
-    from gpu_engine.dpf import eval_full
+    from morpho_pir.dpf import eval_full
 
     bits = eval_full(keys, plan.tree_leaves)  # (K, leaves, 4) u32: a leaf's selection words
     pad = plan.padded_keys - len(keys)  # the host repeats the last key into the last group
@@ -710,7 +710,7 @@ def _simulate_scan_mma(plan, matrix, keys, rng):
     accumulators' low bits placed in the answer as the kernel places them. The selection bits are
     the protocol's (eval_full) with the bits past num_pages cleared, as dpf_leaf_bits leaves them;
     pages past num_pages are garbage, as in the staging buffer."""
-    from gpu_engine.dpf import eval_full
+    from morpho_pir.dpf import eval_full
 
     kp, K, T = plan.padded_keys, plan.group_keys, plan.group_keys // 16
     bits = eval_full(keys, plan.tree_leaves)

@@ -5,7 +5,7 @@ import pytest
 
 from gpu_engine.backends import DispatchShape
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KeyBatch, gen_keys
+from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import random_matrix
 
 

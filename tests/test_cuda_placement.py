@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import reference_answers
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys
 from gpu_engine.matrix import random_matrix
 from gpu_engine.placement import DeviceGroup, Placement
 

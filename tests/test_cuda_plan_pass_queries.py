@@ -4,8 +4,8 @@ in CI; one GPU test holds a CudaBackend to it."""
 import pytest
 
 from gpu_engine.backends import cuda_plan
-from gpu_engine.dpf import KEY_FORMAT_V2
-from gpu_engine.protocol import MAX_BATCH_QUERIES
+from morpho_pir.dpf import KEY_FORMAT_V2
+from morpho_pir.protocol import MAX_BATCH_QUERIES
 
 MAINNET_PAGES = 16_817_159
 SM_90, SM_80 = 227 * 1024, 163 * 1024  # shared memory a block may opt in to

@@ -9,7 +9,7 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from epochs import sync
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from engine.holder import get_engine
 
 

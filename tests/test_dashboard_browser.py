@@ -148,7 +148,7 @@ def browser(tmp_path):
 
 def _traffic(url: str, stop: threading.Event) -> None:
     """A trickle of private queries, so the page has latency and batch figures to plot."""
-    from gpu_engine.dpf import gen_keys
+    from morpho_pir.dpf import gen_keys
 
     rng = np.random.default_rng(3)
     while not stop.is_set():

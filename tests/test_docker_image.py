@@ -34,7 +34,7 @@ def install_step() -> str:
 def requirement(extras: str) -> str:
     """The requirement string of the install step for build arg MORPHO_EXTRAS=extras, expanded by
     sh as Docker's RUN expands it."""
-    match = re.search(r'pip install --no-cache-dir ("[^"]+")', install_step())
+    match = re.search(r'pip install --no-cache-dir \./pir ("[^"]+")', install_step())
     assert match, install_step()
     done = subprocess.run(["sh", "-c", f"printf %s {match.group(1)}"], capture_output=True,
                           text=True, check=True, env={"MORPHO_EXTRAS": extras})
@@ -42,12 +42,15 @@ def requirement(extras: str) -> str:
 
 
 def build_context(root: Path) -> Path:
-    """What the image has when the install step runs: `COPY pyproject.toml README.md ./`."""
-    assert "\nCOPY pyproject.toml README.md ./\n" in DOCKERFILE.read_text()
+    """What the image has when the install step runs: `COPY pyproject.toml README.md ./` and the
+    protocol core, `COPY pir pir`."""
+    assert "\nCOPY pyproject.toml README.md ./\nCOPY pir pir\n" in DOCKERFILE.read_text()
     context = root / "app"
     context.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, context / name)
+    shutil.copytree(REPO / "pir", context / "pir",
+                    ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "build"))
     return context
 
 
@@ -92,12 +95,13 @@ def cpu_image(tmp_path_factory):
 
 def test_the_cpu_image_installs_and_runs_the_project(cpu_image, tmp_path):
     bin_dir, context = cpu_image
-    assert sorted(p.name for p in context.iterdir()) == ["README.md", "pyproject.toml"]
+    assert sorted(p.name for p in context.iterdir()) == ["README.md", "pir", "pyproject.toml"]
     listed = subprocess.run([bin_dir / "python", "-m", "pip", "list", "--format=json"],
                             capture_output=True, text=True, check=True, env=pip_env(bin_dir))
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert {"django", "djangorestframework", "celery", "numpy", "gunicorn", "psycopg"} <= names
     assert "morphoweb" not in names  # the code is copied in afterwards, not installed
+    assert "morpho-pir" in names  # the protocol core stays installed
     assert not any(name.startswith(("cupy", "nvidia-")) for name in names)
     # The project's code on that environment, as the image runs it (the code is copied to /app).
     env = {**pip_env(bin_dir), "PYTHONPATH": str(REPO), "MORPHO_VAR_DIR": str(tmp_path),
@@ -118,7 +122,7 @@ def test_a_cuda_image_brings_nvrtc(cpu_image, tmp_path, extras, cupy, nvrtc, maj
     report = tmp_path / "report.json"
     done = subprocess.run(
         [bin_dir / "python", "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-         "--report", str(report), requirement(extras)],
+         "--report", str(report), "./pir", requirement(extras)],
         cwd=context, capture_output=True, text=True, timeout=1200, check=False,
         env=pip_env(bin_dir))
     assert done.returncode == 0, done.stderr[-3000:]

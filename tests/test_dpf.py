@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from gpu_engine.dpf import DpfKey, KeyBatch, KeyFormatError, eval_full, eval_point, gen_keys, key_length
-from gpu_engine.prg import chacha_block, expand
+from morpho_pir.dpf import DpfKey, KeyBatch, KeyFormatError, eval_full, eval_point, gen_keys, key_length
+from morpho_pir.prg import chacha_block, expand
 from tests.protocol_vectors import KEY0_HEX, KEY1_HEX, MASKS, ROOT0, ROOT1
 
 

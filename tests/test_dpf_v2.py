@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend, NumpyResident, reference_answers
-from gpu_engine.dpf import (
+from morpho_pir.dpf import (
     KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, DpfKey, KeyBatch, KeyFormatError, eval_full,
     eval_pages, eval_point, gen_keys, key_domain_bits, key_format_of, key_length,
     key_length_from_bytes, page_mask, random_keys, tree_depth,
 )
-from gpu_engine.keygen import gen_key_pairs
+from morpho_pir.keygen import gen_key_pairs
 from gpu_engine.matrix import PAGE_BYTES, random_matrix
 from tests.test_dpf import _corrupt
 from tests.protocol_vectors import (

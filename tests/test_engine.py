@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KeyBatch, gen_keys
+from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.backends.base import DispatchShape
 from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
 from gpu_engine.matrix import ServedEpoch, random_matrix

@@ -14,10 +14,10 @@ import pytest
 
 from gpu_engine.backends.base import PendingAnswer
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, random_keys
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, random_keys
 from gpu_engine.engine import Engine
 from gpu_engine.matrix import ServedEpoch, random_matrix
-from gpu_engine.protocol import KEYS_PER_QUERY
+from morpho_pir.protocol import KEYS_PER_QUERY
 from gpu_engine.scheduler import LanePolicy
 from tests.protocol_vectors import protocol_answers
 

@@ -14,7 +14,7 @@ import pytest
 from gpu_engine import wire
 from gpu_engine.backends import cuda_plan
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KeyBatch, KeyFormatError, gen_keys, key_length, random_keys
+from morpho_pir.dpf import KeyBatch, KeyFormatError, gen_keys, key_length, random_keys
 from gpu_engine.engine import Engine, EngineOverloaded, EngineUnavailable
 from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.remote import RemoteEngine, RemoteError
@@ -143,7 +143,7 @@ def test_queries_of_several_clients_share_one_launch(served, tmp_path):
 
 
 def random_keys_as_dpf(d: int, count: int):
-    from gpu_engine.dpf import DpfKey
+    from morpho_pir.dpf import DpfKey
 
     raw = random_keys(count, d, np.random.default_rng(count)).to_bytes()
     size = key_length(d)

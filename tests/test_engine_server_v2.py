@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, gen_keys, random_keys
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, gen_keys, random_keys
 from gpu_engine.engine import Engine, key_formats_of
 from gpu_engine.matrix import ServedEpoch, random_matrix
-from gpu_engine.protocol import KEYS_PER_QUERY
+from morpho_pir.protocol import KEYS_PER_QUERY
 from gpu_engine.remote import RemoteEngine
 from gpu_engine.server import EngineServer
 from tests.protocol_vectors import protocol_answers

@@ -13,7 +13,7 @@ from rest_framework.test import APIClient
 from epochs import sync
 from epochs.models import Epoch
 from gpu_engine.backends.cpu import reference_answers
-from gpu_engine.dpf import KeyBatch, gen_keys
+from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import ROW_BYTES, load_matrix, write_epoch_metadata, write_matrix_file
 from engine.holder import get_engine
 

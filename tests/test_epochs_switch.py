@@ -8,7 +8,7 @@ import pytest
 
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.backends.cpu import NumpyBackend, reference_answers
-from gpu_engine.dpf import KeyBatch, gen_keys
+from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.engine import Engine, SwitchMode
 from gpu_engine.matrix import PageMatrix, ServedEpoch, random_matrix
 

@@ -11,7 +11,7 @@ import pytest
 
 from gpu_engine.backends import cuda_plan
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys
 from gpu_engine.matrix import random_matrix
 from tests import cuda_emulator
 

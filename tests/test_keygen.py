@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from gpu_engine.dpf import DpfKey, eval_full, eval_point, gen_keys, key_length
-from gpu_engine.keygen import gen_key_pairs, random_root_seeds
+from morpho_pir.dpf import DpfKey, eval_full, eval_point, gen_keys, key_length
+from morpho_pir.keygen import gen_key_pairs, random_root_seeds
 from tests.conftest import REPO
 from tests.protocol_vectors import KEY0_HEX, KEY1_HEX, MASKS, ROOT0, ROOT1
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from rest_framework import serializers
 
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2
-from gpu_engine.keygen import gen_key_pairs
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2
+from morpho_pir.keygen import gen_key_pairs
 from queries.api.serializers import (
     BatchQuerySerializer,
     JsonObjectSerializer,

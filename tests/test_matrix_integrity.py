@@ -19,7 +19,7 @@ from rest_framework.test import APIClient
 
 import gpu_engine.matrix as matrix_module
 from epochs.models import Epoch
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from gpu_engine.matrix import (
     PAGE_BYTES,
     MatrixChanged,

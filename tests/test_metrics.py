@@ -8,7 +8,7 @@ import threading
 import pytest
 from rest_framework.test import APIClient
 
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from gpu_engine.engine_stats import Histogram
 from engine.holder import get_engine
 from engine.metrics import EngineCollector

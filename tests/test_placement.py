@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import (KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, eval_pages, gen_keys, random_keys,
+from morpho_pir.dpf import (KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, eval_pages, gen_keys, random_keys,
                             subtree_keys, subtree_keys_many)
 from gpu_engine.engine import Engine, EngineUnavailable
 from gpu_engine.matrix import PageMatrix, ServedEpoch, random_matrix
@@ -25,7 +25,7 @@ from gpu_engine.placement import (
     shard_bounds,
     subtrees,
 )
-from gpu_engine.protocol import ROW_BYTES, ROWS_PER_PAGE
+from morpho_pir.protocol import ROW_BYTES, ROWS_PER_PAGE
 from tests.protocol_vectors import protocol_answers
 
 

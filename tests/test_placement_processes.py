@@ -10,7 +10,7 @@ import time
 import pytest
 
 from benchmarks.stack import Party
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from gpu_engine.matrix import load_matrix, metadata_path, write_epoch_metadata, write_matrix_file
 from tests.conftest import REPO, every_web_process_serves, http_json, server_env
 

@@ -1,4 +1,4 @@
-"""gpu_engine.protocol: the one hex parser, strict on whitespace everywhere, and a NumPy-free import."""
+"""morpho_pir.protocol: the one hex parser, strict on whitespace everywhere, and a NumPy-free import."""
 from __future__ import annotations
 
 import subprocess
@@ -8,8 +8,8 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from gpu_engine.protocol import HexError, parse_hex
-from gpu_engine.state import ServedState
+from morpho_pir.protocol import HexError, parse_hex
+from morpho_pir.state import ServedState
 from queries.client import ServerError, _unhex
 from tests.conftest import REPO
 
@@ -61,5 +61,5 @@ def test_the_callers_that_skipped_whitespace_refuse_it_now(tmp_path):
 
 def test_importing_the_constants_loads_no_numpy():
     # settings and the client read them; NumPy waits for whoever computes
-    code = "import sys, gpu_engine.protocol; assert 'numpy' not in sys.modules"
+    code = "import sys, morpho_pir.protocol; assert 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -16,7 +16,7 @@ from django.core.management.utils import get_random_secret_key
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from tests.conftest import REPO, http_json, server_env
 
 # The PIR endpoints are public by design; everything else that changes state is not.

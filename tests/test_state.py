@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_engine.backends.cpu import NumpyBackend
-from gpu_engine.dpf import gen_keys
+from morpho_pir.dpf import gen_keys
 from gpu_engine.engine import Engine, SwitchMode
 from gpu_engine.matrix import ServedEpoch, random_matrix
-from gpu_engine.state import RowDigest, ServedState
+from morpho_pir.state import RowDigest, ServedState
 
 ROW_A, ROW_B = bytes(range(256)), bytes(255 - i for i in range(256))
 

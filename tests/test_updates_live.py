@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.backends.cpu import reference_answers
-from gpu_engine.dpf import KeyBatch, gen_keys
+from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
 from tests.conftest import REPO, http_json, server_env
 

@@ -11,7 +11,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from gpu_engine.backends.cpu import reference_answers
-from gpu_engine.dpf import DpfKey, KeyBatch, gen_keys, key_length
+from morpho_pir.dpf import DpfKey, KeyBatch, gen_keys, key_length
 from gpu_engine.matrix import load_matrix
 from engine.holder import get_engine
 from queries import bulk

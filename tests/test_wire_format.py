@@ -12,7 +12,7 @@ from hypothesis import settings as fuzz_settings
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
-from gpu_engine.dpf import gen_keys, key_length
+from morpho_pir.dpf import gen_keys, key_length
 from engine.holder import get_engine
 from queries.client import plan_query
 from tests.conftest import VECTOR_EPOCH

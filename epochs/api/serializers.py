@@ -8,7 +8,7 @@ from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from epochs.models import Epoch, RowUpdate
-from gpu_engine.dpf import MAX_DOMAIN_BITS
+from morpho_pir.dpf import MAX_DOMAIN_BITS
 from gpu_engine.engine import SwitchMode
 from gpu_engine.placement import Placement
 from gpu_engine.matrix import ROW_BYTES

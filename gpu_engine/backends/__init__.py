@@ -10,7 +10,7 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
     ResidentMatrix,
 )
 from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS
-from gpu_engine.protocol import BACKEND_NAMES
+from gpu_engine.choices import BACKEND_NAMES
 
 
 def _cuda_backend(device: Optional[int], v2_scan: str, layout: str) -> Backend:

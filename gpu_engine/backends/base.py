@@ -8,7 +8,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from gpu_engine.backends.cuda_plan import MAX_LAUNCH_QUERIES
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from gpu_engine.matrix import PageMatrix
 
 # progress(done_bytes, total_bytes) while a matrix is made resident

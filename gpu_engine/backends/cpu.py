@@ -9,7 +9,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from gpu_engine.backends.base import Backend, DispatchShape, ProgressFn, ResidentMatrix
-from gpu_engine.dpf import KeyBatch, iter_page_masks
+from morpho_pir.dpf import KeyBatch, iter_page_masks
 from gpu_engine.matrix import PAGE_BYTES, WORDS_PER_PAGE, PageMatrix
 
 SCAN_PAGES = 64  # pages per scan block: 256 KiB of matrix + 256 KiB scratch stay in L2

@@ -23,9 +23,9 @@ from gpu_engine.backends.base import (
     ResidentMatrix,
 )
 from gpu_engine.backends.cuda_module import get_kernel, scan_kernel
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_name
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_name
 from gpu_engine.matrix import PAGE_BYTES, ROWS_PER_PAGE, WORDS_PER_PAGE, PageMatrix, domain_bits_for
-from gpu_engine.protocol import MAX_BATCH_QUERIES
+from morpho_pir.protocol import MAX_BATCH_QUERIES
 
 UPLOAD_CHUNK_PAGES = 16384  # 64 MiB per pinned staging buffer; two alternate
 HEADROOM_BYTES = 256 << 20  # kept free beside the matrix for tree nodes, answers, CUDA itself

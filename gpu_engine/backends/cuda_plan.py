@@ -11,8 +11,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from gpu_engine.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, format_name, tree_depth
-from gpu_engine.protocol import KEYS_PER_QUERY, LEAF_PAGE_BITS, LEAF_PAGES, PAGE_BYTES, ROW_BYTES
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, format_name, tree_depth
+from morpho_pir.protocol import KEYS_PER_QUERY, LEAF_PAGE_BITS, LEAF_PAGES, PAGE_BYTES, ROW_BYTES
 
 SCAN_THREADS = PAGE_BYTES // 16  # 256: one thread per 16-byte column of a page
 TOP_THREADS = 256

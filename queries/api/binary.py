@@ -13,11 +13,11 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.utils.mediatypes import media_type_matches
 
-from gpu_engine.dpf import (
+from morpho_pir.dpf import (
     KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, KeyBatch, KeyFormatError, key_domain_bits, key_format_of,
     key_length,
 )
-from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
+from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries.api.serializers import KEY_FORMATS, format_message, key_from_bytes, key_shape
 
 OCTET_STREAM = "application/octet-stream"

@@ -9,7 +9,7 @@ from django.conf import settings
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from rest_framework import serializers
 
-from gpu_engine.dpf import KEY_FORMAT_V1
+from morpho_pir.dpf import KEY_FORMAT_V1
 from queries import bulk
 from queries.api.binary import body_bytes, check_body, parse_query, query_bytes
 from queries.api.bulk_parsing import JSONQueryArray, QuerySpool, ndjson_lines

@@ -18,9 +18,9 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 
 from engine.holder import get_engine
-from gpu_engine.dpf import KEY_FORMAT_V1
+from morpho_pir.dpf import KEY_FORMAT_V1
 from gpu_engine.engine import key_formats_of
-from gpu_engine.protocol import KEYS_PER_QUERY, PAGE_BYTES
+from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries import bulk
 from queries.api.binary import (
     EPOCH_IDS_HEADER,

@@ -7,7 +7,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, inline_serializer
 from rest_framework import serializers
 
-from gpu_engine.protocol import KEY_FORMAT_NAMES
+from morpho_pir.protocol import KEY_FORMAT_NAMES
 from queries.api.binary import (ANSWER_BYTES, DIGEST_HEADER, EPOCH_HEADER, OCTET_STREAM,
                                 QUERIES_HEADER, UPDATES_HEADER)
 from queries.api.serializers import BatchQuerySerializer, PageQuerySerializer

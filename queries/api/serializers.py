@@ -7,11 +7,11 @@ from typing import Optional
 from django.conf import settings
 from rest_framework import serializers
 
-from gpu_engine.dpf import (
+from morpho_pir.dpf import (
     KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, DpfKey, KeyBatch, KeyFormatError, format_name,
     key_domain_bits, key_format_of, key_length,
 )
-from gpu_engine.protocol import KEYS_PER_QUERY, HexError, parse_hex
+from morpho_pir.protocol import KEYS_PER_QUERY, HexError, parse_hex
 
 # The encodings the query endpoints speak (docs/PROTOCOL.md section 5), advertised in /epoch.
 ENCODINGS = ("json", "binary")

@@ -11,9 +11,9 @@ from rest_framework.views import APIView
 from drf_spectacular.utils import extend_schema
 
 from engine.holder import get_engine
-from gpu_engine.dpf import KeyBatch, key_domain_bits
+from morpho_pir.dpf import KeyBatch, key_domain_bits
 from gpu_engine.engine import EngineUnavailable, key_formats_of
-from gpu_engine.protocol import query_key_counts
+from morpho_pir.protocol import query_key_counts
 from queries.api.binary import (
     BinaryBatchQuerySerializer,
     JSONErrorsMixin,

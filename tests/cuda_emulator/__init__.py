@@ -17,7 +17,7 @@ import numpy as np
 
 from gpu_engine.backends import cuda_plan
 from gpu_engine.backends.cuda_module import kernel_source
-from gpu_engine.dpf import KEY_FORMAT_V1
+from morpho_pir.dpf import KEY_FORMAT_V1
 from gpu_engine.matrix import PAGE_BYTES
 
 HERE = Path(__file__).resolve().parent

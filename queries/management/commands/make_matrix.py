@@ -4,7 +4,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from gpu_engine.matrix import PAGE_BYTES, metadata_path, write_epoch_metadata, write_matrix_file
-from gpu_engine.protocol import HexError, parse_hex
+from morpho_pir.protocol import HexError, parse_hex
 
 
 def _state_root(text: str) -> bytes:

@@ -12,8 +12,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gpu_engine.prg import expand
-from gpu_engine.protocol import KEY_FORMAT_NAMES, LEAF_PAGE_BITS, LEAF_PAGES
+from morpho_pir.prg import expand
+from morpho_pir.protocol import KEY_FORMAT_NAMES, LEAF_PAGE_BITS, LEAF_PAGES
 
 SEED_BYTES = 16
 MAX_DOMAIN_BITS = 32  # keys address at most 2**32 pages; the u8 field could say more

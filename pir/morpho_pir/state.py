@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-from gpu_engine.protocol import parse_hex
+from morpho_pir.protocol import parse_hex
 
 DIGEST_BYTES = 32
 _ROW = struct.Struct("<Q")

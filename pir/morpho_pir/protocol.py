@@ -1,4 +1,4 @@
-"""The facts every layer shares: the protocol's sizes (docs/PROTOCOL.md), backend names, hex parsing.
+"""The facts client and server share: the protocol's sizes (docs/PROTOCOL.md) and hex parsing.
 
 Plain Python with no imports beyond the standard library, so settings, the client and the engine
 can all read it without loading NumPy. Everything else imports these names; nothing restates them.
@@ -13,7 +13,6 @@ ROW_BYTES = 256  # section 1: a row
 ROWS_PER_PAGE = PAGE_BYTES // ROW_BYTES  # 16
 KEYS_PER_QUERY = 3  # section 4: a query names three candidate pages, one key each
 MAX_BATCH_QUERIES = 32  # section 5: queries in one batch request (a launch may merge several)
-BACKEND_NAMES = ("auto", "cpu", "cuda")  # MORPHO_ENGINE_BACKEND: auto = CUDA where present, else CPU
 # Section 3: the key formats, by the names /epoch advertises them under (section 5.1). "v1" gives
 # every page a 16-byte mask; "v2" stops the tree 7 levels early (section 3.1), a leaf selecting
 # LEAF_PAGES pages by one bit each. Every server speaks both; a client picks v2 where offered.

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 # The byte layout's offsets live in dpf.py, the one home of PROTOCOL.md section 3's format.
-from gpu_engine.dpf import (
+from morpho_pir.dpf import (
     KEY_FORMAT_V1,
     KEY_FORMAT_V2,
     MAX_DOMAIN_BITS,
@@ -19,8 +19,8 @@ from gpu_engine.dpf import (
     key_rows,
     tree_depth,
 )
-from gpu_engine.prg import expand
-from gpu_engine.protocol import LEAF_PAGES
+from morpho_pir.prg import expand
+from morpho_pir.protocol import LEAF_PAGES
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class KeyPairs:
     """K DPF key pairs of one depth as arrays; key i of party b is `key_bytes(b)[i]`.
 
     Both parties' keys share the correction words and final_cw; they differ in root seed,
-    root_t (= party) and party, exactly as `gpu_engine.dpf.gen_keys` makes them.
+    root_t (= party) and party, exactly as `morpho_pir.dpf.gen_keys` makes them.
     """
 
     domain_bits: int
