@@ -15,14 +15,15 @@ import uuid
 import pytest
 
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
-from queries.client import (
+from morpho_client import (
     EpochMismatch,
     PirClient,
     SameServer,
     check_distinct_servers,
     server_address,
 )
-from queries.client_plan import BulkState, StateError, read_rows_file
+from morpho_client.cli import print_progress
+from morpho_client.plan import BulkState, StateError, read_rows_file
 from tests.conftest import REPO, server_env
 
 PAGES = 64  # 1,024 rows, domain_bits 6: a job of a few dozen queries takes a second on the CPU
@@ -103,7 +104,7 @@ def expected(matrix_file):
 
 
 def run_cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "queries.client", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "morpho_client", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, **(env or {})})
 
@@ -167,7 +168,7 @@ def test_a_crash_between_the_two_submissions_sends_the_same_keys_to_b(parties, e
         info = client.epoch()
         state = BulkState.plan(client.servers, info.epoch_id, info.num_pages, info.domain_bits,
                                rows, [r // 16 for r in rows])
-        state.jobs[0] = client._bulk_submit(a.url, a.token, state, 0)
+        state.jobs[0] = client._run(client.core._bulk_submit(a.url, a.token, state, 0))
         state.save(state_path)  # the state as a client that died before submitting to B left it
         assert client.fetch_rows_bulk(rows, (a.token, b.token), state_path,
                                       poll_interval=0.3) == [expected.row(r) for r in rows]
@@ -302,9 +303,7 @@ def test_a_missing_rows_file_is_one_error_line(tmp_path):
 
 
 def test_progress_lines_count_launch_by_launch(capsys):
-    from queries.client import _print_progress
-
     running = {"id": 7, "status": "running", "answered": 0, "total": 512,
                "progress": {"answered": 96, "total": 512}}
-    _print_progress(running, {**running, "id": 8})
+    print_progress(running, {**running, "id": 8})
     assert capsys.readouterr().err.strip() == "A: job 7 running 96/512  B: job 8 running 96/512"
