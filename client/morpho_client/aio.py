@@ -52,7 +52,8 @@ class AsyncPirClient(BulkJobs):
     def __init__(self, server_a: str, server_b: str, timeout: float = 120.0,
                  max_batch: int = MAX_BATCH_QUERIES, encoding: str = "auto",
                  key_format: str = "auto", in_flight: Optional[int] = None,
-                 switch_deadline: float = SWITCH_DEADLINE_S) -> None:
+                 switch_deadline: float = SWITCH_DEADLINE_S,
+                 transport: Optional[httpx.AsyncBaseTransport] = None) -> None:
         if not 1 <= max_batch <= MAX_BATCH_QUERIES:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH_QUERIES}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
@@ -77,6 +78,7 @@ class AsyncPirClient(BulkJobs):
         self._advertised: tuple = (("json",), ("json",))  # per party, from its /epoch
         self._key_formats: tuple = (("v1",), ("v1",))  # per party, from its /epoch
         self._used: list = [None, None]  # per party, the encoding of its last query request
+        self._transport = transport  # httpx's own (None: its connection pool over TCP)
         self._http: Optional[httpx.AsyncClient] = None
         self._shape: tuple = (0, 0)  # (num_pages, domain_bits) the fetch's keys were made for
 
@@ -87,7 +89,8 @@ class AsyncPirClient(BulkJobs):
         if self._http is None:
             limits = httpx.Limits(max_connections=2 * MAX_IN_FLIGHT + 8,
                                   max_keepalive_connections=2 * MAX_IN_FLIGHT + 8)
-            self._http = httpx.AsyncClient(timeout=self.timeout, limits=limits)
+            self._http = httpx.AsyncClient(timeout=self.timeout, limits=limits,
+                                           transport=self._transport)
         return self._http
 
     async def request(self, method: str, url: str, **kwargs) -> httpx.Response:
