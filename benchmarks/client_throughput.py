@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.report import cpu_model, pyplot, read_csv, write_csv  # noqa: E402
-from morpho_client import AsyncPirClient, PirClient  # noqa: E402
+from morpho_client import AsyncPirClient, PirClient, PirError  # noqa: E402
 from morpho_client.plan import plan_window  # noqa: E402
 from morpho_pir.dpf import format_by_name  # noqa: E402
 from morpho_pir.http import BATCH_PATH, OCTET_STREAM  # noqa: E402
@@ -46,7 +46,7 @@ from morphoweb.partyprocs import free_port, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = ["pages", "key_format", "client", "in_flight", "rows", "seconds", "rows_per_s",
-          "reference_rows_per_s", "ratio"]
+          "reference_rows_per_s", "ratio", "failed"]
 BODIES_PER_WORKER = 8  # distinct request bodies each reference connection cycles through
 
 
@@ -196,7 +196,7 @@ def plot(csv_path: Path, png: Path) -> None:
         mine = [r for r in lines if (int(r["pages"]), r["key_format"]) == (pages, key_format)]
         for client, style in (("sync", "-o"), ("async", "--s")):
             points = sorted((int(r["in_flight"]), float(r["rows_per_s"]))
-                            for r in mine if r["client"] == client)
+                            for r in mine if r["client"] == client and r["rows_per_s"])
             if points:
                 ax.plot(*zip(*points), style, color=colour,
                         label=f"{pages:,} pages, {key_format}, {client}")
@@ -249,7 +249,15 @@ def main(argv=None) -> int:
                 for kind in args.clients.split(","):
                     rows = rng.integers(0, info.num_rows, args.rows).tolist()
                     timer = time_sync if kind == "sync" else time_async
-                    seconds, got = timer(urls, rows, key_format, in_flight)
+                    try:
+                        seconds, got = timer(urls, rows, key_format, in_flight)
+                    except PirError as exc:  # the parties refused past the client's deadline
+                        print(f"  {kind:5} in flight {in_flight:2}: failed: {exc}", flush=True)
+                        lines.append(dict(pages=args.pages, key_format=key_format, client=kind,
+                                          in_flight=in_flight, rows=len(rows),
+                                          reference_rows_per_s=f"{ref:.0f}",
+                                          failed=str(exc)[:200]))
+                        continue
                     check_rows(matrix, rows, got)
                     rate = len(rows) / seconds
                     ratio = rate / ref if ref else float("nan")
