@@ -1,7 +1,7 @@
 """Bulk bodies read as streams: bounded memory per request, whatever the body holds.
 
-A JSON bulk body used to be parsed whole: 64 MiB of `[[],[],...]` became 22 million Python
-lists (1.2 GB, 11-15 s holding the GIL, every other request stalled). Here a JSON body is read
+Parsed whole, 64 MiB of `[[],[],...]` would become 22 million Python lists (1.2 GB, 11-15 s
+holding the GIL, every other request stalled). So a JSON body is read
 64 KiB at a time, and each query, one array element of at most MORPHO_BULK_MAX_QUERY_BYTES, is
 decoded on its own; NDJSON lines have the same cap; validated queries are kept as key bytes in a
 spool that moves to a temporary file past SPOOL_MEMORY_BYTES.
