@@ -6,7 +6,7 @@
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
 #  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
 #  NCU_DEFINE="V1_FRAG_ALU_KEYS=3 V1F_XOR_PREFETCH=0" profiles a kernel variant, as --define does for backend_batch.py;
-#  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts NOTES-cuda.md quotes)
+#  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts docs/SCANS.md quotes)
 set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-all}
@@ -19,7 +19,7 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
         tests/test_kernels_compile.py tests/test_cuda_overlap.py tests/test_cuda_placement.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 | tee "$OUT/tests.log"
 fi
 [ "$stage" = tests ] && exit 0
-if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
+if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (docs/SCANS.md)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     ncu_defines=$(for d in ${NCU_DEFINE:-}; do printf -- '--define %s ' "$d"; done)  # NCU_DEFINE's items as options,
     ncu_tag=$(for d in ${NCU_DEFINE:-}; do printf -- '-%s' "$d"; done)  # and in the logs' names

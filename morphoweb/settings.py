@@ -282,7 +282,7 @@ MORPHO_QUERY_TIMEOUT = _env_float("MORPHO_QUERY_TIMEOUT", 60.0, lo=0.001)
 MORPHO_ENGINE_RETRY_AFTER = _env_int("MORPHO_ENGINE_RETRY_AFTER", 5)
 # Python's GIL switch interval in processes that run an engine (µs; 0 = Python's own 5000): the
 # scheduler thread, request threads and answer callbacks take turns sooner. On the H100 at 90% of
-# capacity it cut p95 from 59 to 42 ms and p99 from 94 to 57 ms (docs/benchmarks/policy_NOTES.md).
+# capacity it cut p95 from 59 to 42 ms and p99 from 94 to 57 ms (docs/PERFORMANCE.md).
 MORPHO_GIL_SWITCH_INTERVAL_US = _env_int("MORPHO_GIL_SWITCH_INTERVAL_US", 500)
 # Start the engine when the WSGI application loads, so a bad matrix or backend fails the boot
 # rather than the first query (bool).

@@ -26,7 +26,7 @@ typedef unsigned char u8;
 // A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
 // multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
 // FMA pipe; measured slower on the H100 (a longer dependency chain, and the pair's producers then
-// spill 24 bytes; docs/benchmarks/NOTES-cuda.md).
+// spill 24 bytes; docs/SCANS.md).
 #ifndef PRG_ROTATE_WITH_IMAD
 #define PRG_ROTATE_WITH_IMAD 0
 #endif
@@ -537,7 +537,7 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 // accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
 // teams trade registers by setmaxnreg: V1F_MULTIPLIER_REGS for the multipliers, the rest to the
 // producers, whose expansion fits 88 without spilling). Measured at mainnet on the H100
-// (NOTES-cuda.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
+// (docs/SCANS.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
 // 160 registers for the multipliers 33.5 and 101.5, 152 spilled. Elsewhere 1 (no setmaxnreg: 2
 // would spill); -DV1F_ROWS_IN_FLIGHT=n for either anywhere (the CPU emulator runs both).
 #ifndef V1F_ROWS_IN_FLIGHT
@@ -558,7 +558,7 @@ static_assert(V1F_MULTIPLIER_REGS % 8 == 0 && V1F_MULTIPLIER_REGS >= 128 && V1F_
 // ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
 // at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only.
 // None where the multipliers keep two rows in flight (V1F_ROWS_IN_FLIGHT): measured on the H100
-// (NOTES-cuda.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2 against
+// (docs/SCANS.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2 against
 // 49.6, Q = 32 97.9 against 96.2 at mainnet and 1.073 against 1.035 ms at 65,536 pages (Q = 74).
 // With one row in flight (builds other than sm_90a's) 4 rows ahead paid: 6 groups 12%, 2 groups
 // of evenly split keys 14%. Variants to time: V1F_PREFETCH_ROWS=n, V1F_PREFETCH_MIN_GROUPS=n.
@@ -759,7 +759,7 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
 // A lane's residue, 32 (c % 4) + 4 W + r, is the same at every step, but its A words are loaded
 // from shared memory each step (volatile), for one query too: kept in registers for the chunk
 // (8 a key), with the fragments released to the producers as soon as loaded, one query took
-// 22.7-22.8 ms at mainnet on the H100 against 22.1 so (NOTES-cuda.md).
+// 22.7-22.8 ms at mainnet on the H100 against 22.1 so (docs/SCANS.md).
 // v1f_xor_rows is the lane's uint4 of step 0 of the chunk at leaf0; step j is 4 j V1F_SLICE4 on.
 #define V1F_SLICE4 (V1F_SLICE_WORDS / 4)  // uint4s from a slice of a chunk to the next
 #define V1F_MULTIPLIER_BARRIER 4  // bar.sync id: the multipliers' own (their answers' reduction)
@@ -814,7 +814,7 @@ __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[
 // Each lane also asks L2 for one of the 32 lines of step j + V1F_XOR_PREFETCH (of `next` past
 // step 31): its row, slice 4 j + lane % 4, half (lane / 4) % 2, marked to be evicted last: plain
 // prefetches were pushed out by the lines already read before their loads came (measured at
-// mainnet on the H100, NOTES-cuda.md: further ahead was slower, 23.9 ms at 3 steps and, by the
+// mainnet on the H100, docs/SCANS.md: further ahead was slower, 23.9 ms at 3 steps and, by the
 // bulk engine, 26.3 at 4 and 37.9 at 8, against 22.7 at 2). Variants to time: 0 (none), another
 // distance.
 #ifndef V1F_XOR_PREFETCH
@@ -960,7 +960,7 @@ __device__ __forceinline__ V1fTops v1f_tops(const V1fShared& sh) {
 // V1_FRAG_TOP_LEVELS at [(b 2^V1_FRAG_TOP_LEVELS + j) * G + key]), half and big the scratch. A
 // chunk's first levels have 1 to 4 nodes a key, 12 to 48 items for 12 keys: alone, each level was
 // one ChaCha8 chain with most producers idle at its barrier (the first six levels a third of the
-// producers' time at Q = 8, NOTES-cuda.md); 8 chunks at once make them 96, 192 and 384 items for
+// producers' time at Q = 8, docs/SCANS.md); 8 chunks at once make them 96, 192 and 384 items for
 // the 256 producers (12 keys). The children of
 // node i of a level are nodes 2i and 2i + 1 of the next, so the forest's nodes, chunk by chunk,
 // expand as one tree's level does.
@@ -1164,7 +1164,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 // half of each chunk's slices (the block of cluster rank r: 64 r .. 64 r + 63) by the A fragments
 // of both groups, the peer's read from the peer's shared memory. L2 so serves a chunk once a pair
 // of groups instead of once a group: dpf_scan_v1_frag's multipliers at two groups were bound by
-// the B loads, about 5 TB/s from L2 (NOTES-cuda.md). Multiplier warp W multiplies residues 32 cq
+// the B loads, about 5 TB/s from L2 (docs/SCANS.md). Multiplier warp W multiplies residues 32 cq
 // .. 32 cq + 31 (cq = W % 4) of slices 64 r + 32 (W / 4) .. + 31, 8 column tiles of 4 slices a
 // row, each by both tiles of A: 16 products a row, as dpf_scan_v1_frag's warps, with half the
 // loads. The hand-over spans the pair: each block's `ready` mbarrier counts both blocks'
@@ -1201,7 +1201,7 @@ struct V1pProducerHandover {
 // Rows of B words a pair's multiplier warp keeps in flight (1, 2 or 4): row b + V1P_ROWS - 1's
 // loaded before row b's products (a row is 16 registers, the accumulators 64), and registers a
 // multiplier thread takes by setmaxnreg (sm_90a; the producers the rest, as in dpf_scan_v1_frag).
-// Measured on the H100 at mainnet (NOTES-cuda.md): Q = 8 28.0 ms with 4 rows and 184 registers,
+// Measured on the H100 at mainnet (docs/SCANS.md): Q = 8 28.0 ms with 4 rows and 184 registers,
 // 28.7 with 4 and 176, 28.7 with 2 and 176; 2 rows and 168 registers spilled and took 28.4-33.6.
 // Elsewhere (no setmaxnreg: 128 registers a thread) 1 row, which does not spill (2 do). Variants
 // to time: -DV1P_ROWS=n, -DV1P_MULTIPLIER_REGS=n.
@@ -1455,7 +1455,7 @@ __device__ __forceinline__ uint4 leaf_bits_of(const u32* keyrec, int krec, int t
 // are contiguous). Leaf-major, a block takes a tile of LEAF_BITS_TILE keys x LEAF_BITS_TILE leaves
 // (cuda_plan.leaf_bits_grid) and turns it round in shared memory, so it reads each key's leaves and
 // writes each leaf's keys as whole runs: with a thread a (key, leaf) its 16-byte stores fell a key
-// group apart, 1.58 against 0.37 ms for 222 keys at mainnet on the H100 (NOTES-cuda.md). num_keys
+// group apart, 1.58 against 0.37 ms for 222 keys at mainnet on the H100 (docs/SCANS.md). num_keys
 // is a multiple of LEAF_BITS_TILE there (whole key groups of 16T keys).
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,
