@@ -1,4 +1,4 @@
-"""One party over several devices (issue 17): sharded and replicated epochs, byte-exact against the
+"""One party over several devices: sharded and replicated epochs, byte-exact against the
 protocol's formula, on simulated CPU devices, so CI covers the placement logic without a GPU."""
 from __future__ import annotations
 
