@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
+# One device call for the scans' figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
 #   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1alu|sustained|all   (CSVs and logs under $OUT)
@@ -36,8 +36,8 @@ if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (d
     done
     exit 0
 fi
-if [ "$stage" = variants ]; then  # kernel alternatives (-D options of dpf_scan_mma.cu) at mainnet
-    for v in ${VARIANTS:-MMA_STAGGER=0 MMA_STAGGER=1}; do
+if [ "$stage" = variants ]; then  # kernel alternatives (-D options a kernel reads) at mainnet
+    for v in ${VARIANTS:?VARIANTS: the -D options to time, e.g. VARIANTS="V1F_XOR_PREFETCH=1 V1F_XOR_PREFETCH=2"}; do
         timeout 200 python3 benchmarks/backend_batch.py --backend cuda --pages $MAINNET --domain-bits 25 --gpu-matrix \
             --key-format v2 --v2-scan mma --q ${VARIANT_Q:-24,32,40} --repeat 3 --define $v \
             --dispatch=micro_batch=0,streams=1,graph=1 --out "$OUT/variant_$v.csv" 2>&1 | tail -3

@@ -23,22 +23,10 @@ typedef unsigned char u8;
 // MAX_TOP_LEVELS, and the word offsets of a key record: KREC_ROOT, KREC_FINAL, KREC_ROOT_T,
 // KREC_CW. A key record is krec u32 words (a multiple of 4, also set by the host).
 
-// A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
-// multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
-// FMA pipe; measured slower on the H100 (a longer dependency chain, and the pair's producers then
-// spill 24 bytes; docs/SCANS.md).
-#ifndef PRG_ROTATE_WITH_IMAD
-#define PRG_ROTATE_WITH_IMAD 0
-#endif
-
+// A rotation is one funnel shift (SHF, ALU pipe). As a multiply by 2^n and an add on the FMA pipe
+// it measured slower on the H100: a longer dependency chain (docs/SCANS.md, Measured and not kept).
 __device__ __forceinline__ u32 rotl32(u32 x, int n) {
-#if PRG_ROTATE_WITH_IMAD
-    u64 p;
-    asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
-    return (u32)p + (u32)(p >> 32);
-#else
     return __funnelshift_l(x, x, n);
-#endif
 }
 
 #define QUARTER(a, b, c, d)                  \
@@ -133,10 +121,7 @@ __device__ __forceinline__ void store_children(
 
 // Nodes each thread expands side by side. One ChaCha evaluation is a chain of dependent adds,
 // XORs and rotations; at the 4 warps a scheduler that the accumulators leave room for, a second
-// independent evaluation fills the first one's latency. PRG_NODES_PER_STEP=1 expands one at a time.
-#ifndef PRG_NODES_PER_STEP
-#define PRG_NODES_PER_STEP 2
-#endif
+// independent evaluation fills the first one's latency (one at a time measured 5% slower).
 
 // The threads that expand a tree level: the whole block (threadIdx.x of blockDim.x, meeting at
 // __syncthreads), or dpf_scan_v1_frag's producer warps, which meet at their own named barrier
@@ -195,7 +180,6 @@ __device__ __forceinline__ void expand_level(
     const uint4* cw_seed, const u8* cw_t, const uint4* final_cw, LiveKeys keys, Team team) {
     const int total = n_par * keys.live;
     int idx = team.tid;
-#if PRG_NODES_PER_STEP > 1
     for (; idx + team.size < total; idx += 2 * team.size) {
         const int at0 = live_slot<G>(idx, keys), at1 = live_slot<G>(idx + team.size, keys);
         const uint4 s0 = in_seed[at0], s1 = in_seed[at1];
@@ -207,7 +191,6 @@ __device__ __forceinline__ void expand_level(
         store_children<G>(at0, t0, l0, r0, tl0, tr0, out_seed, out_t, cw_seed, cw_t, final_cw);
         store_children<G>(at1, t1, l1, r1, tl1, tr1, out_seed, out_t, cw_seed, cw_t, final_cw);
     }
-#endif
     for (; idx < total; idx += team.size) {
         const int at = live_slot<G>(idx, keys);
         uint4 left, right;
@@ -467,12 +450,6 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // live for one k-step: their low bits go to bit b of the warp's answer words (64 registers a
 // thread: 2 keys x 8 words x 4 column tiles, two words' halves packed in each), which meet in
 // global memory by XOR atomics once per block.
-// Residues (s) of v1f_multiply's product loop unrolled together: 1, or a variant to time
-// (-DV1F_UNROLL=n; v1f_multiply2, sm_90a's, takes two a turn whatever it is)
-#ifndef V1F_UNROLL
-#define V1F_UNROLL 1
-#endif
-constexpr int kV1fUnroll = V1F_UNROLL;
 #define V1F_L (1 << V1_FRAG_CHUNK_LEVELS)  // leaves a chunk expands at most (the host sizes shared memory for it)
 #define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
 #define V1F_TEAM (V1_FRAG_THREADS / 2)  // threads a team: the producers, the multipliers
@@ -547,9 +524,7 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 #define V1F_ROWS_IN_FLIGHT 1
 #endif
 #endif
-#ifndef V1F_MULTIPLIER_REGS
 #define V1F_MULTIPLIER_REGS 168
-#endif
 #define V1F_PRODUCER_REGS (2 * 128 - V1F_MULTIPLIER_REGS)  // 65,536 registers: 256 threads a team
 static_assert(V1F_MULTIPLIER_REGS % 8 == 0 && V1F_MULTIPLIER_REGS >= 128 && V1F_MULTIPLIER_REGS <= 232,
               "setmaxnreg: a multiple of 8, no fewer than the 128 a thread starts with, 24 left a producer");
@@ -697,7 +672,7 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         V1fFold fold;
-#pragma unroll kV1fUnroll
+#pragma unroll 1  // one residue a turn: two a turn measured slower (docs/SCANS.md)
         for (int s = 0; s < 16; ++s) {
             const int b = 16 * h + s;
 #if V1F_PREFETCH_ROWS > 0
@@ -1008,10 +983,6 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
                      team);
 }
 
-#ifndef V1F_BATCH_TOPS
-#define V1F_BATCH_TOPS 1  // 0: each chunk's tree expanded alone (expand_chunk), to time against
-#endif
-
 // Key group `group`'s keys: the batch's keys split evenly over the groups (their sizes differ by
 // one at most), so the blocks of a run expand about as many trees each and keep pace (with the
 // last group short, 24 keys as 16 + 8, its blocks ran ahead of the others, which then found their
@@ -1042,7 +1013,8 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     const LiveKeys keys = live_keys(grp.live);
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
     // chunks of more levels than the batched ones: their first levels V1_FRAG_TOP_CHUNKS at a time
-    const bool batched = V1F_BATCH_TOPS && c > V1_FRAG_TOP_LEVELS;
+    // (each chunk's alone measured 4-6% slower at mainnet)
+    const bool batched = c > V1_FRAG_TOP_LEVELS;
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
         const int i = (int)(chunk - chunk_begin);
