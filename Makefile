@@ -23,12 +23,13 @@ venv: $(STAMP)
 # default 8192), each an engine server, gunicorn and bulk workers with its own SQLite database
 # under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. Ctrl-C stops all. The
 # admin's and the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them.
+# `exec` makes the supervisor make's own child, so that it stops everything when make is killed.
 PORT_A ?= 8001
 PORT_B ?= 8002
 VAR ?=
 run: $(STAMP)
 	$(PY) manage.py collectstatic --no-input -v0
-	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
+	exec env $(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
 
 # An admin user and its DRF token on both parties of `make run` (their databases
 # $(PARTY_DB_DIR)/party-a.sqlite3 and party-b.sqlite3, migrated first): SUPERUSER (default admin)

@@ -5,11 +5,13 @@ under the state folder (MORPHO_VAR_DIR, default var/). The engine server owns th
 device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
 served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
 it to gunicorn on a Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
-that dies is started again; any other process that dies stops everything.
+that dies is started again; any other process that dies stops everything, and so does the death
+of the process that started this one (`make`, killed alone or with its terminal).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -24,6 +26,7 @@ from morphoweb.partyprocs import NotHealthy, health, wait_healthy
 BASE_DIR = Path(__file__).resolve().parent.parent
 RESTART_DELAY_S = 1.0  # pause before an engine server that died is started again
 IPC_PATH_MAX = 100  # bytes: a Unix socket path must fit sockaddr_un (108 with the NUL)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies (Linux)
 
 
 class Child:
@@ -105,6 +108,26 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _stop_with_parent() -> int:
+    """Have the kernel send SIGTERM when the parent (`make`) dies, and return the parent's pid.
+
+    Killing `make` alone (`kill <pid>`, a tmux or screen session closed around it) signals make,
+    not this process: without this, the parties would run on, orphaned, holding their ports. Where
+    prctl is missing (not Linux), the supervision loop notices the parent's pid change instead."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    return parent
+
+
+def _orphaned(parent: int) -> bool:
+    """True once the process that started this one has gone (this one was handed to another)."""
+    return os.getppid() != parent
+
+
 def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_workers: int,
            threads: int) -> list[Child]:
     env = _party_env(name, matrix, var_dir)
@@ -144,6 +167,9 @@ def main(argv=None) -> int:
     # A SIGTERM (a supervisor, `kill`) or SIGHUP (the terminal closed) stops everything like Ctrl-C.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
+    parent = _stop_with_parent()
+    if _orphaned(parent):  # the parent died before the kernel was asked to say so
+        return 1
 
     ports = {"a": args.port_a, "b": args.port_b}
     busy = [f"{port} (party {name.upper()})" for name, port in ports.items()
@@ -193,6 +219,10 @@ def main(argv=None) -> int:
         )
         while True:
             time.sleep(0.5)
+            if _orphaned(parent):
+                print("the process that started `make run` has gone; stopping both parties",
+                      file=sys.stderr, flush=True)
+                return 0
             for child in children:
                 if child.alive():
                     continue
