@@ -396,6 +396,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
-        for name in ("morphoweb", "queries", "policies", "epochs", "gpu_engine")
+        for name in ("morphoweb", "engine", "queries", "policies", "epochs", "gpu_engine")
     },
 }
