@@ -85,6 +85,11 @@ class BatchingPolicyAdmin(admin.ModelAdmin):
         for policy in chosen:
             if policy.active:
                 continue
+            unfit = policy.fit_errors()
+            if unfit:  # a record written around the model's check
+                self.message_user(request, f"Policy {policy.name} was not activated: "
+                                           f"{' '.join(unfit.values())}", messages.ERROR)
+                continue
             policy.activate()
             # The admin's history (LogEntry): who activated what, when.
             self.log_change(request, policy, f"Activated as the {policy.lane} policy.")
