@@ -174,10 +174,17 @@ class BatchingPolicy(models.Model):
                     active=False, updated_at=timezone.now())
             super().save(*args, **kwargs)
 
-    def delete(self, *args, **kwargs):
+    def delete_refusal(self) -> str | None:
+        """Why this record may not be deleted, or None."""
         if self.active:
-            raise ValidationError(f"{self.name} is the active {self.lane} policy: activate another "
-                                  f"one for the lane before deleting it")
+            return (f"{self.name} is the active {self.lane} policy: activate another one for the "
+                    f"lane before deleting it")
+        return None
+
+    def delete(self, *args, **kwargs):
+        refusal = self.delete_refusal()
+        if refusal:
+            raise ValidationError(refusal)
         return super().delete(*args, **kwargs)
 
     def activate(self) -> None:

@@ -205,7 +205,17 @@ def test_admin_activate_action_refuses_a_policy_that_cannot_serve_its_lane(staff
 
 def test_admin_cannot_delete_the_active_policy_one_by_one_or_in_bulk(staff):
     latency = BatchingPolicy.objects.get(name="interactive-latency")
-    assert staff.get(CHANGELIST + f"{latency.pk}/delete/").status_code == 403
+    # by its URL (no page links it): the admin's own error message on the change form, never
+    # the API's bare JSON 403 inside the admin
+    for method in (staff.get, staff.post):
+        response = method(CHANGELIST + f"{latency.pk}/delete/", follow=True)
+        assert response.status_code == 200
+        assert response.redirect_chain == [(CHANGELIST + f"{latency.pk}/change/", 302)]
+        page = response.content.decode()
+        assert '<ul class="messagelist">' in page and "permission denied" not in page
+        assert ("Not deleted: interactive-latency is the active interactive policy: activate "
+                "another one for the lane before deleting it.") in page
+    assert BatchingPolicy.objects.filter(pk=latency.pk).exists()
     page = staff.get(CHANGELIST).content.decode()
     assert 'value="delete_selected"' not in page
     assert actives() == DEFAULT_ACTIVES
