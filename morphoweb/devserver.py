@@ -97,6 +97,7 @@ def party_env(name: str, matrix: Path, var_dir: Path) -> dict:
         DATABASE_URL=f"sqlite:///{var_dir / f'party-{name}.sqlite3'}",
         CELERY_FILESYSTEM_BROKER_DIR=str(var_dir / f"celery-broker-{name}"),
         MORPHO_ENGINE_URL=_engine_url(var_dir, name),
+        MORPHO_PARTY_NAME=name.upper(),  # in the admin's header, the dashboard and /
         MORPHO_GUNICORN_CONTROL_SOCKET=str(var_dir / f"gunicorn-{name}.ctl"),
         # The front end is the one proxy before gunicorn: the throttle counts requests per
         # address from the last entry of X-Forwarded-For, the one the front end writes.
