@@ -13,12 +13,12 @@ PARTY_DATABASES = "var/party-a.sqlite3 and var/party-b.sqlite3"
 # What to do instead, by what the command writes.
 USERS_HINT = (
     f"`make run` keeps its parties' users in {PARTY_DATABASES}: `make superuser` creates an "
-    "admin user and a token on both (README: Admin users and tokens); for another database "
-    "set DATABASE_URL to it and run `python manage.py migrate` first"
+    "admin user and a token on both (docs/OPERATIONS.md, Admin users and tokens); for another "
+    "database set DATABASE_URL to it and run `python manage.py migrate` first"
 )
 EPOCHS_HINT = (
     f"`make run` keeps its parties' epochs in {PARTY_DATABASES}: `make epoch MATRIX=FILE` "
-    "records and activates an epoch on both (docs/OPERATIONS.md: Switching epochs); for one "
+    "records and activates an epoch on both (docs/OPERATIONS.md, Switching epochs); for one "
     "party set DATABASE_URL (and MORPHO_ENGINE_URL) to that party's, and run "
     "`python manage.py migrate` first where its database is new"
 )
