@@ -124,7 +124,7 @@ def _var_arg(var_dir: Path) -> str:
 
 def demo_pages() -> int:
     """Pages of the generated demo matrix: DEMO_PAGES, else 8192 (32 MiB)."""
-    return int(os.environ.get("DEMO_PAGES", 8192))
+    return int(os.environ.get("DEMO_PAGES") or 8192)
 
 
 def state_folder() -> Path:

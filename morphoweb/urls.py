@@ -8,7 +8,6 @@ from django.views.generic import TemplateView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 
-
 def _party_title(suffix: str) -> str:
     name = settings.MORPHO_PARTY_NAME
     return f"morphoweb party {name} {suffix}" if name else f"morphoweb {suffix}"

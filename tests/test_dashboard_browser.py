@@ -291,4 +291,16 @@ def test_landing_page_and_api_docs_load_every_asset(server, browser):
     sign_in(browser, server.url)
     for page in ("/admin/epochs/epoch/", "/admin/queries/bulkjob/", "/admin/auth/user/add/"):
         browser.open(server.url + page)
+    # The active bulk policy's delete page, by its URL: back on its change form, the admin's own
+    # error message, no JSON.
+    browser.open(server.url + "/admin/policies/batchingpolicy/?lane__exact=bulk&active__exact=1")
+    change = browser.evaluate("new URL(document.querySelector('#result_list tbody a').href).pathname")
+    browser.open(server.url + change.replace("/change/", "/delete/"))
+    assert browser.evaluate("location.pathname") == change
+    message = browser.evaluate("document.querySelector('.messagelist .error')?.textContent")
+    assert message == ("Not deleted: bulk-throughput is the active bulk policy: activate another "
+                       "one for the lane before deleting it."), message
+    if os.environ.get("MORPHO_SCREENSHOT_DIR"):
+        shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+        Path(os.environ["MORPHO_SCREENSHOT_DIR"], "admin-delete-active.png").write_bytes(shot)
     assert not browser.bad_assets, browser.bad_assets

@@ -56,13 +56,20 @@ def kill_family(pids: list[int]) -> None:
             pass
 
 
-def test_make_run_ports_state_folder_busy_ports_and_sighup(tmp_path):
-    var = tmp_path / "v"
+def small_parties(var: Path) -> tuple[tuple[int, int], dict, list[str]]:
+    """(ports, environment, argv) of `make run`'s supervisor on two free ports, the state folder
+    `var` and a 64-page demo matrix on the CPU backend."""
     ports = free_port(), free_port()
     env = server_env(MORPHO_VAR_DIR=var, DEMO_PAGES=64, MORPHO_ENGINE_BACKEND="cpu",
                      MORPHO_WEB_WORKERS=2, CUDA_VISIBLE_DEVICES="")
     argv = [sys.executable, "-m", "morphoweb.devserver", "--port-a", str(ports[0]),
             "--port-b", str(ports[1])]
+    return ports, env, argv
+
+
+def test_make_run_ports_state_folder_busy_ports_and_sighup(tmp_path):
+    var = tmp_path / "v"
+    ports, env, argv = small_parties(var)
     log = open(tmp_path / "run.log", "wb")  # noqa: SIM115 - the supervisor writes to it
     run = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
