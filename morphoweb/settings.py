@@ -133,6 +133,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "morphoweb.context_processors.party",
             ],
         },
     },
@@ -245,6 +246,14 @@ if MORPHO_ENV not in MORPHO_ENVS:
     raise ImproperlyConfigured(
         f"MORPHO_ENV: expected {' or '.join(MORPHO_ENVS)}, got {os.environ.get('MORPHO_ENV')!r}"
     )
+
+# Which party this is, as its operators call it ("A", "B", a name): shown in the admin's header,
+# the dashboard and the landing page, so that two parties' tabs side by side are told apart.
+# `make run` sets A and B; empty shows no name. At most 40 printable characters.
+MORPHO_PARTY_NAME = _env("MORPHO_PARTY_NAME", "").strip()
+if len(MORPHO_PARTY_NAME) > 40 or not MORPHO_PARTY_NAME.isprintable():
+    raise ImproperlyConfigured(
+        f"MORPHO_PARTY_NAME: expected at most 40 printable characters, got {MORPHO_PARTY_NAME!r}")
 
 # --- The PIR engine ----------------------------------------------------------------------------
 # Parsed here; read by the code only through engine.config.engine_settings(), one frozen value
@@ -396,6 +405,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
-        for name in ("morphoweb", "queries", "policies", "epochs", "gpu_engine")
+        for name in ("morphoweb", "engine", "queries", "policies", "epochs", "gpu_engine")
     },
 }

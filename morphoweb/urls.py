@@ -1,9 +1,22 @@
 """Root URL configuration: a landing page, health, the PIR API at the root, the admin, docs, the
 dashboard and metrics."""
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
+from django.utils.functional import lazy
 from django.views.generic import TemplateView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+
+def _party_title(suffix: str) -> str:
+    name = settings.MORPHO_PARTY_NAME
+    return f"morphoweb party {name} {suffix}" if name else f"morphoweb {suffix}"
+
+
+# Two parties' admins side by side look alike: the header and the tab say which is which (read
+# when a page is drawn).
+admin.site.site_header = lazy(_party_title, str)("administration")
+admin.site.site_title = lazy(_party_title, str)("admin")
 
 urlpatterns = [
     # The PIR API first: Django resolves every request's path once per middleware that asks and
