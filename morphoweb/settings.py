@@ -393,9 +393,22 @@ LOGGING = {
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"},
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {
+        # A 503 is a refusal the API documents (engine not ready, overloaded), not a bug.
+        "not_refusals": {"()": "django.utils.log.CallbackFilter",
+                         "callback": lambda record: getattr(record, "status_code", None) != 503},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "server_errors": {"class": "logging.StreamHandler", "formatter": "plain",
+                          "filters": ["not_refusals"]},
+    },
     "loggers": {
-        name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
-        for name in ("morphoweb", "queries", "policies", "epochs", "gpu_engine")
+        **{name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
+           for name in ("morphoweb", "queries", "policies", "epochs", "gpu_engine")},
+        # Every 500 with its traceback, whatever DEBUG says (Django's own console handler logs
+        # only with DEBUG on, and mails admins no one configured): a 500 is a bug to be read.
+        # ERROR: the 4xx lines of this logger are warnings and stay out.
+        "django.request": {"handlers": ["server_errors"], "level": "ERROR", "propagate": False},
     },
 }
