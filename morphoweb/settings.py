@@ -3,23 +3,30 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from morphoweb.envcheck import host_problem, parse_rate, unknown_names
 from morpho_pir.protocol import MAX_BATCH_QUERIES
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Every environment name a setting reads: any other MORPHO_*/DJANGO_* name is a misspelling
+# (warned about, refused in production) at the end of this module.
+_READ: set[str] = set()
 
 
 def _env(name: str, default: str) -> str:
+    _READ.add(name)
     value = os.environ.get(name)
     return default if value is None or value == "" else value
 
 
 def _env_bool(name: str, default: bool) -> bool:
+    _READ.add(name)
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -34,6 +41,7 @@ def _env_bool(name: str, default: bool) -> bool:
 def _env_int(
     name: str, default: int | None, lo: int | None = None, hi: int | None = None
 ) -> int | None:
+    _READ.add(name)
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -47,6 +55,7 @@ def _env_int(
 
 
 def _env_float(name: str, default: float, lo: float | None = None) -> float:
+    _READ.add(name)
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -63,6 +72,14 @@ def _env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in _env(name, default).split(",") if item.strip()]
 
 
+def _env_rate(name: str, default: str) -> str | None:
+    """A request rate, "N/second|minute|hour|day" with N >= 1, normalised; None for "off"."""
+    try:
+        return parse_rate(name, _env(name, default))
+    except ValueError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
 # Directory for the embedded defaults (SQLite database, Celery's file broker, demo matrix).
 VAR_DIR = Path(_env("MORPHO_VAR_DIR", str(BASE_DIR / "var")))
 
@@ -74,6 +91,9 @@ SECRET_KEY = _env("SECRET_KEY", "morphoweb-insecure-local-default-change-me")
 DEBUG = _env_bool("DEBUG", False)
 # Host names this server answers for (comma-separated list).
 ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
+for _host in ALLOWED_HOSTS:
+    if host_problem(_host):
+        raise ImproperlyConfigured(f"ALLOWED_HOSTS: expected {host_problem(_host)}, got {_host!r}")
 
 INSTALLED_APPS = [
     # First: its createsuperuser, changepassword and drf_create_token (morphoweb/management)
@@ -212,12 +232,9 @@ REST_FRAMEWORK = {
     # Anonymous requests (the public PIR endpoints) are limited per client address, counted
     # atomically (queries/api/throttling.py); signed-in operators are not.
     "DEFAULT_THROTTLE_CLASSES": ["queries.api.throttling.AnonQueryThrottle"],
-    # Requests per client address ("N/second|minute|hour"), in Redis when CACHE_URL names one,
-    # else per process; "off" lifts the limit (load generators on one address need that).
-    "DEFAULT_THROTTLE_RATES": {
-        "anon": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
-        else _env("MORPHO_QUERY_THROTTLE", "200/second"),
-    },
+    # Requests per client address ("N/second|minute|hour|day", N >= 1), in Redis when CACHE_URL
+    # names one, else per process; "off" lifts the limit (load generators on one address need it).
+    "DEFAULT_THROTTLE_RATES": {"anon": _env_rate("MORPHO_QUERY_THROTTLE", "200/second")},
     # Reverse proxies in front of this server (count). 0: the client address is the socket's, and
     # a client cannot escape its limit by sending its own X-Forwarded-For.
     "NUM_PROXIES": _env_int("MORPHO_NUM_PROXIES", 0, lo=0),
@@ -341,7 +358,7 @@ if CELERY_BROKER_URL.startswith("filesystem:"):
         "polling_interval": 0.1,
     }
 # Result backend URL; unset = none (job results are stored in the database by the app itself).
-CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or None
+CELERY_RESULT_BACKEND = _env("CELERY_RESULT_BACKEND", "") or None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # A task is acknowledged only after it ran, so a worker that dies loses nothing.
@@ -364,7 +381,7 @@ MORPHO_BULK_MAX_QUERIES = _env_int("MORPHO_BULK_MAX_QUERIES", 100_000, lo=1)
 MORPHO_BULK_MAX_QUERY_BYTES = _env_int("MORPHO_BULK_MAX_QUERY_BYTES", 16 * 1024, lo=1024)
 # Job submissions per user ("N/second|minute|hour"; "off" lifts the limit), counted like
 # MORPHO_QUERY_THROTTLE (in Redis with CACHE_URL, else per process).
-MORPHO_BULK_SUBMIT_THROTTLE = _env("MORPHO_BULK_SUBMIT_THROTTLE", "30/hour")
+MORPHO_BULK_SUBMIT_THROTTLE = _env_rate("MORPHO_BULK_SUBMIT_THROTTLE", "30/hour") or "off"
 # Jobs one user may have queued or running at once (count); one more gets 429.
 MORPHO_BULK_MAX_ACTIVE_JOBS = _env_int("MORPHO_BULK_MAX_ACTIVE_JOBS", 4, lo=1)
 # Bulk bodies one server process reads and validates at once (count); one more gets 503 with
@@ -412,3 +429,12 @@ LOGGING = {
         "django.request": {"handlers": ["server_errors"], "level": "ERROR", "propagate": False},
     },
 }
+
+# --- Names no setting reads --------------------------------------------------------------------
+# A misspelled name (MORPHO_QUERY_THROTLE, DJANGO_DEBUG, ALLOWED_HOST) would otherwise leave its
+# setting at the default without a word: warned about here, and refused in production, where a
+# setting silently left at its default can open the party up.
+for _line in unknown_names(os.environ, _READ):
+    if MORPHO_ENV == "production":
+        raise ImproperlyConfigured(f"refusing to start with MORPHO_ENV=production: {_line}")
+    print(f"morphoweb settings: warning: {_line}", file=sys.stderr, flush=True)
