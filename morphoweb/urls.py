@@ -3,7 +3,9 @@ dashboard and metrics."""
 from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import TemplateView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularSwaggerView
+
+from morphoweb.openapi import SchemaView
 
 urlpatterns = [
     # The PIR API first: Django resolves every request's path once per middleware that asks and
@@ -18,7 +20,7 @@ urlpatterns = [
     path("", include("engine.urls")),  # /health, /dashboard/
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),
-    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/schema", SchemaView.as_view(), name="schema"),
     path("api/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("", include("django_prometheus.urls")),
 ]
