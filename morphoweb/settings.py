@@ -7,6 +7,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import ipaddress
+
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
@@ -135,7 +137,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "django_prometheus.middleware.PrometheusAfterMiddleware",
+    # django-prometheus's, with the method label bounded (engine/prometheus.py).
+    "engine.prometheus.BoundedMethodMiddleware",
 ]
 
 ROOT_URLCONF = "morphoweb.urls"
@@ -399,6 +402,22 @@ MORPHO_BULK_LEASE_SECONDS = _env_float("MORPHO_BULK_LEASE_SECONDS", 30.0, lo=0.5
 MORPHO_BULK_REQUEUE_SECONDS = _env_float("MORPHO_BULK_REQUEUE_SECONDS", 300.0, lo=0.5)
 # How often each worker looks for such chunks (seconds).
 MORPHO_BULK_SWEEP_SECONDS = _env_float("MORPHO_BULK_SWEEP_SECONDS", 5.0, lo=0.1)
+
+# --- Metrics -----------------------------------------------------------------------------------
+
+# Client networks that may read /metrics without signing in (comma-separated addresses or CIDR
+# networks; "*": anyone). Others get 403 unless signed in as staff (an admin session, or a DRF
+# token: Prometheus's `authorization: {type: Token, credentials: ...}`). The client address is
+# the one the request rates count (MORPHO_NUM_PROXIES). Default: loopback and private networks,
+# where a Prometheus of the same host or of docker compose scrapes from.
+_METRICS_ALLOW = _env("MORPHO_METRICS_ALLOW",
+                      "127.0.0.0/8,::1,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7")
+try:
+    MORPHO_METRICS_ALLOW = None if _METRICS_ALLOW.strip() == "*" else [
+        ipaddress.ip_network(item.strip()) for item in _METRICS_ALLOW.split(",") if item.strip()]
+except ValueError as _exc:
+    raise ImproperlyConfigured(f"MORPHO_METRICS_ALLOW: expected * or comma-separated addresses "
+                               f"or networks (10.0.0.0/8), got {_METRICS_ALLOW!r} ({_exc})") from None
 
 # --- Logging -----------------------------------------------------------------------------------
 

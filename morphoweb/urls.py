@@ -5,6 +5,7 @@ from django.urls import include, path
 from django.views.generic import TemplateView
 from drf_spectacular.views import SpectacularSwaggerView
 
+from engine.prometheus import MetricsView
 from morphoweb.openapi import SchemaView
 
 urlpatterns = [
@@ -22,7 +23,7 @@ urlpatterns = [
     path("api/", include("epochs.api.urls")),
     path("api/schema", SchemaView.as_view(), name="schema"),
     path("api/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    path("", include("django_prometheus.urls")),
+    path("metrics", MetricsView.as_view(), name="prometheus-django-metrics"),
 ]
 
 # Unknown paths, bad Host headers and crashes answer JSON too: API clients parse every body.
