@@ -47,3 +47,12 @@ def test_the_schema_counts_against_the_anonymous_rate(start_server, vector_matri
     # (the start's /health polls took some of the ten)
     statuses = [fetch(server.url + "/api/schema")[0] for _ in range(11)]
     assert statuses[0] == 200 and statuses[-1] == 429 and set(statuses) == {200, 429}
+
+
+def test_the_schema_says_the_bounds_the_server_checks(client):
+    schema = client.get("/api/schema?format=json", SERVER_NAME="localhost").json()
+    components = schema["components"]["schemas"]
+    keys = components["PageQuery"]["properties"]["keys"]
+    assert (keys["minItems"], keys["maxItems"]) == (3, 3)
+    queries = components["BatchQuery"]["properties"]["queries"]
+    assert (queries["minItems"], queries["maxItems"]) == (1, 32)

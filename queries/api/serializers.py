@@ -172,7 +172,10 @@ class KeyListField(serializers.ListField):
     }
 
     def __init__(self, **kwargs):
-        super().__init__(child=DpfKeyField(), **kwargs)
+        # The bounds are _strict_list's (checked first, with the API's words); given here too,
+        # they are what the OpenAPI schema says (minItems, maxItems).
+        super().__init__(child=DpfKeyField(), min_length=KEYS_PER_QUERY, max_length=KEYS_PER_QUERY,
+                         **kwargs)
 
     def to_internal_value(self, data):
         _strict_list(data, "keys", KEYS_PER_QUERY, KEYS_PER_QUERY)
@@ -250,7 +253,9 @@ class QueryListField(serializers.ListField):
     }
 
     def __init__(self, **kwargs):
-        super().__init__(child=PageQuerySerializer(), **kwargs)
+        # As KeyListField: for the schema; MORPHO_MAX_BATCH is fixed for a process's life.
+        super().__init__(child=PageQuerySerializer(), min_length=1,
+                         max_length=settings.MORPHO_MAX_BATCH, **kwargs)
 
     def to_internal_value(self, data):
         _strict_list(data, "queries", 1, settings.MORPHO_MAX_BATCH)
