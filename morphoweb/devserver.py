@@ -1,7 +1,8 @@
 """`make run`: a demo matrix and parties A and B, each an engine server, gunicorn and bulk workers.
 
 Each party is its own operator: its own SQLite database, Celery file broker and engine server
-under the state folder (MORPHO_VAR_DIR, default var/). The engine server owns the matrix and the
+under the state folder (MORPHO_VAR_DIR, default var/); the demo
+matrix lies in var/matrices/, a folder of matrix files alone, the only one epochs are taken from. The engine server owns the matrix and the
 device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
 served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
 it to gunicorn on a Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
@@ -156,7 +157,8 @@ def main(argv=None) -> int:
 
     var_dir = Path(os.environ.get("MORPHO_VAR_DIR") or BASE_DIR / "var").resolve()
     var_dir.mkdir(parents=True, exist_ok=True)
-    matrix = Path(os.environ.get("MORPHO_MATRIX_PATH") or var_dir / f"demo-{args.pages}p.bin")
+    matrix = Path(os.environ.get("MORPHO_MATRIX_PATH")
+                  or var_dir / "matrices" / f"demo-{args.pages}p.bin")
     if not matrix.exists():
         print(f"generating the demo matrix {matrix} ({args.pages} pages)", flush=True)
         _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out", str(matrix)],

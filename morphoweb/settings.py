@@ -270,10 +270,12 @@ if MORPHO_ENV not in MORPHO_ENVS:
 # Parsed here; read by the code only through engine.config.engine_settings(), one frozen value
 # that checks the engine's settings together (their bounds, the backend's name) at start-up.
 
-# The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json).
-MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")))
+# The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json),
+# in a folder of its own: not beside the database, broker or sockets of VAR_DIR.
+MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrices" / "matrix.bin")))
 # The only folder epoch matrix files may come from (path; epochs/matrix_files.py). Unset = the
-# folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded.
+# folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded. New epochs are refused
+# while it holds any file the party writes (database, broker folder, engine socket).
 MORPHO_MATRIX_DIR = Path(_env("MORPHO_MATRIX_DIR", "")) if _env("MORPHO_MATRIX_DIR", "") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
