@@ -1,7 +1,7 @@
 """`make run`: a demo matrix and parties A and B, each an engine server, gunicorn and bulk workers.
 
 Each party is its own operator: its own SQLite database, Celery file broker and engine server
-under the state folder (MORPHO_VAR_DIR, default var/); the demo
+under the state folder (MORPHO_VAR_DIR, default var/), which only this user may enter; the demo
 matrix lies in var/matrices/, a folder of matrix files alone, the only one epochs are taken from. The engine server owns the matrix and the
 device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
 served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
@@ -155,8 +155,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"port {', '.join(busy)} on {args.host} is in use (another `make run`?): "
                          f"stop it, or choose others with `make run PORT_A=... PORT_B=...`")
 
+    # Databases, sockets and the broker's messages are this user's alone: the folder is 0700 and
+    # every file the parties make is 0600 (gunicorn's socket was 0777 and the databases 0644: a
+    # local user could reach gunicorn around the front end, or read the admin's password hash).
+    os.umask(0o077)
     var_dir = Path(os.environ.get("MORPHO_VAR_DIR") or BASE_DIR / "var").resolve()
     var_dir.mkdir(parents=True, exist_ok=True)
+    var_dir.chmod(0o700)
     matrix = Path(os.environ.get("MORPHO_MATRIX_PATH")
                   or var_dir / "matrices" / f"demo-{args.pages}p.bin")
     if not matrix.exists():

@@ -168,7 +168,7 @@ DATABASE_URL = _env("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
 if DATABASE_URL.startswith("sqlite:"):
     # SQLite does not create the folder of its file; the default lives in var/, which a fresh
     # clone does not have.
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database is no one else's
 DATABASES = {
     "default": dj_database_url.parse(
         DATABASE_URL,
