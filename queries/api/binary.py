@@ -60,12 +60,24 @@ class QualityNegotiation(DefaultContentNegotiation):
     renderer gets the q of the most specific media range it matches, the highest wins (ties: the
     more specific range, then the renderer order, JSON first). So `application/octet-stream,
     application/json;q=0.5` answers binary and `application/octet-stream;q=0.2, */*` JSON, where
-    DRF alone ignores q. Without q-values this is exactly DRF's choice."""
+    DRF alone ignores q. Without q-values this is exactly DRF's choice.
+
+    `?format=` names one of the view's renderers and then decides, whatever Accept says (a URL
+    that says what it wants needs no header); an empty, unknown or repeated one is a 400.
+    """
 
     def select_renderer(self, request, renderers, format_suffix=None):
+        name = self.settings.URL_FORMAT_OVERRIDE
+        values = request.query_params.getlist(name) if name else []
+        if values:
+            chosen = [r for r in renderers if len(values) == 1 and r.format == values[0]]
+            if not chosen:
+                known = ", ".join(renderer.format for renderer in renderers)
+                got = repr(values) if len(values) > 1 else repr(values[0])
+                raise exceptions.ValidationError({name: [f"expected one of {known}, got {got}"]})
+            return chosen[0], chosen[0].media_type
         tokens = self.get_accept_list(request)  # DRF's own bounded tokenizer
-        if (format_suffix or request.query_params.get(self.settings.URL_FORMAT_OVERRIDE)
-                or not any("q=" in token for token in tokens)):
+        if format_suffix or not any("q=" in token for token in tokens):
             return super().select_renderer(request, renderers, format_suffix)
         ranges = []
         for token in tokens:
