@@ -1,6 +1,6 @@
 """The client's own ceiling: rows/s against two stand-in parties that answer at once.
 
-    python benchmarks/client_ceiling.py --out docs/benchmarks/client_ceiling_cpu.csv
+    python benchmarks/client_ceiling.py --out docs/benchmarks/cpu_client_ceiling.csv
 
 Each stand-in party is a process of plain asyncio streams answering /epoch, /health and binary
 batch queries with zero pages at once, so what is timed is the client alone: key planning, the

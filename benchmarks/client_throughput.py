@@ -1,6 +1,6 @@
 """Rows/s a client gets from two parties against what the two parties serve together.
 
-    python benchmarks/client_throughput.py --pages 8192 --out docs/benchmarks/client_cpu_8192p.csv
+    python benchmarks/client_throughput.py --pages 8192 --out docs/benchmarks/cpu_8192_client.csv
 
 Starts parties A and B as `make run` does (morphoweb.devserver: front end, gunicorn, engine
 server and bulk workers each, throttle off), then in one run:
