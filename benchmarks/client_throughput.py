@@ -169,7 +169,7 @@ def check_rows(matrix: np.memmap, rows: list, got: list) -> None:
 
 
 def time_sync(urls, rows, key_format: str, in_flight: int) -> tuple[float, list]:
-    with PirClient(*urls, key_format=key_format, in_flight=in_flight) as client:
+    with PirClient(*urls, key_format=key_format, in_flight=in_flight, planners=None) as client:
         client.epoch()
         started = time.perf_counter()
         got = client.fetch_rows(rows)
@@ -178,7 +178,8 @@ def time_sync(urls, rows, key_format: str, in_flight: int) -> tuple[float, list]
 
 def time_async(urls, rows, key_format: str, in_flight: int) -> tuple[float, list]:
     async def run():
-        async with AsyncPirClient(*urls, key_format=key_format, in_flight=in_flight) as client:
+        async with AsyncPirClient(*urls, key_format=key_format, in_flight=in_flight,
+                                  planners=None) as client:
             await client.epoch()
             started = time.perf_counter()
             got = await client.fetch_rows(rows)

@@ -65,7 +65,7 @@ class AsyncPirClient(BulkJobs):
                  key_format: str = "auto", in_flight: Optional[int] = None,
                  switch_deadline: float = SWITCH_DEADLINE_S,
                  transport: Optional[httpx.AsyncBaseTransport] = None,
-                 planners: Optional[int] = None) -> None:
+                 planners: Optional[int] = 0) -> None:
         if not 1 <= max_batch <= MAX_BATCH_QUERIES:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH_QUERIES}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
@@ -92,7 +92,10 @@ class AsyncPirClient(BulkJobs):
         self._advertised: tuple = (("json",), ("json",))  # per party, from its /epoch
         self._key_formats: tuple = (("v1",), ("v1",))  # per party, from its /epoch
         self._used: list = [None, None]  # per party, the encoding of its last query request
-        self.planners = planners  # key-making processes; None: _auto_planners()
+        # Key-making processes (None: _auto_planners()). They are spawned, so they import the
+        # program's main module again: 0 by default, since a script without an
+        # `if __name__ == "__main__":` guard would run itself in each; the command uses None.
+        self.planners = planners
         self._planners_pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self._transport = transport  # httpx's own (None: its connection pool over TCP)
         self._http: Optional[httpx.AsyncClient] = None

@@ -235,7 +235,8 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
     try:
         with PirClient(args.server_a, args.server_b, timeout=args.timeout,
                        encoding=args.encoding, key_format=args.key_format,
-                       in_flight=args.in_flight, switch_deadline=args.switch_deadline) as client:
+                       in_flight=args.in_flight, switch_deadline=args.switch_deadline,
+                       planners=None) as client:
             rows = args.row if args.row is not None else read_rows_file(args.rows or args.bulk)
             write = RowWriter(args.out, out)
             if args.bulk is not None:
