@@ -1,12 +1,15 @@
 """Epoch switches as an operator of `make run` meets them: `make epoch` switches both parties in one
 command, a restart serves the switched epoch at once (not the demo matrix first) and its banner
-says so, and load_epoch refuses a database that is missing, as the other commands do."""
+says so, a switch that cannot happen (no epoch id, the parties stopped) records nothing and says why,
+and load_epoch refuses a database that is missing, as the other commands do."""
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 
 from tests.conftest import REPO, http_json, server_env
 from tests.test_devserver import children_of, kill_family, small_parties, wait_for_banner
@@ -94,3 +97,32 @@ def test_make_epoch_switches_both_parties_and_a_restart_serves_that_epoch(tmp_pa
             assert status == 200 and health["epoch_id"] == 7
     finally:
         stop(run, log)
+
+
+def test_make_epoch_with_the_parties_stopped_records_nothing_and_says_why(tmp_path):
+    var = tmp_path / "v"
+    var.mkdir()
+    _, env, _ = small_parties(var)
+    for party in "ab":
+        migrated = subprocess.run([sys.executable, "manage.py", "migrate", "--no-input", "-v0"],
+                                  cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+                                  env={**env, "DATABASE_URL": f"sqlite:///{var}/party-{party}.sqlite3"})
+        assert migrated.returncode == 0, migrated.stderr
+    made = subprocess.run(
+        [sys.executable, "manage.py", "make_matrix", "--pages", "64", "--seed", "7", "--out",
+         str(var / "epoch7.bin")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        check=False)
+    assert made.returncode == 0, made.stderr
+    (var / "epoch7.bin.epoch.json").unlink()  # no sidecar: nothing names the epoch
+    unnamed = make("epoch", f"MATRIX={var / 'epoch7.bin'}", f"VAR={var}", env=env)
+    assert unnamed.returncode != 0 and "no epoch id. Both parties must serve the same one: give " \
+        "it with EPOCH_ID=N" in unnamed.stderr
+    stopped = make("epoch", f"MATRIX={var / 'epoch7.bin'}", "EPOCH_ID=7", f"VAR={var}", env=env)
+    assert stopped.returncode != 0 and "Traceback" not in stopped.stdout + stopped.stderr
+    for party in "AB":
+        assert f"party {party}: CommandError: epoch 7 was neither activated nor recorded: " \
+            in stopped.stdout, stopped.stdout
+    assert "both parties serve" not in stopped.stdout
+    for party in "ab":
+        with closing(sqlite3.connect(var / f"party-{party}.sqlite3")) as db:
+            assert db.execute("SELECT count(*) FROM epochs_epoch WHERE epoch_id = 7").fetchone() == (0,)
