@@ -1,4 +1,4 @@
-# One image for both parties' web servers and Celery workers (README: docker compose). The CUDA
+# One image for both parties' web servers and Celery workers (docs/DEPLOYMENT.md: docker compose). The CUDA
 # backend comes with a CUDA extra: CuPy and, from its [ctk] extra, the CUDA toolkit's wheels
 # (NVRTC among them, which compiles the kernels at start); the NVIDIA driver comes from the host
 # through the NVIDIA container toolkit. Without an extra the image runs the CPU backend only.

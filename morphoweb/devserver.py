@@ -1,7 +1,8 @@
 """`make run`: a demo matrix and parties A and B, each an engine server, gunicorn and bulk workers.
 
 Each party is its own operator: its own SQLite database, Celery file broker and engine server
-under the state folder (MORPHO_VAR_DIR, default var/). The engine server owns the matrix and the
+under the state folder (MORPHO_VAR_DIR, default var/), which only this user may enter; the demo
+matrix lies in var/matrices/, a folder of matrix files alone, the only one epochs are taken from. The engine server owns the matrix and the
 device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
 served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
 it to gunicorn on a Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
@@ -134,7 +135,8 @@ def state_folder() -> Path:
 
 def demo_matrix(var_dir: Path, pages: int) -> Path:
     """The matrix file the parties start from where their databases have no active epoch."""
-    return Path(os.environ.get("MORPHO_MATRIX_PATH") or var_dir / f"demo-{pages}p.bin")
+    return Path(os.environ.get("MORPHO_MATRIX_PATH")
+                or var_dir / "matrices" / f"demo-{pages}p.bin")
 
 
 def _interrupt(signum, frame) -> None:
@@ -213,8 +215,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"port {', '.join(busy)} on {args.host} is in use (another `make run`?): "
                          f"stop it, or choose others with `make run PORT_A=... PORT_B=...`")
 
+    # Databases, sockets and the broker's messages are this user's alone: the folder is 0700 and
+    # every file the parties make is 0600, so no other local user reaches gunicorn around the front
+    # end or reads the admin's password hash.
+    os.umask(0o077)
     var_dir = state_folder()
     var_dir.mkdir(parents=True, exist_ok=True)
+    var_dir.chmod(0o700)
     matrix = demo_matrix(var_dir, args.pages)
     if not matrix.exists():
         print(f"generating the demo matrix {matrix} ({args.pages} pages)", flush=True)

@@ -5,7 +5,10 @@ from django.contrib import admin
 from django.urls import include, path
 from django.utils.functional import lazy
 from django.views.generic import TemplateView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularSwaggerView
+
+from engine.prometheus import MetricsView
+from morphoweb.openapi import SchemaView
 
 
 def _party_title(suffix: str) -> str:
@@ -31,9 +34,9 @@ urlpatterns = [
     path("", include("engine.urls")),  # /health, /dashboard/
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),
-    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/schema", SchemaView.as_view(), name="schema"),
     path("api/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    path("", include("django_prometheus.urls")),
+    path("metrics", MetricsView.as_view(), name="prometheus-django-metrics"),
 ]
 
 # Unknown paths, bad Host headers and crashes answer JSON too: API clients parse every body.

@@ -221,7 +221,7 @@ def test_admin_cannot_delete_the_active_policy_one_by_one_or_in_bulk(staff):
     assert actives() == DEFAULT_ACTIVES
 
 
-# -- words (issue 13 item 8) -------------------------------------------------------------------
+# -- words ----------------------------------------------------------------------------------
 def test_admin_names_the_model_in_plural_and_bounds_as_plain_numbers(staff):
     index = staff.get("/admin/").content.decode()
     assert "Batching policies" in index and "policys" not in index

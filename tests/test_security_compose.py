@@ -165,7 +165,7 @@ def test_both_parties_with_a_worker_each_health_checks_and_named_volumes(profile
 
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_each_party_is_published_only_through_its_buffering_proxy(profile):
-    """Slow clients (issue 14): the published ports are nginx's, which reads requests whole
+    """Slow clients: the published ports are nginx's, which reads requests whole
     before the web container sees them; the web containers count clients by the address nginx
     appends to X-Forwarded-For."""
     services = in_profile(compose(), profile)
