@@ -15,12 +15,11 @@ urlpatterns = [
     # Browsers ask every site for one; a 404 here would be an error in every page's console.
     path("favicon.ico",
          TemplateView.as_view(template_name="favicon.svg", content_type="image/svg+xml")),
-    path("", include("engine.urls")),  # /health, /dashboard/
+    path("", include("engine.urls")),  # /health, /metrics, /dashboard/
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    path("", include("django_prometheus.urls")),
 ]
 
 # Unknown paths, bad Host headers and crashes answer JSON too: API clients parse every body.
