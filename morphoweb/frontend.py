@@ -44,13 +44,11 @@ from morphoweb.httphead import (
     refuse,
 )
 from morphoweb.frontend_procs import Processes
+from morphoweb.frontend_upstream import CHUNK_BYTES, SPOOL_MEMORY_BYTES, Pool, Upstream
 from morphoweb.spool import Spool
 
 log = logging.getLogger("morphoweb.frontend")
 
-SPOOL_MEMORY_BYTES = 1 << 20  # a body or answer beyond this goes to a temporary file
-MAX_SPOOL_BYTES = 1 << 30  # an answer this far ahead of its slow reader pauses gunicorn's socket
-CHUNK_BYTES = 64 * 1024
 CONNECT_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 2  # gunicorn not accepting connections: starting, restarting or stopped
 SHUTDOWN_GRACE_S = 5.0  # requests in flight at SIGTERM get this long to finish
@@ -94,84 +92,6 @@ class Limits:
         return cls(**values)
 
 
-class Upstream(asyncio.Protocol):
-    """One exchange with gunicorn: the request written with flow control, the answer read as
-    fast as it comes into a spool (memory, then a temporary file), its head split off."""
-
-    def __init__(self, max_head: int) -> None:
-        self.max_head = max_head
-        self.head = bytearray()
-        self.head_done = False
-        self.body = Spool(SPOOL_MEMORY_BYTES)
-        self.closed = False  # gunicorn closed (or reset) the connection
-        self.reset = False  # ... before it was done: the answer may be cut short
-        self.changed = asyncio.Event()
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.transport: Optional[asyncio.Transport] = None
-        self.paused = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        if self.head_done:
-            self.body.write(data)
-        else:
-            self.head += data
-            end = self.head.find(b"\r\n\r\n")
-            if end >= 0:
-                self.body.write(bytes(self.head[end + 4:]))
-                del self.head[end + 4:]
-                self.head_done = True
-            elif len(self.head) > self.max_head:
-                self.transport.abort()
-        if self.body.pending > MAX_SPOOL_BYTES and not self.paused:
-            self.transport.pause_reading()
-            self.paused = True
-        self.changed.set()
-
-    def eof_received(self) -> bool:
-        self.closed = True
-        self.changed.set()
-        return False
-
-    def connection_lost(self, exc) -> None:
-        self.reset = self.reset or (exc is not None and not self.closed)
-        self.closed = True
-        self.writable.set()
-        self.changed.set()
-
-    def pause_writing(self) -> None:
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
-
-    async def send(self, data: bytes, timeout: float) -> bool:
-        """Write data; False once gunicorn has closed the connection (it may have answered)."""
-        if self.closed or self.transport.is_closing():
-            return False
-        self.transport.write(data)
-        if not self.writable.is_set():
-            async with asyncio.timeout(timeout):
-                await self.writable.wait()
-        return not self.closed
-
-    async def wait(self, timeout: float) -> None:
-        """Until more of the answer (or the end) arrives; TimeoutError after `timeout` s."""
-        self.changed.clear()
-        async with asyncio.timeout(timeout):
-            await self.changed.wait()
-
-    def read(self) -> bytes:
-        data = self.body.read(CHUNK_BYTES)
-        if self.paused and self.body.pending < MAX_SPOOL_BYTES // 2:
-            self.transport.resume_reading()
-            self.paused = False
-        return data
-
-
 class FrontEnd:
     """Serves one listening socket, each request forwarded to `upstream` (HOST:PORT, unix:PATH)."""
 
@@ -179,6 +99,7 @@ class FrontEnd:
         self.upstream, self.limits = upstream, limits
         self.upstream_down = False  # logged once per outage, not once per request
         self.connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self.pool = Pool()
         # The connections without a request in gunicorn, longest waiting first: the ones a new
         # connection may push out when this process holds all it may.
         self.waiting: dict[asyncio.Task, asyncio.StreamWriter] = {}
@@ -189,6 +110,7 @@ class FrontEnd:
         handler then returns by itself: asyncio's cancellation of them would log errors)."""
         if self.connections:
             await asyncio.wait(list(self.connections), timeout=SHUTDOWN_GRACE_S)
+        self.pool.close()
         for writer in list(self.connections.values()):
             writer.transport.abort()
         if self.connections:
@@ -345,8 +267,9 @@ class FrontEnd:
         return request
 
     def upstream_head(self, request: Request, client: str) -> bytes:
-        """The request as gunicorn gets it: HTTP/1.0 and Connection: close, so that its answer
-        is never chunked and ends where gunicorn closes; X-Forwarded-For ends with the client."""
+        """The request as gunicorn gets it: HTTP/1.0, so that its answer is never chunked (an
+        answer without a length ends where gunicorn closes), and keep-alive, so that one with a
+        length leaves the connection for the next request; X-Forwarded-For ends with the client."""
         named = {t.strip().decode("latin-1").lower() for v in request.values("connection")
                  for t in v.split(b",")}
         lines = [request.method + b" " + request.target + b" HTTP/1.0"]
@@ -358,10 +281,11 @@ class FrontEnd:
         lines.append(b"X-Forwarded-Proto: http")
         if request.length is not None:
             lines.append(b"Content-Length: %d" % request.length)
-        lines.append(b"Connection: close")
+        lines.append(b"Connection: keep-alive")
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
     async def connect(self) -> tuple[asyncio.Transport, Upstream]:
+        """A new connection to gunicorn; Refusal 503 when it takes none."""
         loop = asyncio.get_running_loop()
         protocol = Upstream(self.limits.max_header_bytes * 4)
         if self.upstream.startswith("unix:"):
@@ -386,26 +310,36 @@ class FrontEnd:
 
     async def forward(self, request: Request, writer, client: str) -> bool:
         """Send the request to gunicorn, relay its answer; True if the connection stays open."""
-        try:
-            transport, upstream = await self.connect()
-        except Refusal as refusal:
-            await self.reply(writer, refusal)
-            return False
+        # the head and the body's start in one write: one packet for a query's request
+        first = self.upstream_head(request, client) + request.body.read(CHUNK_BYTES)
+        whole = not request.body.pending  # it can be sent again as it is
+        upstream = self.pool.take() if whole else None
         timeout = self.limits.upstream_timeout
         try:
             try:
-                # the head and the body's start in one write: one packet for a query's request
-                sending = await upstream.send(self.upstream_head(request, client)
-                                              + request.body.read(CHUNK_BYTES), timeout)
-                while sending and (data := request.body.read(CHUNK_BYTES)):
-                    sending = await upstream.send(data, timeout)
+                while True:
+                    kept = upstream is not None
+                    if not kept:
+                        upstream = (await self.connect())[1]
+                    sending = await upstream.send(first, timeout)
+                    while sending and (data := request.body.read(CHUNK_BYTES)):
+                        sending = await upstream.send(data, timeout)
+                    while not upstream.head_done and not upstream.closed:
+                        await upstream.wait(timeout)
+                    if upstream.head or not kept:
+                        break
+                    # a kept connection that gunicorn closed as the request went: it answered
+                    # nothing, so the request goes again, whole, on a new connection
+                    upstream.transport.abort()
+                    upstream = None
                 request.body.close()
-                while not upstream.head_done and not upstream.closed:
-                    await upstream.wait(timeout)
             except asyncio.TimeoutError:
                 await self.reply(writer, refuse(
                     504, "server", "timeout",
                     f"no answer from the web server of this party within {timeout:g} s"))
+                return False
+            except Refusal as refusal:
+                await self.reply(writer, refusal)
                 return False
             if not upstream.head_done or not STATUS_LINE.match(upstream.head):
                 await self.reply(writer, refuse(
@@ -414,8 +348,9 @@ class FrontEnd:
                 return False
             return await self.relay(request, upstream, writer)
         finally:
-            transport.abort()
-            upstream.body.close()
+            request.body.close()
+            if upstream is not None:
+                self.pool.give(upstream)
 
     async def relay(self, request: Request, upstream: Upstream, writer) -> bool:
         """The answer to the client at the client's pace, with a length or chunked if it can."""
@@ -424,11 +359,14 @@ class FrontEnd:
         status = int(status_line[1])
         headers = [line.partition(b":") for line in lines[1:] if line]
         length: Optional[int] = None
+        kept = False  # gunicorn keeps the connection after this answer
         out = [b"HTTP/1.1 " + b" ".join(status_line[1:])]
         for name, _, value in headers:
             lower = name.strip().lower()
             if lower == b"content-length" and value.strip().isdigit():
                 length = int(value.strip())
+            elif lower == b"connection":
+                kept = value.strip().lower() == b"keep-alive"
             elif lower.decode("latin-1") not in HOP_BY_HOP:
                 out.append(name + b":" + value)
         bodiless = request.method == b"HEAD" or status in (204, 304) or 100 <= status < 200
@@ -471,6 +409,7 @@ class FrontEnd:
             log.warning("answer to %s %s cut short by gunicorn", request.method, request.target)
             writer.transport.abort()
             return False
+        upstream.reusable = kept and (bodiless or length is not None)
         if chunked:
             await self.send(writer, b"0\r\n\r\n")
         return keep

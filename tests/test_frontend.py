@@ -90,7 +90,7 @@ def test_a_request_reaches_gunicorn_whole_with_the_client_address_on_a_kept_conn
     assert seen["line"] == "POST /query/page/gpu HTTP/1.0"
     assert seen["headers"]["X-Forwarded-For"] == "203.0.113.9, 127.0.0.1"
     assert seen["headers"]["X-Forwarded-Proto"] == "http"
-    assert seen["headers"]["Connection"] == "close"
+    assert seen["headers"]["Connection"] == "keep-alive"
     first_socket = conn.sock
     conn.request("GET", "/health")
     response = conn.getresponse()
@@ -196,7 +196,7 @@ def test_too_large_chunked_and_malformed_requests_get_the_services_json_errors(f
     # 93 + Host, Accept-Encoding and Content-Length: 96 from the client, 99 reach the upstream
     conn.request("POST", "/echo", body=b"{}", headers={f"X-{i}": "1" for i in range(93)})
     seen = json.loads(conn.getresponse().read())
-    assert len(seen["headers"]) == 99 and seen["headers"]["Connection"] == "close"
+    assert len(seen["headers"]) == 99 and seen["headers"]["Connection"] == "keep-alive"
 
 
 def test_a_client_that_pipelines_and_reads_nothing_has_one_request_upstream(front):
