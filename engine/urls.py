@@ -1,11 +1,10 @@
-"""Routes of the engine app: health, metrics and the operator dashboard; no logic here."""
+"""Routes of the engine app: health and the operator dashboard; no logic here."""
 from django.urls import path
 
 from engine import dashboard, views
 
 urlpatterns = [
     path("health", views.HealthView.as_view(), name="health"),
-    path("metrics", views.metrics, name="prometheus-django-metrics"),
     path("dashboard/", dashboard.dashboard, name="dashboard"),
     path("dashboard/data", dashboard.dashboard_data, name="dashboard-data"),
 ]

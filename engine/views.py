@@ -1,10 +1,7 @@
-"""`GET /health`: this process's engine (here, or the engine server it submits to) as it is now;
-`/metrics`: the party's figures in Prometheus' text format."""
+"""`GET /health`: this process's engine (here, or the engine server it submits to) as it is now."""
 from __future__ import annotations
 
-from django.http import HttpResponse
 from drf_spectacular.utils import extend_schema, inline_serializer
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
@@ -13,7 +10,6 @@ from rest_framework.views import APIView
 from engine.config import engine_settings
 from engine.errors import EngineStartFailed, unavailable
 from engine.holder import get_engine
-from engine.metrics import party_registry
 
 HEALTH_RESPONSE = inline_serializer("Health", {
     "status": serializers.CharField(help_text='"ok"; with a 503 "warming", "held" (running, but '
@@ -64,8 +60,3 @@ class HealthView(APIView):
             return response
         return Response(body)
 
-
-def metrics(request):
-    """`/metrics`: every web process's counters added up (engine.metrics.party_registry), so that
-    a scrape answered by any of them reads the same, growing figures."""
-    return HttpResponse(generate_latest(party_registry()), content_type=CONTENT_TYPE_LATEST)
