@@ -21,8 +21,10 @@ from gpu_engine.matrix import (
     domain_bits_for,
     load_matrix,
     read_epoch_metadata,
+    records_of,
 )
 from morpho_pir.protocol import parse_hex
+from morpho_pir.records import RecordsError
 
 U64_MAX = (1 << 64) - 1
 
@@ -83,6 +85,12 @@ class Epoch(models.Model):
                   "activation, and within a second for the active epoch (loaded again, as its "
                   "switch mode says). One device: no effect.",
     )
+    records = models.JSONField(
+        null=True, blank=True,
+        help_text="The records table the matrix holds (docs/PROTOCOL.md section 9): seed, "
+                  "num_pages, key_bytes, value_bytes; empty = the matrix file's sidecar says "
+                  "(build_records writes it), else pages without records.",
+    )
     state = models.CharField(
         max_length=16, choices=EpochState.choices, default=EpochState.LOADED, editable=False
     )
@@ -141,6 +149,8 @@ class Epoch(models.Model):
                 problem = self._record_identity(resolved, size)
                 if problem:
                     errors["matrix_path"] = problem
+                if self.records is None:
+                    self.records = _sidecar_records(resolved)
         try:
             self.state_root = "0x" + parse_hex(self.state_root, 32).hex()
         except ValueError as exc:
@@ -152,6 +162,16 @@ class Epoch(models.Model):
             errors["seeds"] = f"expected three integers in 0..{U64_MAX}, got {seeds!r}"
         else:
             self.seeds = seeds
+        if self.records is not None:
+            try:
+                table = records_of({"records": self.records})
+            except RecordsError as exc:
+                errors["records"] = str(exc)
+            else:
+                self.records = table.describe()
+                if self.num_pages and table.num_pages != self.num_pages:
+                    errors["records"] = (f"a records table of {table.num_pages} pages, expected "
+                                         f"the matrix file's {self.num_pages}")
         if self.domain_bits is not None and self.num_pages and "matrix_path" not in errors:
             try:
                 domain_bits_for(self.num_pages, self.domain_bits)
@@ -198,7 +218,16 @@ class Epoch(models.Model):
             state_root=parse_hex(self.state_root, 32),
             seeds=tuple(self.seeds or (0, 0, 0)),
             placement=self.placement,
+            records=records_of({"records": self.records}),
         )
+
+
+def _sidecar_records(path) -> dict | None:
+    """The records parameters a matrix file's sidecar gives, or None (no sidecar, no records)."""
+    try:
+        return read_epoch_metadata(path).get("records")
+    except (OSError, ValueError):
+        return None
 
 
 class UpdateState(models.TextChoices):

@@ -273,6 +273,7 @@ def record_served_epoch(engine) -> Epoch | None:
             # the file's size and digest as the engine checked them at load (its sidecar's)
             size_bytes=served.matrix.size_bytes,
             sha256=served.matrix.sha256 or "",
+            records=None if served.records is None else served.records.describe(),
             state=EpochState.ACTIVE,
             activated=timezone.now(),
         )

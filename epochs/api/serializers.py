@@ -126,12 +126,13 @@ class EpochSerializer(ValidatedModelSerializer):
     class Meta:
         model = Epoch
         fields = ["id", "epoch_id", "matrix_path", "block_number", "state_root", "seeds",
-                  "domain_bits", "pending_updates", "switch_mode", "placement", "state", "num_pages",
-                  "size_bytes", "sha256", "message", "created", "activated"]
+                  "domain_bits", "pending_updates", "switch_mode", "placement", "records", "state",
+                  "num_pages", "size_bytes", "sha256", "message", "created", "activated"]
+        # records: from the matrix file's sidecar (build_records writes it), never typed in
         read_only_fields = ["state", "num_pages", "size_bytes", "sha256", "message", "created",
-                            "activated"]
+                            "activated", "records"]
         extra_kwargs = {"matrix_path": {"min_length": 1}}
-        clean_sets = ["num_pages", "size_bytes", "sha256"]
+        clean_sets = ["num_pages", "size_bytes", "sha256", "records"]
 
 
 class ActivateSerializer(serializers.Serializer):
