@@ -7,7 +7,7 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
-from epochs.models import Epoch, RowUpdate
+from epochs.models import Epoch, RecordChange, RowUpdate
 from morpho_pir.dpf import MAX_DOMAIN_BITS
 from gpu_engine.engine import SwitchMode
 from gpu_engine.placement import Placement
@@ -163,3 +163,13 @@ class RowUpdateSerializer(ValidatedModelSerializer):
         fields = ["id", "epoch_id", "first_epoch_id", "row", "data", "state", "created"]
         read_only_fields = ["epoch_id", "first_epoch_id", "state", "created"]
         clean_sets = ["epoch_id", "first_epoch_id"]
+
+
+class RecordChangeSerializer(ValidatedModelSerializer):
+    """A key set or deleted in the active records epoch; `rows` says which rows it wrote."""
+
+    class Meta:
+        model = RecordChange
+        fields = ["id", "epoch_id", "op", "key", "value", "record_type", "rows", "created"]
+        read_only_fields = ["epoch_id", "rows", "created"]
+        clean_sets = ["epoch_id"]
