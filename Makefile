@@ -11,10 +11,10 @@ BENCH_PAGES ?= 65536
 .PHONY: venv run test bench-http clean-var gpu-workers bench-bulk bench-policy-http superuser
 
 # The virtualenv is (re)built when pyproject.toml changes; `pip install -e` keeps the tree live.
-$(STAMP): pyproject.toml pir/pyproject.toml
+$(STAMP): pyproject.toml pir/pyproject.toml client/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ./pir -e '.[test]'
+	$(PY) -m pip install --quiet -e ./pir -e ./client -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -28,7 +28,8 @@ from gpu_engine.backends.cpu import NumpyBackend  # noqa: E402
 from morpho_pir.dpf import DpfKey, KeyBatch  # noqa: E402
 from gpu_engine.matrix import load_matrix  # noqa: E402
 from morpho_pir.protocol import MAX_BATCH_QUERIES  # noqa: E402
-from queries.client import PirClient, plan_query  # noqa: E402
+from morpho_client import PirClient  # noqa: E402
+from morpho_client.plan import plan_query  # noqa: E402
 
 COLUMNS = "endpoint,queries,reps,mean_ms,p50_ms,p95_ms,min_ms,max_ms,queries_per_s"
 
@@ -83,7 +84,7 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
     load_before = os.getloadavg()
     client = PirClient(server_a, server_b)
     info = client.epoch()
-    health = client._call(client.servers[0], "/health")
+    health = client.call(client.servers[0], "/health")
     plans = [plan_query((7919 * i) % info.num_pages, info.num_pages, info.domain_bits)
              for i in range(MAX_BATCH_QUERIES)]
     single_body = {"keys": list(plans[0].keys_a)}
@@ -92,10 +93,10 @@ def run(server_a: str, server_b: str, reps: int, batch_reps: int, warmup: int,
 
     results = [
         _row("POST /query/page/gpu (party A)", 1,
-             _time(lambda: client._call(client.servers[0], "/query/page/gpu", single_body),
+             _time(lambda: client.call(client.servers[0], "/query/page/gpu", single_body),
                    reps, warmup)),
         _row("POST /query/page/gpu/batch (party A)", MAX_BATCH_QUERIES,
-             _time(lambda: client._call(client.servers[0], "/query/page/gpu/batch", batch_body),
+             _time(lambda: client.call(client.servers[0], "/query/page/gpu/batch", batch_body),
                    batch_reps, warmup)),
         _row("client: 1 row from A+B (epoch check, keygen, XOR)", 1,
              _time(lambda: client.fetch_rows(rows[:1], batch=False), reps, warmup)),

@@ -37,7 +37,7 @@ from django.core.wsgi import get_wsgi_application  # noqa: E402
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file  # noqa: E402
 from benchmarks.report import cpu_model  # noqa: E402
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES  # noqa: E402
-from queries.client import plan_query  # noqa: E402
+from morpho_client.plan import plan_query  # noqa: E402
 
 JSON = "application/json"
 BIN = "application/octet-stream"

@@ -185,7 +185,7 @@ def main(argv=None) -> int:
             f"{args.web_workers} web processes x {args.threads} threads, an engine server "
             f"({var_dir}/engine-<party>.sock), bulk workers\n"
             f"matrix:  {matrix}\n\n"
-            f"try:  .venv/bin/python -m queries.client --server-a {urls['a']} "
+            f"try:  .venv/bin/morpho-client --server-a {urls['a']} "
             f"--server-b {urls['b']} --row 1234 --row 99 --batch\n\n"
             f"admin:  `make superuser` creates a user and token on both, then {urls['a']}/admin/\n"
             f"Ctrl-C stops everything.\n",

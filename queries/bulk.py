@@ -14,6 +14,7 @@ from django.template.defaultfilters import pluralize
 from django.utils import timezone
 
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
+from morpho_pir.state import ServedState
 from queries.models import ACTIVE, BulkChunk, BulkJob, BulkResult, JobStatus
 
 log = logging.getLogger(__name__)
@@ -263,9 +264,13 @@ def release_chunk(chunk: BulkChunk, worker: str, error: str) -> None:
     )
 
 
-def store_answers(chunk: BulkChunk, worker: str, epoch_id: int, answers: bytes) -> bool:
-    """Write a chunk's answers and count them in one transaction; False if already stored."""
+def store_answers(chunk: BulkChunk, worker: str, epoch_id: int, answers: bytes,
+                  state: ServedState | None = None) -> bool:
+    """Write a chunk's answers and count them in one transaction; False if already stored.
+    `state`: the served state all of them come from (its epoch is epoch_id)."""
     expected = chunk.count * KEYS_PER_QUERY * PAGE_BYTES
+    if state is not None and state.epoch_id != epoch_id:
+        raise ValueError(f"chunk {chunk.pk}: state of epoch {state.epoch_id}, answers of {epoch_id}")
     if len(answers) != expected:
         raise ValueError(f"chunk {chunk.pk}: expected {expected} answer bytes, got {len(answers)}")
     now = timezone.now()
@@ -278,6 +283,8 @@ def store_answers(chunk: BulkChunk, worker: str, epoch_id: int, answers: bytes) 
                     first=chunk.first,
                     count=chunk.count,
                     epoch_id=epoch_id,
+                    state_updates=None if state is None else state.updates,
+                    state_digest="" if state is None else "0x" + state.digest.hex(),
                     answers=answers,
                     worker=worker,
                 )

@@ -12,6 +12,7 @@ from django.conf import settings
 from morpho_pir.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
 from morpho_pir.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, query_key_counts
+from morpho_pir.state import ServedState
 from gpu_engine.scheduler import LanePolicy
 from queries.models import BulkChunk
 
@@ -99,9 +100,10 @@ def answer_queries(
     heartbeat: Callable[[], None],
     heartbeat_every: float,
     progress: Callable[[int], None] | None = None,
-) -> tuple[int, bytes]:
-    """(epoch_id, answers) of the queries whose keys (three each) are `keys`, all against one
-    epoch; 3 x 4096 answer bytes each.
+) -> tuple[int, bytes, ServedState]:
+    """(epoch_id, answers, served state) of the queries whose keys (three each) are `keys`, all
+    against one epoch and one served state (docs/PROTOCOL.md section 6: a row update taken
+    between two requests of the chunk answers it again); 3 x 4096 answer bytes each.
 
     `progress(n)` is called from this thread with the queries answered so far whenever a request
     (at most one launch: request_plan) resolves, so a job's progress moves launch by
@@ -151,13 +153,14 @@ def answer_queries(
         while not all(f.done() for f in futures):
             wait_for_one()
         results = [f.result() for f in futures]  # raises the engine's refusal, if any
-        epochs = {r.epoch_id for r in results}
-        if len(epochs) == 1:
+        states = {r.state for r in results}
+        if len(states) == 1:
             answers = b"".join(r.answers.tobytes() for r in results)
-            return results[0].epoch_id, answers
+            return results[0].epoch_id, answers, results[0].state
         log.warning(
-            "chunk answered across epochs %s (attempt %d); answering it again",
-            sorted(epochs),
+            "chunk answered across states %s (attempt %d); answering it again",
+            sorted((s.epoch_id, s.updates) for s in states),
             attempt + 1,
         )
-    raise EpochChanged(f"the epoch changed during each of {EPOCH_ATTEMPTS} attempts", retry_after=5)
+    raise EpochChanged(f"the epoch or its rows changed during each of {EPOCH_ATTEMPTS} attempts",
+                       retry_after=5)

@@ -166,6 +166,14 @@ class BulkResult(models.Model):
     epoch_id = models.BigIntegerField(
         help_text="the epoch every answer of the chunk was computed against"
     )
+    # The served state every answer of the chunk comes from (docs/PROTOCOL.md section 6): a
+    # client XORs two parties' answers only where these agree. Null where it was not recorded.
+    state_updates = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="rows written over the epoch's matrix when answered"
+    )
+    state_digest = models.CharField(
+        max_length=66, blank=True, help_text="their digest, 0x and 64 hex digits"
+    )
     # count x 3 answers of 4096 bytes, in query order then key order.
     answers = models.BinaryField()
     worker = models.CharField(max_length=200, blank=True)

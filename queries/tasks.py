@@ -92,7 +92,7 @@ def answer_chunk(self, chunk_id: int) -> str:
 def answer_claimed(chunk: BulkChunk, worker: str) -> str:
     """Answer and store one chunk this worker holds: "stored", "duplicate" or "failed"."""
     try:
-        epoch_id, answers = answer_queries(
+        epoch_id, answers, state = answer_queries(
             get_engine(),
             parse_chunk(chunk),
             heartbeat=lambda: bulk.renew_lease(chunk, worker),
@@ -105,7 +105,7 @@ def answer_claimed(chunk: BulkChunk, worker: str) -> str:
     except TRANSIENT as exc:
         bulk.release_chunk(chunk, worker, f"{type(exc).__name__}: {exc}")
         raise
-    stored = bulk.store_answers(chunk, worker, epoch_id, answers)
+    stored = bulk.store_answers(chunk, worker, epoch_id, answers, state)
     return "stored" if stored else "duplicate"
 
 

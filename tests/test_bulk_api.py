@@ -231,8 +231,8 @@ def run_all_chunks(job_id, worker="w@h"):
         BulkChunk.objects.filter(job_id=job_id).order_by("index").values_list("pk", flat=True)
     ):
         chunk = bulk.claim_chunk(chunk_id, worker)
-        epoch_id, answers = answer_queries(get_engine(), parse_chunk(chunk), lambda: None, 1.0)
-        assert bulk.store_answers(chunk, worker, epoch_id, answers)
+        epoch_id, answers, state = answer_queries(get_engine(), parse_chunk(chunk), lambda: None, 1.0)
+        assert bulk.store_answers(chunk, worker, epoch_id, answers, state)
 
 
 def test_results_stream_in_order_match_the_reference_and_never_duplicate(

@@ -11,8 +11,8 @@ import pytest
 
 from morpho_pir.dpf import DpfKey, eval_point, page_mask
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
-from queries.client import (MISMATCH_ATTEMPTS, EpochInfo, EpochMismatch, PirClient, ServerError,
-                            plan_query)
+from morpho_client import AsyncPirClient, EpochInfo, EpochMismatch, PirClient, ServerError
+from morpho_client.plan import plan_query
 from tests.conftest import REPO, server_env
 
 PAGES = 300  # 4,800 rows, domain_bits 9
@@ -72,7 +72,7 @@ def test_cli_prints_each_row_as_hex(parties, expected):
     a, b, _ = parties
     for extra in ([], ["--batch"]):
         result = subprocess.run(
-            [sys.executable, "-m", "queries.client", "--server-a", a, "--server-b", b,
+            [sys.executable, "-m", "morpho_client", "--server-a", a, "--server-b", b,
              "--row", "5", "--row", "4000", *extra],
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )
@@ -90,7 +90,7 @@ def test_mismatched_epochs_are_refused(parties):
             client.fetch_row(1)
     assert f"A ({a}) epoch {EPOCH}, B ({c}) epoch {EPOCH + 1}" in str(caught.value)
     result = subprocess.run(
-        [sys.executable, "-m", "queries.client", "--server-a", a, "--server-b", c, "--row", "1"],
+        [sys.executable, "-m", "morpho_client", "--server-a", a, "--server-b", c, "--row", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 1 and result.stdout == ""
@@ -111,7 +111,7 @@ def test_a_server_error_is_reported_with_its_reason(parties):
     a, b, _ = parties
     with PirClient(a, b) as client:
         with pytest.raises(ServerError) as caught:
-            client._call(a, "/query/page/gpu", {"keys": ["00"] * 3})
+            client.call(a, "/query/page/gpu", {"keys": ["00"] * 3})
     assert caught.value.status == 400
     assert "HTTP 400: keys[0]: key length: expected 197 bytes" in str(caught.value)
 
@@ -197,12 +197,12 @@ class EpochRewritingProxy:
         self.server.server_close()
 
 
-@pytest.mark.parametrize("lies, retried_ok", [(1, True), (MISMATCH_ATTEMPTS, False)])
+@pytest.mark.parametrize("lies, retried_ok", [(1, True), (10**6, False)])
 def test_answers_from_different_epochs_are_retried(parties, expected, lies, retried_ok):
     a, b, _ = parties
     proxy = EpochRewritingProxy(b, lies)
     try:
-        with PirClient(a, proxy.url) as client:
+        with PirClient(a, proxy.url, switch_deadline=1.0) as client:
             if retried_ok:
                 assert client.fetch_rows([3, 4000], batch=True) == [expected.row(3), expected.row(4000)]
                 assert client.last_encodings == ("binary", "json")  # each party in its own
@@ -212,7 +212,8 @@ def test_answers_from_different_epochs_are_retried(parties, expected, lies, retr
                     client.fetch_rows([3], batch=True)
     finally:
         proxy.close()
-    assert proxy.queries == min(lies + 1, MISMATCH_ATTEMPTS)
+    # retried until the answers agree (the second time), or for as long as the deadline allows
+    assert proxy.queries == 2 if retried_ok else proxy.queries >= 3
 
 
 # --- the binary encoding (docs/PROTOCOL.md section 5.3) -----------------------------------------
@@ -242,7 +243,7 @@ def test_each_encoding_fetches_the_same_rows(parties, expected, encoding, used):
 def test_cli_says_which_encoding_it_used_with_v(parties, expected, flag, line):
     a, b, _ = parties
     result = subprocess.run(
-        [sys.executable, "-m", "queries.client", "--server-a", a, "--server-b", b,
+        [sys.executable, "-m", "morpho_client", "--server-a", a, "--server-b", b,
          "--row", "5", "--batch", "-v", *flag],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -277,21 +278,21 @@ def test_the_key_format_is_v2_only_where_both_parties_offer_it():
     assert (old.key_formats, new.key_formats) == (("v1",), ("v1", "v2"))
     with pytest.raises(ServerError, match="key_formats: expected an array of strings"):
         EpochInfo.from_json({**body, "key_formats": "v2"}, "http://x")
-    with PirClient("http://a", "http://b") as client:
-        assert client.key_format_for(new) == "v1"  # nothing advertised yet
-        v2_only = EpochInfo.from_json({**body, "key_formats": ["v2"]}, "http://x")  # a server of v2 alone
-        for formats, chosen in [((new, new), "v2"), ((new, old), "v1"), ((old, new), "v1"),
-                                ((v2_only, new), "v2"), ((v2_only, v2_only), "v2")]:
-            client._key_formats = tuple(info.key_formats for info in formats)
-            assert client.key_format_for(new) == chosen
-        client._key_formats = (v2_only.key_formats, old.key_formats)
-        with pytest.raises(ServerError, match=r"no key format in common: A \(http://a\) takes v2 keys; "
-                                              r"B \(http://b\) takes v1 keys"):
-            client.key_format_for(new)
+    client = AsyncPirClient("http://a", "http://b")
+    assert client.key_format_for(new) == "v1"  # nothing advertised yet
+    v2_only = EpochInfo.from_json({**body, "key_formats": ["v2"]}, "http://x")  # a server of v2 alone
+    for formats, chosen in [((new, new), "v2"), ((new, old), "v1"), ((old, new), "v1"),
+                            ((v2_only, new), "v2"), ((v2_only, v2_only), "v2")]:
+        client._key_formats = tuple(info.key_formats for info in formats)
+        assert client.key_format_for(new) == chosen
+    client._key_formats = (v2_only.key_formats, old.key_formats)
+    with pytest.raises(ServerError, match=r"no key format in common: A \(http://a\) takes v2 keys; "
+                                          r"B \(http://b\) takes v1 keys"):
+        client.key_format_for(new)
     for forced in ("v1", "v2"):
-        with PirClient("http://a", "http://b", key_format=forced) as client:
-            client._key_formats = (("v1",), ("v1",))
-            assert client.key_format_for(old) == forced
+        client = AsyncPirClient("http://a", "http://b", key_format=forced)
+        client._key_formats = (("v1",), ("v1",))
+        assert client.key_format_for(old) == forced
     with pytest.raises(ValueError, match="key_format must be one of auto, v1, v2, got 'v3'"):
         PirClient("http://a", "http://b", key_format="v3")
 
@@ -304,15 +305,15 @@ def test_a_bulk_fetch_is_refused_before_any_job_where_a_party_takes_v2_keys_alon
             "page_pir": {"domain_bits": 1, "rows_per_page": 16, "num_pages": 2, "page_size_bytes": 4096}}
     info = EpochInfo.from_json(body, "http://a")
     with PirClient("http://a", "http://b") as client:
-        def epoch():
-            client._key_formats = (("v1", "v2"), ("v2",))
+        async def epoch():
+            client.core._key_formats = (("v1", "v2"), ("v2",))
             return info
 
-        def no_job(*args):
+        async def no_job(*args):
             raise AssertionError("a job was posted")
 
-        monkeypatch.setattr(client, "epoch", epoch)
-        monkeypatch.setattr(client, "_bulk_submit", no_job)
+        monkeypatch.setattr(client.core, "settled_epoch", epoch)
+        monkeypatch.setattr(client.core, "_bulk_submit", no_job)
         with pytest.raises(ServerError, match="bulk jobs take v1 keys and http://b takes v2 keys only"):
             list(client.iter_rows_bulk([0, 17], tokens=("ta", "tb")))
 

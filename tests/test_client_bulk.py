@@ -9,21 +9,24 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 import uuid
 
 import pytest
 
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
-from queries.client import (
+from morpho_client import (
     EpochMismatch,
     PirClient,
     SameServer,
+    StateMismatch,
     check_distinct_servers,
     server_address,
 )
-from queries.client_plan import BulkState, StateError, read_rows_file
-from tests.conftest import REPO, server_env
+from morpho_client.cli import print_progress
+from morpho_client.plan import BulkState, StateError, read_rows_file
+from tests.conftest import REPO, http_json, server_env
 
 PAGES = 64  # 1,024 rows, domain_bits 6: a job of a few dozen queries takes a second on the CPU
 EPOCH = 21
@@ -103,7 +106,7 @@ def expected(matrix_file):
 
 
 def run_cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "queries.client", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "morpho_client", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, **(env or {})})
 
@@ -167,7 +170,7 @@ def test_a_crash_between_the_two_submissions_sends_the_same_keys_to_b(parties, e
         info = client.epoch()
         state = BulkState.plan(client.servers, info.epoch_id, info.num_pages, info.domain_bits,
                                rows, [r // 16 for r in rows])
-        state.jobs[0] = client._bulk_submit(a.url, a.token, state, 0)
+        state.jobs[0] = client._run(client.core._bulk_submit(a.url, a.token, state, 0))
         state.save(state_path)  # the state as a client that died before submitting to B left it
         assert client.fetch_rows_bulk(rows, (a.token, b.token), state_path,
                                       poll_interval=0.3) == [expected.row(r) for r in rows]
@@ -302,9 +305,85 @@ def test_a_missing_rows_file_is_one_error_line(tmp_path):
 
 
 def test_progress_lines_count_launch_by_launch(capsys):
-    from queries.client import _print_progress
-
     running = {"id": 7, "status": "running", "answered": 0, "total": 512,
                "progress": {"answered": 96, "total": 512}}
-    _print_progress(running, {**running, "id": 8})
+    print_progress(running, {**running, "id": 8})
     assert capsys.readouterr().err.strip() == "A: job 7 running 96/512  B: job 8 running 96/512"
+
+
+# --- served states (docs/PROTOCOL.md section 6): last in this module, since they write rows -----
+
+UPDATED_ROW = 5 * 16 + 3  # a row of page 5
+UPDATED_DATA = bytes((11 * i + 5) % 256 for i in range(256))
+
+
+def push_row(party: Party) -> None:
+    """An operator's row update at one party, stored by another process, as in production."""
+    party.manage("shell", "-v0", "-c",
+                 f"from epochs.sync import push_rows; push_rows([({UPDATED_ROW}, {UPDATED_DATA!r})])")
+
+
+def wait_updates(party: Party, updates: int) -> dict:
+    deadline = time.monotonic() + 30
+    while True:
+        state = http_json(party.url + "/epoch")[2]["state"]
+        if state["updates"] == updates or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
+def test_result_lines_carry_their_state(parties):
+    a, _ = parties
+    with PirClient(a.url, parties[1].url) as client:
+        state = BulkState.plan(client.servers, EPOCH, PAGES, 6, [1, 2], [0, 0])
+        job = client._run(client.core._bulk_submit(a.url, a.token, state, 0))
+    deadline = time.monotonic() + 60
+    while [j for j in a.jobs() if str(j["id"]) == job][0]["status"] != "done":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    request = urllib.request.Request(f"{a.url}/bulk/jobs/{job}/results",
+                                     headers={"Authorization": f"Token {a.token}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        lines = [json.loads(line) for line in response.read().splitlines()]
+    served = http_json(a.url + "/epoch")[2]["state"]
+    assert [line["state"] for line in lines] == [served, served]
+    request.add_header("Accept", "application/octet-stream")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["X-Morpho-State-Ranges"] == (
+            f"0-1={EPOCH}:{served['updates']}:{served['digest']}")
+
+
+def test_a_row_update_on_one_party_is_refused_never_a_wrong_row(parties, expected, tmp_path):
+    a, b = parties
+    rows = [UPDATED_ROW, UPDATED_ROW + 16, 7] + list(range(400, 430))
+    # Mid-job: A takes the update once both jobs are submitted. Whether A's job was answered
+    # before or after it, the fetch is all old rows or a StateMismatch, never a mixed row.
+    pushed = []
+
+    def update_a(job_a, job_b):
+        if not pushed:
+            pushed.append(push_row(a))
+
+    with PirClient(a.url, b.url) as client:
+        try:
+            got = client.fetch_rows_bulk(rows, (a.token, b.token), progress=update_a,
+                                         poll_interval=0.2)
+        except StateMismatch as exc:
+            assert "answered from different states" in str(exc)
+        else:
+            assert got == [expected.row(r) for r in rows]
+    assert wait_updates(a, 1)["updates"] == 1 and wait_updates(b, 0)["updates"] == 0
+    # Once A holds the update and B does not, every fetch is refused: a clear error, exit 1.
+    rows_file, out = tmp_path / "rows.txt", tmp_path / "rows.out"
+    rows_file.write_text("\n".join(map(str, rows)))
+    result = run_cli("--server-a", a.url, "--server-b", b.url, "--bulk", str(rows_file),
+                     "--out", str(out), "--token-a", a.token, "--token-b", b.token, "--poll", "0.3")
+    assert result.returncode == 1 and not out.exists()
+    assert "query 0 (row 83) was answered from different states: A (" in result.stderr
+    assert "with 1 row updates" in result.stderr and "with 0 row updates" in result.stderr
+    # B takes the same update: one state again, and the fetch gives the updated row.
+    push_row(b)
+    assert wait_updates(b, 1) == wait_updates(a, 1)
+    with PirClient(a.url, b.url) as client:
+        got = client.fetch_rows_bulk(rows, (a.token, b.token), poll_interval=0.2)
+    assert got == [UPDATED_DATA if r == UPDATED_ROW else expected.row(r) for r in rows]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
-from queries.client import PirClient, StateMismatch
+from morpho_client import PirClient, StateMismatch
 from tests.conftest import REPO, http_json, server_env
 
 ROW = 2 * 16 + 2  # a row of page 2, as in the finding: rows r % 16 == 2
@@ -56,7 +56,7 @@ def test_a_row_update_on_one_party_is_refused_not_mixed(two_parties, encoding):
     state_a, state_b = wait_state(a, 1), wait_state(b, 0)
     assert state_a["updates"] == 1 and state_b["updates"] == 0
     assert state_a["epoch_id"] == state_b["epoch_id"] == 21 and state_a["digest"] != state_b["digest"]
-    with PirClient(a, b, encoding=encoding) as client:
+    with PirClient(a, b, encoding=encoding, switch_deadline=0.5) as client:
         for row in (ROW, ROW + 16, 5):  # the updated row and rows it used to corrupt
             with pytest.raises(StateMismatch, match=r"different states: A \(.*\) epoch 21 with 1 row "
                                                     r"update \(digest 0x[0-9a-f]{64}\), B .* 0 row updates"):

@@ -10,7 +10,7 @@ from django.core.management.base import CommandError
 
 from morpho_pir.protocol import HexError, parse_hex
 from morpho_pir.state import ServedState
-from queries.client import ServerError, _unhex
+from morpho_client.core import ServerError, unhex_page
 from tests.conftest import REPO
 
 
@@ -54,7 +54,7 @@ def test_the_callers_that_skipped_whitespace_refuse_it_now(tmp_path):
     with pytest.raises(ValueError):
         ServedState.from_description({"epoch_id": 1, "updates": 0, "digest": "0x" + "00 " * 32})
     with pytest.raises(ServerError, match="page 0: not hex"):
-        _unhex("0x" + "00" * 2047 + " 0", "page 0")
+        unhex_page("0x" + "00" * 2047 + " 0", "page 0")
     assert ServedState.from_description(
         {"epoch_id": 1, "updates": 0, "digest": "0X" + "AB" * 32}).digest == b"\xab" * 32
 

@@ -178,8 +178,8 @@ def test_a_cancelled_job_serves_what_was_answered_marked_partial(small_launches,
     first = bulk.claim_chunk(BulkChunk.objects.get(job_id=job_id, index=0).pk, "w@h")
     running = api.get(f"{JOBS}/{job_id}/results")
     assert running.status_code == 409 and "running" in running.json()["detail"]
-    epoch_id, answers = answer_queries(get_engine(), parse_chunk(first), lambda: None, 1.0)
-    assert bulk.store_answers(first, "w@h", epoch_id, answers)
+    epoch_id, answers, state = answer_queries(get_engine(), parse_chunk(first), lambda: None, 1.0)
+    assert bulk.store_answers(first, "w@h", epoch_id, answers, state)
     assert api.delete(f"{JOBS}/{job_id}").status_code == 200
     response = api.get(f"{JOBS}/{job_id}/results")
     assert response.status_code == 200

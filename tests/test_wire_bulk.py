@@ -2,6 +2,7 @@
 the same per-query validation and errors as the JSON body."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -56,9 +57,10 @@ def answer_all(job_id, epochs=None):
     chunks = BulkChunk.objects.filter(job_id=job_id).order_by("index")
     for index, chunk_id in enumerate(chunks.values_list("pk", flat=True)):
         chunk = bulk.claim_chunk(chunk_id, "w@h")
-        epoch_id, answers = answer_queries(get_engine(), parse_chunk(chunk), lambda: None, 1.0)
-        epoch_id = epochs[index] if epochs else epoch_id
-        assert bulk.store_answers(chunk, "w@h", epoch_id, answers)
+        epoch_id, answers, state = answer_queries(get_engine(), parse_chunk(chunk), lambda: None, 1.0)
+        if epochs:
+            epoch_id, state = epochs[index], dataclasses.replace(state, epoch_id=epochs[index])
+        assert bulk.store_answers(chunk, "w@h", epoch_id, answers, state)
 
 
 def test_binary_upload_makes_the_same_job_as_json(client):
@@ -87,12 +89,17 @@ def test_binary_results_match_ndjson_and_the_reference(client, vector_matrix_pat
     assert response["X-Morpho-Queries"] == response["X-Bulk-Total"] == "10"
     assert response["X-Morpho-Epoch-Ids"] == "5,6"
     assert response["X-Morpho-Epoch-Ranges"] == "0-7=5,8-9=6"
+    zero = "0x" + "00" * 32  # no row written: the served state of each chunk
+    assert response["X-Morpho-State-Ranges"] == f"0-7=5:0:{zero},8-9=6:0:{zero}"
     keys = [DpfKey.from_bytes(key) for query in queries for key in query]
     expected = reference_answers(load_matrix(vector_matrix_path), KeyBatch.from_keys(keys))
     assert raw == b"".join(row.tobytes() for row in expected)
     lines = client.get(f"{JOBS}/{job_id}/results", HTTP_ACCEPT="application/x-ndjson")
     parsed = [json.loads(line) for line in b"".join(lines.streaming_content).splitlines()]
     assert [line["epoch_id"] for line in parsed] == [5] * 8 + [6] * 2
+    assert [line["state"] for line in parsed] == (
+        [{"epoch_id": 5, "updates": 0, "digest": zero}] * 8
+        + [{"epoch_id": 6, "updates": 0, "digest": zero}] * 2)
     assert b"".join(bytes.fromhex(p[2:]) for line in parsed for p in line["pages"]) == raw
 
 

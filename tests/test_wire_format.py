@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 
 from morpho_pir.dpf import gen_keys, key_length
 from engine.holder import get_engine
-from queries.client import plan_query
+from morpho_client.plan import plan_query
 from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX, vector_pages
 

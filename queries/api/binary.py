@@ -17,21 +17,13 @@ from morpho_pir.dpf import (
     KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, KeyBatch, KeyFormatError, key_domain_bits, key_format_of,
     key_length,
 )
-from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
+# The media types and headers are the protocol's (morpho_pir.http): the client reads the same names.
+from morpho_pir.http import (  # noqa: F401 - re-exported for the views and the schema
+    ANSWER_BYTES, DIGEST_HEADER, EPOCH_HEADER, EPOCH_IDS_HEADER, EPOCH_RANGES_HEADER, OCTET_STREAM,
+    QUERIES_HEADER, STATE_RANGES_HEADER, UPDATES_HEADER,
+)
+from morpho_pir.protocol import KEYS_PER_QUERY
 from queries.api.serializers import KEY_FORMATS, format_message, key_from_bytes, key_shape
-
-OCTET_STREAM = "application/octet-stream"
-EPOCH_HEADER = "X-Morpho-Epoch-Id"  # the epoch all answers of a binary response were computed on
-QUERIES_HEADER = "X-Morpho-Queries"  # how many queries a binary response answers
-# the served state of an answer, JSON or binary (docs/PROTOCOL.md section 6): rows written over the
-# epoch and their digest, which a client compares between the two parties before it XORs
-UPDATES_HEADER = "X-Morpho-State-Updates"
-DIGEST_HEADER = "X-Morpho-State-Digest"
-# Bulk results may span epochs (each chunk is answered within one): all of them, and which
-# queries each answered as `first-last=epoch_id`, comma-separated.
-EPOCH_IDS_HEADER = "X-Morpho-Epoch-Ids"
-EPOCH_RANGES_HEADER = "X-Morpho-Epoch-Ranges"
-ANSWER_BYTES = KEYS_PER_QUERY * PAGE_BYTES  # one query's three answers: 12,288 bytes
 
 
 class OctetStreamParser(BaseParser):

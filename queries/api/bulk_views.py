@@ -20,6 +20,7 @@ from rest_framework.response import Response
 from engine.holder import get_engine
 from morpho_pir.dpf import KEY_FORMAT_V1
 from gpu_engine.engine import key_formats_of
+from morpho_pir.http import NDJSON, STATE_RANGES_HEADER
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries import bulk
 from queries.api.binary import (
@@ -47,7 +48,6 @@ from queries.api.openapi import response_headers
 from queries.bulk_runner import bulk_policy
 from queries.models import BulkJob, BulkResult
 
-NDJSON = "application/x-ndjson"
 ACCEPTED_TYPES = (
     f'application/json, {NDJSON}, multipart/form-data (an NDJSON file in field "file") '
     f"or {OCTET_STREAM}"
@@ -77,14 +77,23 @@ def stored_chunks(job: BulkJob) -> tuple[list[int], int]:
     return [pk for pk, _ in rows], sum(count for _, count in rows)
 
 
+def state_text(epoch_id: int, updates, digest: str) -> str:
+    """A result line's `"state"` member (the served state of docs/PROTOCOL.md section 6), or ""
+    where the chunk's state was not recorded."""
+    if updates is None:
+        return ""
+    return f'"state": {{"epoch_id": {epoch_id}, "updates": {updates}, "digest": "{digest}"}}, '
+
+
 def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
     """The answers of these result rows in query order, one chunk row in memory at a time."""
     size = KEYS_PER_QUERY * PAGE_BYTES
     for pk in chunk_ids:
-        first, epoch_id, answers = BulkResult.objects.values_list(
-            "first", "epoch_id", "answers"
+        first, epoch_id, updates, digest, answers = BulkResult.objects.values_list(
+            "first", "epoch_id", "state_updates", "state_digest", "answers"
         ).get(pk=pk)
         answers = bytes(answers)
+        state = state_text(epoch_id, updates, digest)
         lines = []
         for query in range(len(answers) // size):
             base = query * size
@@ -93,7 +102,7 @@ def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
                 for k in range(KEYS_PER_QUERY)
             )
             lines.append(
-                f'{{"index": {first + query}, "epoch_id": {epoch_id}, "pages": ["0x{pages}"]}}\n'
+                f'{{"index": {first + query}, "epoch_id": {epoch_id}, {state}"pages": ["0x{pages}"]}}\n'
             )
             if len(lines) == LINES_PER_WRITE:
                 yield "".join(lines).encode()
@@ -109,16 +118,20 @@ def result_bytes(chunk_ids: list[int]) -> Iterator[bytes]:
         yield bytes(BulkResult.objects.values_list("answers", flat=True).get(pk=pk))
 
 
-def epoch_ranges(job: BulkJob) -> str:
-    """`first-last=epoch_id`, comma-separated: which epoch answered which queries."""
-    runs: list[list[int]] = []
+def epoch_ranges(job: BulkJob, with_state: bool = False) -> str:
+    """`first-last=epoch_id`, comma-separated: which epoch answered which queries; with_state,
+    `first-last=epoch_id:updates:digest` (`?` for a state not recorded)."""
+    runs: list[list] = []
     rows = BulkResult.objects.filter(job=job).order_by("index")
-    for first, count, epoch_id in rows.values_list("first", "count", "epoch_id"):
-        if runs and runs[-1][2] == epoch_id and runs[-1][1] == first - 1:
+    for first, count, *state in rows.values_list("first", "count", "epoch_id", "state_updates",
+                                                 "state_digest"):
+        label = (":".join("?" if part in (None, "") else str(part) for part in state)
+                 if with_state else str(state[0]))
+        if runs and runs[-1][2] == label and runs[-1][1] == first - 1:
             runs[-1][1] = first + count - 1
         else:
-            runs.append([first, first + count - 1, epoch_id])
-    return ",".join(f"{first}-{last}={epoch_id}" for first, last, epoch_id in runs)
+            runs.append([first, first + count - 1, label])
+    return ",".join(f"{first}-{last}={label}" for first, last, label in runs)
 
 
 class FormatNegotiation(QualityNegotiation):
@@ -269,11 +282,16 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
         (EPOCH_IDS_HEADER, str, "Binary results: the epochs, comma-separated."),
         (EPOCH_RANGES_HEADER, str, "Binary results: `first-last=epoch_id` per run of queries "
                                    "answered against one epoch, comma-separated."),
+        (STATE_RANGES_HEADER, str, "Binary results: `first-last=epoch_id:updates:digest` per "
+                                   "run of queries answered from one served state, "
+                                   "comma-separated; a client combines only equal states."),
     ))
     @action(detail=True, methods=["get"],
             renderer_classes=[JSONRenderer, NDJSONRenderer, OctetStreamRenderer])
     def results(self, request, pk=None):
-        """NDJSON, one line per query in order: `{"index", "epoch_id", "pages": [a0, a1, a2]}`;
+        """NDJSON, one line per query in order: `{"index", "epoch_id", "state": {"epoch_id",
+        "updates", "digest"}, "pages": [a0, a1, a2]}` (the served state of docs/PROTOCOL.md
+        section 6, which the two parties' lines must share to be XORed);
         with `Accept: application/octet-stream`, the answers as raw bytes in the same order.
 
         A cancelled or failed job serves the queries it answered (their `index` says which),
@@ -295,6 +313,7 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
             response[QUERIES_HEADER] = str(answered)
             response[EPOCH_IDS_HEADER] = ",".join(str(e) for e in job.epoch_ids())
             response[EPOCH_RANGES_HEADER] = epoch_ranges(job)
+            response[STATE_RANGES_HEADER] = epoch_ranges(job, with_state=True)
         else:
             response = StreamingHttpResponse(result_lines(chunk_ids), content_type=NDJSON)
         response["X-Bulk-Total"] = str(job.total)

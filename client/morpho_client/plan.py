@@ -1,4 +1,4 @@
-"""The client's query plans: decoy pages, keys made in batches, and the bulk fetch's state file."""
+"""The client's query plans: decoy pages, keys made a window at a time, the bulk fetch's state file."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import numpy as np
 
 from morpho_pir.dpf import KEY_FORMAT_V1, key_length
 from morpho_pir.keygen import KeyPairs, gen_key_pairs, random_root_seeds
-from morpho_pir.protocol import KEYS_PER_QUERY
+from morpho_pir.protocol import KEYS_PER_QUERY, ROWS_PER_PAGE
 
 STATE_FORMAT = 1
 
@@ -39,6 +39,115 @@ def choose_pages(page: int, num_pages: int, rand: secrets.SystemRandom) -> tuple
     pages = [page] + decoys
     rand.shuffle(pages)
     return pages, pages.index(page)
+
+
+def _uniform(count: int, bound: int) -> np.ndarray:
+    """`count` integers uniform in [0, bound) from the OS's CSPRNG (a 64-bit draw reduced modulo
+    `bound`: a bias below 2**-38 for any page count the protocol allows)."""
+    raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
+    return (raw % np.uint64(bound)).astype(np.int64)
+
+
+def choose_pages_many(pages: np.ndarray, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """choose_pages for every page at once: ((K, 3) pages, (K,) slots), decoys distinct from
+    their page and from each other, the wanted page at a uniform slot."""
+    pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+    bad = (pages < 0) | (pages >= num_pages)
+    if bad.any():
+        raise ValueError(f"page {int(pages[np.argmax(bad)])} is outside [0, {num_pages})")
+    k = pages.shape[0]
+    if num_pages < KEYS_PER_QUERY:  # too few pages for distinct decoys: the scalar rule
+        rand = secrets.SystemRandom()
+        chosen = [choose_pages(int(page), num_pages, rand) for page in pages]
+        return (np.array([c for c, _ in chosen], dtype=np.int64).reshape(k, KEYS_PER_QUERY),
+                np.array([s for _, s in chosen], dtype=np.int64))
+    decoys = np.empty((k, KEYS_PER_QUERY - 1), dtype=np.int64)
+    for column in range(KEYS_PER_QUERY - 1):
+        draw = _uniform(k, num_pages)
+        while True:  # redraw the decoys that hit their page or an earlier decoy
+            clash = draw == pages
+            for earlier in range(column):
+                clash |= draw == decoys[:, earlier]
+            if not clash.any():
+                break
+            draw[clash] = _uniform(int(clash.sum()), num_pages)
+        decoys[:, column] = draw
+    slots = _uniform(k, KEYS_PER_QUERY)
+    out = np.empty((k, KEYS_PER_QUERY), dtype=np.int64)
+    # The decoys fill the other slots in the order drawn (itself uniform).
+    others = np.argsort(np.arange(KEYS_PER_QUERY)[None, :] == slots[:, None], axis=1,
+                        kind="stable")[:, :KEYS_PER_QUERY - 1]
+    np.put_along_axis(out, others, decoys, axis=1)
+    out[np.arange(k), slots] = pages
+    return out, slots
+
+
+@dataclass(frozen=True)
+class Window:
+    """The queries of one or more requests, planned together: rows, their pages' three
+    candidates, the wanted slot and both parties' serialized keys (three per query)."""
+
+    rows: np.ndarray  # (Q,) int64
+    pages: np.ndarray  # (Q, 3) int64
+    slots: np.ndarray  # (Q,) int64
+    keys: tuple  # (party 0's, party 1's) (3Q, key_size) u8 arrays
+    key_format: int
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def body(self, party: int, first: int, last: int) -> bytes:
+        """Party `party`'s keys of queries [first, last), concatenated (the binary body)."""
+        return self.keys[party][KEYS_PER_QUERY * first:KEYS_PER_QUERY * last].tobytes()
+
+    def hex_queries(self, party: int, first: int, last: int) -> list[list[str]]:
+        """The same keys as the JSON body's `[[k0, k1, k2], ...]` of hex strings."""
+        size = self.keys[party].shape[1]
+        text = self.body(party, first, last).hex()
+        keys = [text[i:i + 2 * size] for i in range(0, len(text), 2 * size)]
+        return [keys[i:i + KEYS_PER_QUERY] for i in range(0, len(keys), KEYS_PER_QUERY)]
+
+
+def plan_window(rows, num_pages: int, domain_bits: int, key_format: int = KEY_FORMAT_V1,
+                pages=None) -> Window:
+    """Plan every row's query at once: decoys, then all 3Q key pairs in one vectorised call.
+
+    `pages` (one per row) overrides the row's own page (row // 16): a caller that picks pages
+    itself (a lookup by key) passes them, with any row numbers it likes to tell them apart."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    targets = rows // ROWS_PER_PAGE if pages is None else np.asarray(pages, dtype=np.int64)
+    candidates, slots = choose_pages_many(targets, num_pages)
+    pairs = gen_key_pairs(candidates.reshape(-1), domain_bits, key_format=key_format)
+    return Window(rows=rows, pages=candidates, slots=slots,
+                  keys=(pairs.key_array(0), pairs.key_array(1)), key_format=key_format)
+
+
+@dataclass(frozen=True)
+class PlannedQuery:
+    """One query: three candidate pages (the wanted one hidden among them) and both key sets."""
+
+    pages: tuple[int, int, int]
+    target_slot: int  # which of the three answers holds the wanted page
+    keys_a: tuple[str, str, str]  # hex keys of party 0, for server A
+    keys_b: tuple[str, str, str]  # hex keys of party 1, for server B
+
+
+def plan_queries(pages: Sequence[int], num_pages: int, domain_bits: int,
+                 key_format: int = KEY_FORMAT_V1) -> list[PlannedQuery]:
+    """plan_window for whole pages, one PlannedQuery (hex keys) per page."""
+    window = plan_window(np.asarray(pages, dtype=np.int64) * ROWS_PER_PAGE, num_pages,
+                         domain_bits, key_format, pages)
+    hex_a, hex_b = (window.hex_queries(party, 0, len(window)) for party in (0, 1))
+    return [PlannedQuery(pages=tuple(candidates), target_slot=slot, keys_a=tuple(a),
+                         keys_b=tuple(b))
+            for candidates, slot, a, b in zip(window.pages.tolist(), window.slots.tolist(),
+                                              hex_a, hex_b)]
+
+
+def plan_query(page: int, num_pages: int, domain_bits: int,
+               key_format: int = KEY_FORMAT_V1) -> PlannedQuery:
+    """Key pairs for `page` and two other pages drawn at random, in random order."""
+    return plan_queries([page], num_pages, domain_bits, key_format)[0]
 
 
 @dataclass

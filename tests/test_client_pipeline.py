@@ -1,0 +1,165 @@
+"""The client's pipelining against stand-in parties (httpx transports): requests kept in flight,
+keys planned a window at a time, rows yielded as they come in flat memory, retries bounded."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import tracemalloc
+
+import httpx
+import numpy as np
+import pytest
+
+from morpho_client import AsyncPirClient, EpochMismatch, PirClient
+from morpho_client import aio as aio_module
+from morpho_client.aio import in_flight_for
+from morpho_client.plan import choose_pages_many
+from morpho_pir.dpf import key_length
+from morpho_pir.http import ANSWER_BYTES, EPOCH_HEADER, OCTET_STREAM
+
+PAGES = 64  # domain_bits 6: keys are cheap, so the client's own work is what is measured
+ROWS = PAGES * 16
+
+
+class FakeParty:
+    """Answers /epoch, /health and binary batch queries at once (zero pages), counting how many
+    of its requests are in flight; `epochs` maps a request number to the epoch it names."""
+
+    def __init__(self, pass_queries: int = 64, epochs=None, delay: float = 0.002) -> None:
+        self.pass_queries, self.epochs, self.delay = pass_queries, epochs or {}, delay
+        self.in_flight = self.most_in_flight = self.requests = 0
+        self.queries = 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/epoch":
+            return httpx.Response(200, json={
+                "epoch_id": 1, "num_rows": ROWS, "block_number": 0, "state_root": "0x" + "00" * 32,
+                "encodings": ["json", "binary"], "key_formats": ["v1", "v2"],
+                "page_pir": {"domain_bits": 6, "rows_per_page": 16, "num_pages": PAGES,
+                             "page_size_bytes": 4096}})
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "pass_queries": self.pass_queries})
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)  # the party's work: others arrive meanwhile
+            body = await request.aread()
+            queries = len(body) // (3 * key_length(6, 2))
+            self.queries += queries
+            epoch = self.epochs.get(self.requests, 1)
+            self.requests += 1
+            return httpx.Response(200, content=bytes(queries * ANSWER_BYTES), headers={
+                "Content-Type": OCTET_STREAM, EPOCH_HEADER: str(epoch),
+                "X-Morpho-State-Updates": "0", "X-Morpho-State-Digest": "0x" + "00" * 32})
+        finally:
+            self.in_flight -= 1
+
+
+def client_of(party_a, party_b, **options) -> AsyncPirClient:
+    async def route(request: httpx.Request):
+        return await (party_a if request.url.host == "a.test" else party_b)(request)
+    return AsyncPirClient("http://a.test", "http://b.test", key_format="v2",
+                          transport=httpx.MockTransport(route), **options)
+
+
+def test_requests_are_kept_in_flight_at_each_party():
+    parties = FakeParty(), FakeParty()
+
+    async def run():
+        async with client_of(*parties, in_flight=6) as client:
+            return await client.fetch_rows([i % ROWS for i in range(32 * 40)])
+    got = asyncio.run(run())
+    assert len(got) == 32 * 40 and got[0] == bytes(256)
+    for party in parties:
+        assert party.requests == 40 and party.queries == 32 * 40
+        assert party.most_in_flight == 6  # not one at a time, and never more than asked
+
+
+def test_the_window_follows_the_parties_pass_size():
+    assert in_flight_for({"pass_queries": 74}, 32) == 6  # two launches of 74 in 32-query requests
+    assert in_flight_for({"pass_queries": 8}, 32) == 4
+    assert in_flight_for({}, 32) == aio_module.DEFAULT_IN_FLIGHT
+    parties = FakeParty(pass_queries=128), FakeParty(pass_queries=74)
+
+    async def run():
+        async with client_of(*parties) as client:
+            await client.fetch_rows(range(32 * 20))
+            return client.in_flight
+    assert asyncio.run(run()) == 6  # the fewer of the two parties'
+    assert max(p.most_in_flight for p in parties) == 6
+
+
+def test_keys_are_made_a_window_at_a_time(monkeypatch):
+    calls = []
+    real = aio_module.plan_window
+
+    def counting(rows, *args, **kwargs):
+        calls.append(len(rows))
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(aio_module, "plan_window", counting)
+
+    async def run():
+        async with client_of(FakeParty(), FakeParty(), in_flight=4) as client:
+            await client.fetch_rows(range(1000))
+    asyncio.run(run())
+    assert calls == [128] * 7 + [104]  # 4 requests of 32 queries a window, not 32 rows a call
+
+
+def test_iter_rows_holds_flat_memory_over_a_generator():
+    """Rows from a generator, yielded as they come: what is held does not grow with the count."""
+    def rows(count):
+        return (i % ROWS for i in range(count))
+
+    def peak_after(count: int) -> int:
+        gc.collect()
+        tracemalloc.start()
+        seen = 0
+        with PirClient("http://a.test", "http://b.test", key_format="v2", in_flight=8,
+                       transport=httpx.MockTransport(_route)) as client:
+            for row, data in client.iter_rows(rows(count)):
+                seen += 1
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert seen == count
+        return peak
+
+    small, large = peak_after(4_000), peak_after(40_000)
+    # ten times the rows, the same memory: a window of keys and in-flight answers (8 requests of
+    # 32 queries, 12 KiB of answer each per party), never the rows fetched so far
+    assert large < 1.3 * small and large < 40 * 2**20, (small, large)
+
+
+_parties = (FakeParty(delay=0), FakeParty(delay=0))
+
+
+async def _route(request: httpx.Request):
+    return await _parties[request.url.host != "a.test"](request)
+
+
+def test_an_epoch_switch_is_waited_out_never_mixed():
+    # B names epoch 2 in its first three answers (it switched first), then 1 again.
+    parties = FakeParty(), FakeParty(epochs={0: 2, 1: 2, 2: 2})
+
+    async def run(deadline):
+        async with client_of(*parties, in_flight=1, switch_deadline=deadline) as client:
+            return await client.fetch_rows(range(64))
+    assert len(asyncio.run(run(5.0))) == 64
+    assert parties[1].requests == 2 + 3  # the first request three more times, then the second
+    parties = FakeParty(), FakeParty(epochs={i: 2 for i in range(1000)})
+    with pytest.raises(EpochMismatch, match="answered from different epochs: 1 and 2"):
+        asyncio.run(run(0.3))
+
+
+def test_decoys_are_distinct_and_the_slot_uniform():
+    pages = np.arange(3000) % 50
+    chosen, slots = choose_pages_many(pages, 50)
+    assert (chosen[np.arange(3000), slots] == pages).all()
+    assert all(len(set(row)) == 3 for row in chosen.tolist())
+    assert ((chosen >= 0) & (chosen < 50)).all()
+    counts = np.bincount(slots, minlength=3)
+    assert counts.min() > 850  # 1,000 each expected
+    with pytest.raises(ValueError, match=r"page 50 is outside \[0, 50\)"):
+        choose_pages_many(np.array([50]), 50)
+    assert json.dumps(choose_pages_many(np.array([0, 1]), 2)[0].tolist())  # two pages: repeats
