@@ -19,6 +19,7 @@ from morpho_client.bulk import BulkJobs
 from morpho_client.core import (ENCODINGS, KEY_FORMATS, Answer, EpochInfo, EpochMismatch, Half,
                                 ServerError, agreed_epoch, binary_half, check_distinct_servers,
                                 choose_key_format, combine, error_from, json_half)
+from morpho_client.lookup import Lookups
 from morpho_client.plan import Window, plan_window
 
 # Default seconds a fetch keeps retrying while the parties are out of step (an epoch switch, a
@@ -41,7 +42,7 @@ def in_flight_for(health: dict, batch: int) -> int:
     return max(4, min(MAX_IN_FLIGHT, 2 * -(-pass_queries // batch)))
 
 
-class AsyncPirClient(BulkJobs):
+class AsyncPirClient(BulkJobs, Lookups):
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys.
 
     `in_flight` batch requests are kept in flight at each party (None: chosen from the parties'

@@ -15,6 +15,7 @@ from drf_spectacular.utils import extend_schema
 from engine.holder import get_engine
 from morpho_pir.dpf import KeyBatch, key_domain_bits
 from gpu_engine.engine import EngineUnavailable, key_formats_of
+from morpho_pir.http import RECORDS_HEADER
 from morpho_pir.protocol import query_key_counts
 from queries.api.binary import (
     BinaryBatchQuerySerializer,
@@ -68,9 +69,6 @@ class PublicAPIView(APIView):
     def serializer_class_for(self, request):
         """The serializer of this request's body (QueryAPIView picks one by Content-Type)."""
         return self.serializer_class
-
-
-RECORDS_HEADER = "X-Morpho-Records-Fingerprint"
 
 
 class RecordsMismatch(APIException):
