@@ -9,8 +9,8 @@ from django.core.management import call_command
 
 from gpu_engine.matrix import load_epoch
 from morpho_pir.ethereum import (
-    ACCOUNT_VALUE_BYTES, CODE_CHUNK_BYTES, EMPTY_CODE_HASH, Account, code_key, keccak256,
-    storage_key,
+    ACCOUNT_TYPE, ACCOUNT_VALUE_BYTES, CODE_CHUNK_BYTES, EMPTY_CODE_HASH, STORAGE_TYPE, Account,
+    code_key, keccak256, state_key, state_value, storage_key,
 )
 
 MAX_U256 = (1 << 256) - 1
@@ -37,7 +37,7 @@ def test_make_accounts_writes_the_same_state_for_the_same_seed(tmp_path):
     for name in ("a", "b"):
         call_command("make_accounts", "--accounts", "400", "--seed", "5", "--out",
                      str(tmp_path / name / "state.jsonl"))
-    for suffix in ("", ".storage", ".code"):
+    for suffix in ("", ".storage", ".code", ".state"):
         assert (tmp_path / "a" / f"state{suffix}.jsonl").read_bytes() == \
             (tmp_path / "b" / f"state{suffix}.jsonl").read_bytes()
     accounts = read_lines(tmp_path / "a" / "state.jsonl")
@@ -64,13 +64,22 @@ def test_make_accounts_writes_the_same_state_for_the_same_seed(tmp_path):
         assert b"".join(chunks)[:len(body)] == body
         if not body:
             assert Account.decode(value).code_hash == EMPTY_CODE_HASH
+    # the state table holds every record of the three, its key prefixed with its type
+    state = {line["key"]: (line["value"], line["type"])
+             for line in read_lines(tmp_path / "a" / "state.state.jsonl")}
+    assert len(state) == len(accounts) + len(storage) + len(code)
+    for line in accounts[:50]:
+        key = "0x" + state_key(ACCOUNT_TYPE, bytes.fromhex(line["key"][2:])).hex()
+        assert state[key] == ("0x" + state_value(bytes.fromhex(line["value"][2:])).hex(), 1)
+    for key, value in list(storage.items())[:50]:
+        assert state["0x" + state_key(STORAGE_TYPE, bytes.fromhex(key[2:])).hex()][0][:66] == value
 
 
 def test_build_records_reads_the_three_files_as_they_are(tmp_path):
     out = tmp_path / "state.jsonl"
     call_command("make_accounts", "--accounts", "300", "--seed", "2", "--out", str(out))
     for suffix, (key_bytes, value_bytes) in (("", (20, 76)), (".storage", (52, 32)),
-                                             (".code", (36, CODE_CHUNK_BYTES))):
+                                             (".code", (36, CODE_CHUNK_BYTES)), (".state", (53, 192))):
         matrix = tmp_path / f"state{suffix}.bin"
         call_command("build_records", "--input", str(tmp_path / f"state{suffix}.jsonl"),
                      "--out", str(matrix), "--type-column", "type", "--seed", "1")

@@ -1,14 +1,16 @@
 """Ethereum state as records (docs/PROTOCOL.md section 9.5): accounts, storage slots, code chunks.
 
-Three records tables serve an Ethereum-like state: accounts (address -> balance, nonce, code
+An Ethereum-like state is three kinds of records: accounts (address -> balance, nonce, code
 hash, code size), storage (address || slot -> value) and code (code hash || chunk index -> a
-chunk of bytecode). Keccak-256 (Ethereum's, not NIST SHA3-256) is here in plain Python: code
+chunk of bytecode), each a table of its own or all in one state table whose keys start with
+their kind (what the JSON-RPC gateway reads: one epoch per pair of parties). Keccak-256 (Ethereum's, not NIST SHA3-256) is here in plain Python: code
 hashes are few and short, and the protocol core imports NumPy only.
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 ADDRESS_BYTES = 20
 WORD_BYTES = 32
@@ -21,6 +23,10 @@ MAX_CODE_CHUNKS = -(-MAX_CODE_BYTES // CODE_CHUNK_BYTES)  # 128
 
 # Record types (section 9.2's type byte) of the three tables.
 ACCOUNT_TYPE, STORAGE_TYPE, CODE_TYPE = 1, 2, 3
+# The state table: key = kind (the record type) || the kind's key zero-padded to 52 bytes; value
+# = the kind's value zero-padded to 192 bytes (1 + 53 + 192 = 246 bytes of a row).
+STATE_KEY_BYTES = 1 + STORAGE_KEY_BYTES
+STATE_VALUE_BYTES = CODE_CHUNK_BYTES
 
 _ROUND_CONSTANTS = [
     0x0000000000000001, 0x0000000000008082, 0x800000000000808A, 0x8000000080008000,
@@ -54,6 +60,7 @@ def _keccak_f(state: list) -> None:
         state[0][0] ^= constant
 
 
+@lru_cache(maxsize=4096)  # contracts share code, and every plain account hashes empty code
 def keccak256(data: bytes) -> bytes:
     """Ethereum's Keccak-256 (padding 0x01, not SHA3's 0x06)."""
     rate = 136
@@ -107,3 +114,16 @@ def code_chunks(code: bytes) -> list:
     """The code's chunks of CODE_CHUNK_BYTES, the last zero-padded; the code size cuts them."""
     return [bytes(code[i:i + CODE_CHUNK_BYTES]).ljust(CODE_CHUNK_BYTES, b"\0")
             for i in range(0, len(code), CODE_CHUNK_BYTES)]
+
+
+def state_key(kind: int, key: bytes) -> bytes:
+    """The state table's key of a `kind` record (ACCOUNT_TYPE, STORAGE_TYPE, CODE_TYPE)."""
+    if kind not in (ACCOUNT_TYPE, STORAGE_TYPE, CODE_TYPE) or len(key) > STORAGE_KEY_BYTES:
+        raise ValueError(f"state_key takes a record type 1..3 and at most {STORAGE_KEY_BYTES} "
+                         f"bytes of key, got type {kind} and {len(key)} bytes")
+    return bytes([kind]) + bytes(key).ljust(STORAGE_KEY_BYTES, b"\0")
+
+
+def state_value(value: bytes) -> bytes:
+    """A record's value zero-padded to the state table's STATE_VALUE_BYTES."""
+    return bytes(value).ljust(STATE_VALUE_BYTES, b"\0")

@@ -1,8 +1,9 @@
 """`manage.py make_accounts --accounts N --seed S --out FILE`: an Ethereum-like state to serve.
 
-Writes three JSON Lines files that build_records reads as they are (columns key, value, type):
-the accounts (FILE), their storage slots (FILE's stem + .storage.jsonl) and the code of the
-contracts in chunks (stem + .code.jsonl), laid out as morpho_pir.ethereum says. Account lines
+Writes JSON Lines files that build_records reads as they are (columns key, value, type): the
+accounts (FILE), their storage slots (FILE's stem + .storage.jsonl), the code of the contracts in
+chunks (stem + .code.jsonl), and all three in one state table (stem + .state.jsonl, what the
+JSON-RPC gateway serves from), laid out as morpho_pir.ethereum says. Account lines
 also carry the account in words (address, balance, nonce, code, storage), the truth that tests
 and demos compare lookups with. The same seed gives the same files.
 """
@@ -16,7 +17,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from morpho_pir.ethereum import (
     ACCOUNT_TYPE, CODE_TYPE, MAX_CODE_BYTES, STORAGE_TYPE, Account, code_chunks, code_key,
-    keccak256, storage_key,
+    keccak256, state_key, state_value, storage_key,
 )
 
 MAX_U256 = (1 << 256) - 1
@@ -87,7 +88,13 @@ class Command(BaseCommand):
         seen_addresses, codes = set(), {}
         counts = {"storage": 0, "code": 0}
         with open(out, "w") as accounts_file, open(companion(out, "storage"), "w") as storage_file, \
-                open(companion(out, "code"), "w") as code_file:
+                open(companion(out, "code"), "w") as code_file, \
+                open(companion(out, "state"), "w") as state_file:
+
+            def record(kind: int, key: bytes, value: bytes, **extra) -> str:
+                state_file.write(_line(state_key(kind, key), state_value(value), kind))
+                return _line(key, value, kind, **extra)
+
             for index in range(accounts):
                 address = rng.randbytes(20)
                 while address in seen_addresses:
@@ -101,20 +108,20 @@ class Command(BaseCommand):
                     storage = _storage(rng)
                 account = Account(_balance(rng, index), _nonce(rng, index),
                                   keccak256(code), len(code))
-                accounts_file.write(_line(
-                    address, account.encode(), ACCOUNT_TYPE, address="0x" + address.hex(),
+                accounts_file.write(record(
+                    ACCOUNT_TYPE, address, account.encode(), address="0x" + address.hex(),
                     balance=hex(account.balance), nonce=account.nonce, code="0x" + code.hex(),
                     storage={"0x" + s.hex(): "0x" + v.hex() for s, v in storage.items()}))
                 for slot, value in storage.items():
-                    storage_file.write(_line(storage_key(address, slot), value, STORAGE_TYPE))
+                    storage_file.write(record(STORAGE_TYPE, storage_key(address, slot), value))
                     counts["storage"] += 1
                 if code and account.code_hash not in codes:
                     codes[account.code_hash] = code
                     for chunk_index, chunk in enumerate(code_chunks(code)):
-                        code_file.write(_line(code_key(account.code_hash, chunk_index), chunk,
-                                              CODE_TYPE))
+                        code_file.write(record(CODE_TYPE, code_key(account.code_hash, chunk_index),
+                                               chunk))
                         counts["code"] += 1
         self.stdout.write(
             f"wrote {out} ({accounts} accounts), {companion(out, 'storage')} ({counts['storage']} "
             f"slots) and {companion(out, 'code')} ({counts['code']} chunks of {len(codes)} "
-            f"contracts' code)")
+            f"contracts' code), and all of them in {companion(out, 'state')}")
