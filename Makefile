@@ -21,14 +21,16 @@ venv: $(STAMP)
 
 # Parties A (127.0.0.1:8001) and B (127.0.0.1:8002) over one generated demo matrix (DEMO_PAGES,
 # default 8192), each an engine server, gunicorn and bulk workers with its own SQLite database
-# under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. Ctrl-C stops all. The
-# admin's and the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them.
+# under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. DEMO=accounts serves
+# an Ethereum-like state (DEMO_ACCOUNTS, default 10000) as a records epoch, for lookups by key
+# and morpho-rpc. Ctrl-C stops all. The admin's and the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them.
 PORT_A ?= 8001
 PORT_B ?= 8002
 VAR ?=
 run: $(STAMP)
 	$(PY) manage.py collectstatic --no-input -v0
-	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
+	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B) \
+		$(if $(DEMO),--demo $(DEMO))
 
 # An admin user and its DRF token on both parties of `make run` (their databases
 # $(PARTY_DB_DIR)/party-a.sqlite3 and party-b.sqlite3, migrated first): SUPERUSER (default admin)
