@@ -4,8 +4,9 @@
 
 Each row is one way of making `keys` key pairs of depth `domain_bits` (a 32-query batch of the
 client is 96 pairs), timed `repeats` times; `pairs_per_s` is from the best time, the median is
-shown beside it because this machine is shared. `vectorised` includes what the client does with
-the keys: both parties' keys as hex strings.
+shown beside it because this machine is shared. `vectorised` includes both parties' keys as hex
+strings (the JSON encoding); `window_v1`/`window_v2` are what the client does per window of a
+fetch (`--methods window_v1 window_v2 --keys 3072`: 32 requests of 32 queries).
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.report import cpu_model, write_csv  # noqa: E402
-from morpho_pir.dpf import gen_keys  # noqa: E402
+from morpho_client.plan import plan_window  # noqa: E402
+from morpho_pir.dpf import format_by_name, gen_keys  # noqa: E402
 from morpho_pir.keygen import gen_key_pairs  # noqa: E402
+from morpho_pir.protocol import KEYS_PER_QUERY, ROWS_PER_PAGE  # noqa: E402
 
 FIELDS = ["method", "domain_bits", "keys", "repeats", "best_s", "median_s", "pairs_per_s",
           "pairs_per_s_median"]
@@ -62,6 +65,14 @@ def measure(method: str, d: int, keys: int, repeats: int, rng: np.random.Generat
             pairs = [gen_keys(t, d) for t in targets]
             return ([k0.to_bytes().hex() for k0, _ in pairs],
                     [k1.to_bytes().hex() for _, k1 in pairs])
+    elif method.startswith("window_"):
+        # what the client's fetch does per window: decoy pages, then both parties' key arrays
+        # in one call (morpho_client.plan.plan_window), keys // 3 rows of 3 key pairs each
+        fmt = format_by_name(method.removeprefix("window_"))
+        rows = np.asarray(targets[:keys // KEYS_PER_QUERY], dtype=np.int64) * ROWS_PER_PAGE
+
+        def make():
+            return plan_window(rows, 1 << d, d, fmt)
     else:
         def make():
             pairs = gen_key_pairs(targets, d)
@@ -80,14 +91,19 @@ def main(argv=None) -> int:
     parser.add_argument("--keys", type=int, default=96, help="key pairs per batch (default 96)")
     parser.add_argument("--repeats", type=int, default=20, help="timed batches of gen_key_pairs")
     parser.add_argument("--python-repeats", type=int, default=2, help="timed batches of gen_keys")
+    parser.add_argument("--methods", nargs="+", default=["gen_keys", "vectorised"],
+                        choices=["gen_keys", "vectorised", "window_v1", "window_v2"],
+                        help="window_v1/v2: the client's plan_window (decoys and both parties' "
+                             "keys), key pairs counted")
     parser.add_argument("--out", help="CSV to write (with # header lines); stdout only if unset")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(1)
     rows = []
     for d in args.domain_bits:
-        rows.append(measure("gen_keys", d, args.keys, args.python_repeats, rng))
-        rows.append(measure("vectorised", d, args.keys, args.repeats, rng))
-        for row in rows[-2:]:
+        for method in args.methods:
+            repeats = args.python_repeats if method == "gen_keys" else args.repeats
+            rows.append(measure(method, d, args.keys, repeats, rng))
+        for row in rows[-len(args.methods):]:
             print(f"d={d:2d} {row['method']:10s} {row['pairs_per_s']:>7s} pairs/s "
                   f"(median {row['pairs_per_s_median']}), best {float(row['best_s']) * 1e3:.1f} ms "
                   f"per {args.keys} pairs", flush=True)

@@ -101,7 +101,8 @@ def test_keys_are_made_a_window_at_a_time(monkeypatch):
     monkeypatch.setattr(aio_module, "plan_window", counting)
 
     async def run():
-        async with client_of(FakeParty(), FakeParty(), in_flight=4) as client:
+        # planners=0: in this process, where the count is taken (processes make the same calls)
+        async with client_of(FakeParty(), FakeParty(), in_flight=4, planners=0) as client:
             await client.fetch_rows(range(1000))
     asyncio.run(run())
     assert calls == [128] * 7 + [104]  # 4 requests of 32 queries a window, not 32 rows a call
@@ -117,7 +118,7 @@ def test_iter_rows_holds_flat_memory_over_a_generator():
         tracemalloc.start()
         seen = 0
         with PirClient("http://a.test", "http://b.test", key_format="v2", in_flight=8,
-                       transport=httpx.MockTransport(_route)) as client:
+                       planners=0, transport=httpx.MockTransport(_route)) as client:
             for row, data in client.iter_rows(rows(count)):
                 seen += 1
         _, peak = tracemalloc.get_traced_memory()
@@ -150,6 +151,18 @@ def test_an_epoch_switch_is_waited_out_never_mixed():
     parties = FakeParty(), FakeParty(epochs={i: 2 for i in range(1000)})
     with pytest.raises(EpochMismatch, match="answered from different epochs: 1 and 2"):
         asyncio.run(run(0.3))
+
+
+def test_planner_processes_make_the_same_fetch():
+    parties = FakeParty(), FakeParty()
+
+    async def run():
+        async with client_of(*parties, in_flight=2, planners=2) as client:
+            got = await client.fetch_rows([i % ROWS for i in range(640)])
+            assert client._planners_pool is not None  # ten windows: planned in processes
+            return got
+    assert len(asyncio.run(run())) == 640
+    assert [p.queries for p in parties] == [640, 640]
 
 
 def test_decoys_are_distinct_and_the_slot_uniform():

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import json
+import multiprocessing
+import os
 import time
 from typing import AsyncIterator, Iterable, Optional, Sequence
 
@@ -42,6 +45,12 @@ def in_flight_for(health: dict, batch: int) -> int:
     return max(4, min(MAX_IN_FLIGHT, 2 * -(-pass_queries // batch)))
 
 
+def _auto_planners() -> int:
+    """Key-making processes by default: two where the host has cores to spare (one process
+    reading answers, two making keys), else none (a thread beside the event loop)."""
+    return 2 if (os.cpu_count() or 1) >= 4 else 0
+
+
 class AsyncPirClient(BulkJobs, Lookups):
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys.
 
@@ -54,7 +63,8 @@ class AsyncPirClient(BulkJobs, Lookups):
                  max_batch: int = MAX_BATCH_QUERIES, encoding: str = "auto",
                  key_format: str = "auto", in_flight: Optional[int] = None,
                  switch_deadline: float = SWITCH_DEADLINE_S,
-                 transport: Optional[httpx.AsyncBaseTransport] = None) -> None:
+                 transport: Optional[httpx.AsyncBaseTransport] = None,
+                 planners: Optional[int] = None) -> None:
         if not 1 <= max_batch <= MAX_BATCH_QUERIES:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH_QUERIES}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
@@ -66,6 +76,8 @@ class AsyncPirClient(BulkJobs, Lookups):
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         if in_flight is not None and not 1 <= in_flight <= MAX_IN_FLIGHT:
             raise ValueError(f"in_flight must be in 1..{MAX_IN_FLIGHT}, got {in_flight}")
+        if planners is not None and not 0 <= planners <= 64:
+            raise ValueError(f"planners must be in 0..64, got {planners}")
         if not switch_deadline >= 0:
             raise ValueError(f"switch_deadline must be 0 or more seconds, got {switch_deadline!r}")
         self.servers = (server_a.rstrip("/"), server_b.rstrip("/"))
@@ -79,6 +91,8 @@ class AsyncPirClient(BulkJobs, Lookups):
         self._advertised: tuple = (("json",), ("json",))  # per party, from its /epoch
         self._key_formats: tuple = (("v1",), ("v1",))  # per party, from its /epoch
         self._used: list = [None, None]  # per party, the encoding of its last query request
+        self.planners = planners  # key-making processes; None: _auto_planners()
+        self._planners_pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self._transport = transport  # httpx's own (None: its connection pool over TCP)
         self._http: Optional[httpx.AsyncClient] = None
         self._shape: tuple = (0, 0)  # (num_pages, domain_bits) the fetch's keys were made for
@@ -255,34 +269,46 @@ class AsyncPirClient(BulkJobs, Lookups):
                            ) -> AsyncIterator[tuple[np.ndarray, list[bytes]]]:
         """(rows, their 256-byte contents) request by request, in the order asked.
 
-        `rows` may be any iterable (a generator of millions): it is read a window at a time, so
-        memory holds two windows of keys and in_flight answers, whatever its length."""
+        `rows` may be any iterable (a generator of millions): it is read a window (in_flight
+        requests) at a time, and each window's keys are made in one vectorised call on a planner
+        while earlier requests are answered, so memory holds a few windows of keys and in_flight
+        answers, whatever its length."""
         info = await self.settled_epoch()
         self._shape = (info.num_pages, info.domain_bits)
         self.last_key_format = self.key_format_for(info)
+        key_format = format_by_name(self.last_key_format)
         in_flight = await self.requests_in_flight()
         step = self.max_batch if batch else 1
         loop = asyncio.get_running_loop()
         source = iter(rows)
+        ahead: collections.deque = collections.deque()  # windows being planned, in order
+        pending: collections.deque = collections.deque()  # requests in flight, in order
+        exhausted = False
 
-        def next_window() -> Optional[Window]:
-            taken = np.fromiter(itertools.islice(source, in_flight * step), dtype=np.int64)
-            if taken.size == 0:
-                return None
-            bad = (taken < 0) | (taken >= info.num_rows)
-            if bad.any():
-                raise ValueError(f"row {int(taken[np.argmax(bad)])} is outside [0, {info.num_rows})")
-            return self.plan(info, taken)
+        def plan_more() -> None:
+            """Read the next windows' rows and start planning them, up to the planners' depth."""
+            nonlocal exhausted
+            while not exhausted and len(ahead) < max(1, self._planner_depth()):
+                taken = np.fromiter(itertools.islice(source, in_flight * step), dtype=np.int64)
+                if taken.size == 0:
+                    exhausted = True
+                    return
+                bad = (taken < 0) | (taken >= info.num_rows)
+                if bad.any():
+                    raise ValueError(f"row {int(taken[np.argmax(bad)])} is outside "
+                                     f"[0, {info.num_rows})")
+                if ahead or pending:  # a fetch of several windows: planners pay for themselves
+                    executor = self._planner_pool()
+                else:
+                    executor = None
+                ahead.append(loop.run_in_executor(executor, plan_window, taken, info.num_pages,
+                                                  info.domain_bits, key_format))
 
-        pending: collections.deque = collections.deque()
-        planning = loop.run_in_executor(None, next_window)
         try:
-            while True:
-                window = await planning
-                if window is None:
-                    break
-                # The next window's keys are made on a thread while this one's are answered.
-                planning = loop.run_in_executor(None, next_window)
+            plan_more()
+            while ahead:
+                window = await ahead.popleft()
+                plan_more()  # the next windows' keys are made while this one is answered
                 for first in range(0, len(window), step):
                     while len(pending) >= in_flight:
                         yield await _take(pending)
@@ -294,9 +320,22 @@ class AsyncPirClient(BulkJobs, Lookups):
         finally:
             for _, task in pending:
                 task.cancel()
-            await asyncio.gather(*(task for _, task in pending), return_exceptions=True)
-            if not planning.done():
-                await asyncio.gather(planning, return_exceptions=True)
+            await asyncio.gather(*(task for _, task in pending), *ahead, return_exceptions=True)
+
+    def _planner_depth(self) -> int:
+        return self.planners if self.planners is not None else _auto_planners()
+
+    def _planner_pool(self) -> Optional[concurrent.futures.Executor]:
+        """Processes that make keys beside this one (none: a thread of this process), started
+        on the first fetch of several windows: key generation then takes no time from the
+        event loop's own thread, which reads the answers."""
+        count = self._planner_depth()
+        if count == 0:
+            return None
+        if self._planners_pool is None:
+            self._planners_pool = concurrent.futures.ProcessPoolExecutor(
+                count, mp_context=multiprocessing.get_context("spawn"))
+        return self._planners_pool
 
     async def iter_rows(self, rows: Iterable[int], batch: bool = True
                         ) -> AsyncIterator[tuple[int, bytes]]:
@@ -326,6 +365,9 @@ class AsyncPirClient(BulkJobs, Lookups):
         return await self.ask(window)
 
     async def aclose(self) -> None:
+        if self._planners_pool is not None:
+            self._planners_pool.shutdown(wait=False, cancel_futures=True)
+            self._planners_pool = None
         if self._http is not None:
             await self._http.aclose()
             self._http = None
