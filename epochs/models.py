@@ -347,7 +347,8 @@ class RecordChange(models.Model):
     value = models.CharField(max_length=514, blank=True,
                              help_text="set: the value as hex, value_bytes long; delete: empty.")
     record_type = models.PositiveSmallIntegerField(
-        default=1, validators=[MinValueValidator(1), MaxValueValidator(255)], help_text="set: the record's type byte, 1..255 (0 marks an empty row).")
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(255)],
+        help_text="set: the record's type byte, 1..255 (0 marks an empty row).")
     rows = models.JSONField(default=list, editable=False,
                             help_text="The rows this change wrote, in order.")
     created = models.DateTimeField(auto_now_add=True)

@@ -1,4 +1,4 @@
-"""Reading key -> value records for build_records: CSV or JSON Lines, columns named by the caller."""
+"""Reading key -> value records for build_records: CSV or JSON Lines, columns named by option."""
 from __future__ import annotations
 
 import csv

@@ -10,7 +10,6 @@ two parties that take the same changes in the same order write the same rows.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import deque

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import httpx
-import numpy as np
 import pytest
 
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file

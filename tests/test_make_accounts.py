@@ -41,7 +41,8 @@ def test_make_accounts_writes_the_same_state_for_the_same_seed(tmp_path):
         assert (tmp_path / "a" / f"state{suffix}.jsonl").read_bytes() == \
             (tmp_path / "b" / f"state{suffix}.jsonl").read_bytes()
     accounts = read_lines(tmp_path / "a" / "state.jsonl")
-    storage = {line["key"]: line["value"] for line in read_lines(tmp_path / "a" / "state.storage.jsonl")}
+    storage = {line["key"]: line["value"]
+               for line in read_lines(tmp_path / "a" / "state.storage.jsonl")}
     code = {line["key"]: line["value"] for line in read_lines(tmp_path / "a" / "state.code.jsonl")}
     assert len({line["address"] for line in accounts}) == 400
     assert {int(line["balance"], 16) for line in accounts} >= {0, MAX_U256}
@@ -78,8 +79,9 @@ def test_make_accounts_writes_the_same_state_for_the_same_seed(tmp_path):
 def test_build_records_reads_the_three_files_as_they_are(tmp_path):
     out = tmp_path / "state.jsonl"
     call_command("make_accounts", "--accounts", "300", "--seed", "2", "--out", str(out))
-    for suffix, (key_bytes, value_bytes) in (("", (20, 76)), (".storage", (52, 32)),
-                                             (".code", (36, CODE_CHUNK_BYTES)), (".state", (53, 192))):
+    shapes = (("", (20, 76)), (".storage", (52, 32)), (".code", (36, CODE_CHUNK_BYTES)),
+              (".state", (53, 192)))
+    for suffix, (key_bytes, value_bytes) in shapes:
         matrix = tmp_path / f"state{suffix}.bin"
         call_command("build_records", "--input", str(tmp_path / f"state{suffix}.jsonl"),
                      "--out", str(matrix), "--type-column", "type", "--seed", "1")

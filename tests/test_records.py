@@ -202,8 +202,8 @@ def test_build_records_reads_csv_and_json_lines_by_the_columns_named(tmp_path):
     csv_path.write_text("addr,account,kind\n" + "".join(
         f"0x{k.tobytes().hex()},{v.tobytes().hex()},{t}\n" for k, v, t in zip(keys, values, types)))
     jsonl_path = tmp_path / "in.jsonl"
-    jsonl_path.write_text("".join(json.dumps({"addr": k.tobytes().hex(), "account": v.tobytes().hex(),
-                                              "kind": int(t)}) + "\n"
+    jsonl_path.write_text("".join(json.dumps({"addr": k.tobytes().hex(),
+                                              "account": v.tobytes().hex(), "kind": int(t)}) + "\n"
                                   for k, v, t in zip(keys, values, types)))
     built = {}
     for source in (csv_path, jsonl_path):
@@ -214,7 +214,8 @@ def test_build_records_reads_csv_and_json_lines_by_the_columns_named(tmp_path):
         built[source.suffix] = out.read_bytes()
         epoch = load_epoch(out)
         table = epoch.records
-        assert epoch.epoch_id == 4 and table.seed == 11 and table.num_pages == epoch.matrix.num_pages
+        assert epoch.epoch_id == 4 and table.seed == 11
+        assert table.num_pages == epoch.matrix.num_pages
         assert (table.key_bytes, table.value_bytes) == (20, 72)
         sidecar = json.loads((tmp_path / (out.name + ".epoch.json")).read_text())
         assert sidecar["records"]["fingerprint"] == table.fingerprint_hex

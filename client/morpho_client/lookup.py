@@ -20,7 +20,7 @@ from morpho_pir.records import Record, RecordsError, RecordsTable
 
 from morpho_client.core import (Answer, EpochInfo, Half, PirError, ServerError, combine,
                                 served_state, unhex_page)
-from morpho_client.plan import Window
+from morpho_client.plan import Window, listed_lines
 
 
 class NotRecords(PirError):
@@ -171,15 +171,11 @@ def parse_key(text: str) -> bytes:
 def read_keys_file(path) -> list[bytes]:
     """Keys as hex, one per line (blank lines and # comments skipped); ValueError names a line."""
     keys = []
-    with open(path) as fh:
-        for number, text in enumerate(fh, start=1):
-            text = text.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                keys.append(parse_key(text))
-            except ValueError as exc:
-                raise ValueError(f"{path}, line {number}: {exc}") from None
+    for number, text in listed_lines(path):
+        try:
+            keys.append(parse_key(text))
+        except ValueError as exc:
+            raise ValueError(f"{path}, line {number}: {exc}") from None
     if not keys:
         raise ValueError(f"{path}: no keys in it")
     return keys

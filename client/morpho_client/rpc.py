@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import httpx
 
 from morpho_pir.ethereum import (
-    ACCOUNT_TYPE, ADDRESS_BYTES, CODE_CHUNK_BYTES, CODE_TYPE, EMPTY_CODE_HASH, MAX_CODE_CHUNKS,
+    ACCOUNT_TYPE, CODE_CHUNK_BYTES, CODE_TYPE, EMPTY_CODE_HASH, MAX_CODE_CHUNKS,
     STORAGE_TYPE, WORD_BYTES, Account, code_key, state_key, storage_key,
 )
 

@@ -3,8 +3,9 @@
 An Ethereum-like state is three kinds of records: accounts (address -> balance, nonce, code
 hash, code size), storage (address || slot -> value) and code (code hash || chunk index -> a
 chunk of bytecode), each a table of its own or all in one state table whose keys start with
-their kind (what the JSON-RPC gateway reads: one epoch per pair of parties). Keccak-256 (Ethereum's, not NIST SHA3-256) is here in plain Python: code
-hashes are few and short, and the protocol core imports NumPy only.
+their kind (what the JSON-RPC gateway reads: one epoch per pair of parties). Keccak-256
+(Ethereum's, not NIST SHA3-256) is here in plain Python: code hashes are few and short, and the
+protocol core imports NumPy only.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`manage.py build_records --input FILE --out MATRIX`: key -> value records into a records epoch."""
+"""`manage.py build_records --input FILE --out MATRIX`: key -> value records as a records epoch."""
 from __future__ import annotations
 
 import os

@@ -47,14 +47,16 @@ def _nonce(rng: random.Random, index: int) -> int:
 
 
 def _code(rng: random.Random) -> bytes:
-    size = rng.randrange(1, 2048) if rng.random() < 0.97 else rng.randrange(2048, MAX_CODE_BYTES + 1)
+    large = rng.random() >= 0.97
+    size = rng.randrange(2048, MAX_CODE_BYTES + 1) if large else rng.randrange(1, 2048)
     return b"\x60\x80\x60\x40\x52" + rng.randbytes(max(0, size - 5))[:size - 5]
 
 
 def _storage(rng: random.Random) -> dict:
     slots = {}
     for _ in range(rng.randrange(0, 17)):
-        slot = (rng.randrange(10) if rng.random() < 0.5 else rng.getrandbits(256)).to_bytes(32, "big")
+        number = rng.randrange(10) if rng.random() < 0.5 else rng.getrandbits(256)
+        slot = number.to_bytes(32, "big")
         slots[slot] = rng.randrange(1, MAX_U256 + 1).to_bytes(32, "big")
     return slots
 
@@ -87,7 +89,8 @@ class Command(BaseCommand):
         rng = random.Random(seed)
         seen_addresses, codes = set(), {}
         counts = {"storage": 0, "code": 0}
-        with open(out, "w") as accounts_file, open(companion(out, "storage"), "w") as storage_file, \
+        with open(out, "w") as accounts_file, \
+                open(companion(out, "storage"), "w") as storage_file, \
                 open(companion(out, "code"), "w") as code_file, \
                 open(companion(out, "state"), "w") as state_file:
 
