@@ -24,6 +24,7 @@ from morpho_client.core import (ENCODINGS, KEY_FORMATS, Answer, EpochInfo, Epoch
                                 choose_key_format, combine, error_from, json_half)
 from morpho_client.lookup import Lookups
 from morpho_client.plan import Window, plan_window
+from morpho_client.wire import PartyPool
 
 # Default seconds a fetch keeps retrying while the parties are out of step (an epoch switch, a
 # row update one party took first) or busy (503 with Retry-After), before it gives up.
@@ -33,6 +34,7 @@ MAX_RETRY_S = 2.0
 DEFAULT_IN_FLIGHT = 8  # requests per party where /health names no pass size
 MAX_IN_FLIGHT = 64
 RETRIED_STATUSES = (429, 503)
+JSON = "application/json"
 
 
 def in_flight_for(health: dict, batch: int) -> int:
@@ -95,12 +97,14 @@ class AsyncPirClient(BulkJobs, Lookups):
         self._planners_pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self._transport = transport  # httpx's own (None: its connection pool over TCP)
         self._http: Optional[httpx.AsyncClient] = None
+        self._wire: list = [None, None]  # each party's query connections (wire.PartyPool)
         self._shape: tuple = (0, 0)  # (num_pages, domain_bits) the fetch's keys were made for
 
     # -- transport ----------------------------------------------------------------------------
     @property
     def http(self) -> httpx.AsyncClient:
-        """The keep-alive pool both parties' requests share (made on first use, in the loop)."""
+        """httpx's keep-alive pool: /epoch, /health, bulk jobs, and the queries where a
+        transport was given (made on first use, in the loop)."""
         if self._http is None:
             limits = httpx.Limits(max_connections=2 * MAX_IN_FLIGHT + 8,
                                   max_keepalive_connections=2 * MAX_IN_FLIGHT + 8)
@@ -124,7 +128,7 @@ class AsyncPirClient(BulkJobs, Lookups):
         """(parsed JSON, headers) of a GET, or of a POST of `body`."""
         url = base + path
         response = await self.request("GET" if body is None else "POST", url,
-                                      json=body, headers={"Accept": "application/json"})
+                                      json=body, headers={"Accept": JSON})
         try:
             return response.json(), response.headers
         except ValueError:
@@ -195,20 +199,39 @@ class AsyncPirClient(BulkJobs, Lookups):
     async def _ask_party(self, side: int, window: Window, first: int, last: int,
                          batch: bool) -> Half:
         """Party `side`'s answer to queries [first, last) of `window`, in its encoding."""
-        base = self.servers[side]
-        url = base + (BATCH_PATH if batch else QUERY_PATH)
+        path = BATCH_PATH if batch else QUERY_PATH
+        url = self.servers[side] + path
         slots = window.slots[first:last]
         encoding = self.encoding_for(side)
         self._used[side] = encoding
         if encoding == "binary":
-            response = await self.request("POST", url, content=window.body(side, first, last),
-                                          headers={"Content-Type": OCTET_STREAM,
-                                                   "Accept": OCTET_STREAM})
-            return binary_half(url, response.headers, response.content, slots)
+            headers, payload = await self._post(side, path, window.body(side, first, last),
+                                                OCTET_STREAM)
+            return binary_half(url, headers, payload, slots)
         queries = window.hex_queries(side, first, last)
         body = {"queries": [{"keys": q} for q in queries]} if batch else {"keys": queries[0]}
-        reply, headers = await self.get_json(base, BATCH_PATH if batch else QUERY_PATH, body)
+        headers, payload = await self._post(side, path, json.dumps(body).encode(), JSON)
+        try:
+            reply = json.loads(payload)
+        except ValueError:
+            raise ServerError(f"{url}: the response is not JSON") from None
         return json_half(url, headers, reply, slots, batch)
+
+    async def _post(self, side: int, path: str, body: bytes, media: str):
+        """(headers, body) of a query request to party `side`: on the party's own keep-alive
+        connections (wire.PartyPool), or through httpx where a transport was given."""
+        url = self.servers[side] + path
+        if self._transport is not None:
+            response = await self.request("POST", url, content=body,
+                                          headers={"Content-Type": media, "Accept": media})
+            return response.headers, response.content
+        if self._wire[side] is None:
+            self._wire[side] = PartyPool(self.servers[side], self.in_flight or DEFAULT_IN_FLIGHT,
+                                         self.timeout)
+        status, headers, payload = await self._wire[side].post(path, body, media, media)
+        if status >= 400:
+            raise error_from(url, status, payload.decode("utf-8", "replace"), headers)
+        return headers, payload
 
     async def ask(self, window: Window, first: int = 0, last: Optional[int] = None,
                   batch: bool = True) -> Answer:
@@ -368,6 +391,10 @@ class AsyncPirClient(BulkJobs, Lookups):
         if self._planners_pool is not None:
             self._planners_pool.shutdown(wait=False, cancel_futures=True)
             self._planners_pool = None
+        for pool in self._wire:
+            if pool is not None:
+                pool.close()
+        self._wire = [None, None]
         if self._http is not None:
             await self._http.aclose()
             self._http = None

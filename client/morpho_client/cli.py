@@ -30,24 +30,23 @@ three candidate pages, the same traffic whether it is there or not. Exit status 
 never printed from answers of two different epochs or served states)."""
 
 
-def parse_timeout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
-    return value
+def seconds(minimum: float, inclusive: bool):
+    """An argparse type: a finite number of seconds above `minimum` (or from it, inclusive)."""
+    words = f"{minimum:g} or more" if inclusive else f"above {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, {words}, got {text!r}")
+        return value
+    return parse
 
 
-def parse_deadline(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, got {text!r}")
-    return value
+parse_timeout = seconds(0, inclusive=False)
+parse_deadline = seconds(0, inclusive=True)
 
 
 def parse_in_flight(text: str) -> int:
