@@ -21,15 +21,18 @@ venv: $(STAMP)
 
 # Parties A (127.0.0.1:8001) and B (127.0.0.1:8002) over one generated demo matrix (DEMO_PAGES,
 # default 8192), each an engine server, gunicorn and bulk workers with its own SQLite database
-# under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. Ctrl-C stops all. The
-# admin's and the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them.
+# under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. DEMO=accounts serves
+# an Ethereum-like state (DEMO_ACCOUNTS, default 10000) as a records epoch, for lookups by key
+# and morpho-rpc. Ctrl-C stops all. The admin's and the API docs' static files are gathered into
+# STATIC_ROOT first; WhiteNoise serves them.
 # `exec` makes the supervisor make's own child, so that it stops everything when make is killed.
 PORT_A ?= 8001
 PORT_B ?= 8002
 VAR ?=
 run: $(STAMP)
 	$(PY) manage.py collectstatic --no-input -v0
-	exec env $(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
+	exec env $(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B) \
+		$(if $(DEMO),--demo $(DEMO))
 
 # One new epoch on both parties of `make run` at once (docs/OPERATIONS.md: Switching epochs):
 # MATRIX= its file, in the state folder's matrices/ (var/matrices/); EPOCH_ID= unless the file's sidecar names one; EPOCH_ARGS=

@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 from django.utils.html import format_html
 
 from epochs import sync
-from epochs.models import Epoch, EpochState, RowUpdate
+from epochs.models import Epoch, EpochState, RecordChange, RowUpdate
 from gpu_engine.engine import SwitchMode
 
 
@@ -90,3 +90,22 @@ class RowUpdateAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         return super().get_queryset(request).select_related("created_by")
 
+
+
+@admin.register(RecordChange)
+class RecordChangeAdmin(admin.ModelAdmin):
+    """Review only: a change is made through /api/records/, which refuses one with no room (409)
+    before anything is stored."""
+
+    list_display = ("id", "epoch_id", "op", "key", "record_type", "rows", "created", "created_by")
+    list_filter = ("op", "epoch_id")
+    search_fields = ("key",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -5,6 +5,7 @@ import os
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from engine import holder
@@ -23,8 +24,10 @@ from gpu_engine.matrix import (
     domain_bits_for,
     load_matrix,
     read_epoch_metadata,
+    records_of,
 )
 from morpho_pir.protocol import parse_hex
+from morpho_pir.records import RecordsError
 
 U64_MAX = (1 << 64) - 1
 
@@ -84,6 +87,12 @@ class Epoch(models.Model):
         help_text="How an engine of several devices (MORPHO_ENGINE_DEVICES) holds the pages: at "
                   "activation, and within a second for the active epoch (loaded again, as its "
                   "switch mode says). One device: no effect.",
+    )
+    records = models.JSONField(
+        null=True, blank=True,
+        help_text="The records table the matrix holds (docs/PROTOCOL.md section 9): seed, "
+                  "num_pages, key_bytes, value_bytes; empty = the matrix file's sidecar says "
+                  "(build_records writes it), else pages without records.",
     )
     state = models.CharField(
         max_length=16, choices=EpochState.choices, default=EpochState.LOADED, editable=False
@@ -145,6 +154,8 @@ class Epoch(models.Model):
                 problem = self._record_identity(resolved, size)
                 if problem:
                     errors["matrix_path"] = problem
+                if self.records is None:
+                    self.records = _sidecar_records(resolved)
         try:
             self.state_root = "0x" + parse_hex(self.state_root, 32).hex()
         except ValueError as exc:
@@ -156,6 +167,16 @@ class Epoch(models.Model):
             errors["seeds"] = f"expected three integers in 0..{U64_MAX}, got {seeds!r}"
         else:
             self.seeds = seeds
+        if self.records is not None:
+            try:
+                table = records_of({"records": self.records})
+            except RecordsError as exc:
+                errors["records"] = str(exc)
+            else:
+                self.records = table.describe()
+                if self.num_pages and table.num_pages != self.num_pages:
+                    errors["records"] = (f"a records table of {table.num_pages} pages, expected "
+                                         f"the matrix file's {self.num_pages}")
         if self.domain_bits is not None and self.num_pages and "matrix_path" not in errors:
             try:
                 domain_bits_for(self.num_pages, self.domain_bits)
@@ -209,7 +230,16 @@ class Epoch(models.Model):
             state_root=parse_hex(self.state_root, 32),
             seeds=tuple(self.seeds or (0, 0, 0)),
             placement=self.placement,
+            records=records_of({"records": self.records}),
         )
+
+
+def _sidecar_records(path) -> dict | None:
+    """The records parameters a matrix file's sidecar gives, or None (no sidecar, no records)."""
+    try:
+        return read_epoch_metadata(path).get("records")
+    except (OSError, ValueError):
+        return None
 
 
 class UpdateState(models.TextChoices):
@@ -308,3 +338,73 @@ def current_epoch_shape(epoch_id: int | None = None) -> tuple[int, int]:
     if epoch_id is not None and served_id != epoch_id:
         raise LookupError(f"epoch {epoch_id} is not known to this server")
     return served_id, -(-size // PAGE_BYTES) * ROWS_PER_PAGE
+
+
+class RecordOp(models.TextChoices):
+    SET = "set", "set: write the key's record (insert or overwrite)"
+    DELETE = "delete", "delete: clear the key's row"
+
+
+class RecordChange(models.Model):
+    """A key set or deleted in the active records epoch, and the rows it wrote (as row updates).
+
+    From the same state, the same change writes the same rows on every party (an eviction walk
+    is deterministic), so two parties taking the same changes in order end in the same state."""
+
+    epoch_id = models.PositiveBigIntegerField(editable=False, db_index=True)
+    op = models.CharField(max_length=8, choices=RecordOp.choices, default=RecordOp.SET)
+    key = models.CharField(max_length=514, help_text="The key as hex (0x optional), "
+                                                     "key_bytes of the records table long.")
+    value = models.CharField(max_length=514, blank=True,
+                             help_text="set: the value as hex, value_bytes long; delete: empty.")
+    record_type = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(255)],
+        help_text="set: the record's type byte, 1..255 (0 marks an empty row).")
+    rows = models.JSONField(default=list, editable=False,
+                            help_text="The rows this change wrote, in order.")
+    created = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, editable=False, on_delete=models.SET_NULL,
+        related_name="+",
+    )
+
+    class Meta:
+        ordering = ["-pk"]
+        constraints = [models.CheckConstraint(
+            condition=models.Q(record_type__gte=1, record_type__lte=255),
+            name="record_type_is_a_byte")]
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.key} in epoch {self.epoch_id}"
+
+    def table(self):
+        """(the active epoch record, its records table); ValidationError where it has none."""
+        record = Epoch.objects.active()
+        if record is None:
+            raise ValidationError({"key": "no active epoch is recorded on this party"})
+        if record.records is None:
+            raise ValidationError({"key": f"epoch {record.epoch_id} holds pages, not records: "
+                                          f"build one with manage.py build_records"})
+        return record, records_of({"records": record.records})
+
+    def clean(self) -> None:
+        record, table = self.table()
+        self.epoch_id = record.epoch_id
+        errors = {}
+        try:
+            self.key = "0x" + table.check_key(parse_hex(self.key or "")).hex()
+        except ValueError as exc:
+            errors["key"] = f"key: {exc}".replace("key: key: ", "key: ")
+        if self.op == RecordOp.DELETE:
+            if self.value:
+                errors["value"] = "value: expected nothing for a delete"
+        else:
+            try:
+                value = parse_hex(self.value or "")
+                if len(value) != table.value_bytes:
+                    raise ValueError(f"expected {table.value_bytes} bytes, got {len(value)}")
+                self.value = "0x" + value.hex()
+            except ValueError as exc:
+                errors["value"] = f"value: {exc}"
+        if errors:
+            raise ValidationError(errors)

@@ -14,8 +14,9 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, IntegrityError, transaction
@@ -52,6 +53,7 @@ WATCH_NAME = "epochs"
 # switch loads a whole matrix).
 REMOTE_CONTROL_TIMEOUT = 600.0
 
+T = TypeVar("T")
 _lock = threading.RLock()  # one sync at a time: request threads and the watcher thread
 
 
@@ -108,7 +110,7 @@ def state_version() -> tuple:
     return (active, figures["n"], figures["high"], retry)
 
 
-def _final_rows(selection: Q, rows: Sequence[int] | None = None) -> tuple[dict[int, bytes], list[int]]:
+def final_rows(selection: Q, rows: Sequence[int] | None = None) -> tuple[dict[int, bytes], list[int]]:
     """The latest pending data of each row among `selection`'s updates (highest id wins) and the
     ids that were read."""
     updates = RowUpdate.objects.filter(selection, state=UpdateState.PENDING)
@@ -129,7 +131,7 @@ def _starting_rows(record: Epoch, old_epoch_id: int | None) -> tuple[dict[int, b
     selection = Q(epoch_id=record.epoch_id)
     if record.pending_updates == PendingUpdates.ABSORB and old_epoch_id is not None:
         selection |= Q(epoch_id=old_epoch_id, row__lt=(record.num_pages or 0) * ROWS_PER_PAGE)
-    return _final_rows(selection)
+    return final_rows(selection)
 
 
 def _reason(exc: Exception) -> str:
@@ -147,7 +149,7 @@ def _switch(engine, record: Epoch, mode: SwitchMode,
     starting: the (rows, ids) to write in, when they are not yet `record`'s pending updates."""
     stop_the_world = SwitchMode(mode) is SwitchMode.STOP_THE_WORLD
     epoch = record.load()
-    rows, ids = starting if starting is not None else _final_rows(Q(epoch_id=record.epoch_id))
+    rows, ids = starting if starting is not None else final_rows(Q(epoch_id=record.epoch_id))
     for row, data in rows.items():
         epoch.matrix.write_row(row, data)  # copy-on-write: the file is never touched
     try:
@@ -186,7 +188,7 @@ def _apply_new_updates(engine) -> int:
     if fresh:
         # Rewrite each touched row with its latest value, so an update that committed late
         # never overrides a newer one of the same row.
-        rows, _ = _final_rows(Q(epoch_id=epoch_id), {row for _, row in fresh})
+        rows, _ = final_rows(Q(epoch_id=epoch_id), {row for _, row in fresh})
         engine.write_rows(rows).result()
         state.ids.update(pk for pk, _ in fresh)
     state.advance(time.monotonic())
@@ -273,6 +275,7 @@ def record_served_epoch(engine) -> Epoch | None:
             # the file's size and digest as the engine checked them at load (its sidecar's)
             size_bytes=served.matrix.size_bytes,
             sha256=served.matrix.sha256 or "",
+            records=None if served.records is None else served.records.describe(),
             state=EpochState.ACTIVE,
             activated=timezone.now(),
         )
@@ -432,27 +435,38 @@ def _follow_database(engine) -> None:
                     "retries", exc)
 
 
-def save_updates(records: Sequence[RowUpdate]) -> None:
-    """Store validated row updates in one transaction, then apply them to this process's engine.
+def store_then_apply(store: Callable[[], T]) -> T:
+    """Run `store` (which saves row updates) in one transaction, then apply what it saved to
+    this process's engine, or the engine server's; one at a time in this process.
 
     Returning means acknowledged: every answer this process starts from now on includes them.
     """
     engine = _local_engine()
     with _lock:
         with transaction.atomic():
-            served = current_epoch_shape()[0]
-            for update in records:
-                if update.epoch_id != served:
-                    # The epoch switched since the update was validated: it applies to the new one.
-                    update.epoch_id = update.first_epoch_id = None
-                    update.clean()
-                if update.first_epoch_id is None:
-                    update.first_epoch_id = update.epoch_id
-                update.save()
+            result = store()
         if engine is not None:
             sync(engine)
         elif holder.is_remote():
             _remote_call("sync")  # acknowledged once the engine server has applied them
+    return result
+
+
+def save_updates(records: Sequence[RowUpdate]) -> None:
+    """Store validated row updates in one transaction, then apply them (store_then_apply)."""
+
+    def store() -> None:
+        served = current_epoch_shape()[0]
+        for update in records:
+            if update.epoch_id != served:
+                # The epoch switched since the update was validated: it applies to the new one.
+                update.epoch_id = update.first_epoch_id = None
+                update.clean()
+            if update.first_epoch_id is None:
+                update.first_epoch_id = update.epoch_id
+            update.save()
+
+    store_then_apply(store)
 
 
 def push_rows(rows: Sequence[tuple[int, object]], user=None) -> list[RowUpdate]:

@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Mapping, Optional, Tuple
 import numpy as np
 
 from morpho_pir.protocol import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE, parse_hex
+from morpho_pir.records import RecordsTable
 
 WORDS_PER_PAGE = PAGE_BYTES // 4  # 1024 u32 words
 WORDS_PER_ROW = ROW_BYTES // 4
@@ -275,6 +276,8 @@ class ServedEpoch:
     seeds: Tuple[int, int, int] = (0, 0, 0)
     # how an engine of several devices places the pages (gpu_engine.placement.Placement's value)
     placement: str = "auto"
+    # the records table the pages hold (docs/PROTOCOL.md section 9), for an epoch of records
+    records: Optional[RecordsTable] = None
 
     def __post_init__(self) -> None:
         if self.epoch_id < 0:
@@ -283,10 +286,14 @@ class ServedEpoch:
             raise ValueError(f"state_root must be 32 bytes, got {len(self.state_root)}")
         if len(self.seeds) != 3 or any(not 0 <= s < (1 << 64) for s in self.seeds):
             raise ValueError(f"seeds must be three u64 values, got {self.seeds!r}")
+        if self.records is not None and self.records.num_pages != self.matrix.num_pages:
+            raise ValueError(f"a records table of {self.records.num_pages} pages cannot describe "
+                             f"a matrix of {self.matrix.num_pages} pages")
 
     def describe(self) -> dict:
-        """The JSON of GET /epoch (docs/PROTOCOL.md section 5)."""
-        return {
+        """The JSON of GET /epoch (docs/PROTOCOL.md section 5), with `records` in an epoch of
+        records (section 9)."""
+        described = {
             "epoch_id": self.epoch_id,
             "num_rows": self.matrix.num_rows,
             "seeds": list(self.seeds),
@@ -299,6 +306,9 @@ class ServedEpoch:
                 "page_size_bytes": PAGE_BYTES,
             },
         }
+        if self.records is not None:
+            described["records"] = self.records.describe()
+        return described
 
 
 @dataclass(frozen=True)
@@ -319,7 +329,14 @@ def epoch_from_description(data: dict) -> ServedEpoch:
         block_number=int(data["block_number"]),
         state_root=parse_hex(root),
         seeds=tuple(int(s) for s in data["seeds"]),  # type: ignore[arg-type]
+        records=records_of(data),
     )
+
+
+def records_of(described: Mapping) -> Optional[RecordsTable]:
+    """The records table an epoch's description or sidecar names, or None where it has none."""
+    records = described.get("records")
+    return None if records is None else RecordsTable.from_description(records)
 
 
 def metadata_path(matrix_path) -> Path:
@@ -335,11 +352,13 @@ def read_epoch_metadata(matrix_path) -> dict:
 def write_epoch_metadata(
     matrix_path, epoch_id: int = 1, block_number: int = 0, state_root: bytes = bytes(32),
     seeds: Tuple[int, int, int] = (0, 0, 0), progress: Optional[ProgressFn] = None,
+    records: Optional[RecordsTable] = None,
 ) -> Path:
-    """Write the sidecar, with the file's size and SHA-256 (read now) that every load checks."""
+    """Write the sidecar, with the file's size and SHA-256 (read now) that every load checks,
+    and the records table's parameters for an epoch of records."""
     size, digest = file_digest(matrix_path, progress)
     out = metadata_path(matrix_path)
-    out.write_text(json.dumps({
+    meta = {
         "epoch_id": epoch_id,
         "block_number": block_number,
         "state_root": "0x" + state_root.hex(),
@@ -348,7 +367,10 @@ def write_epoch_metadata(
         "num_pages": -(-size // PAGE_BYTES),
         "size_bytes": size,
         "sha256": digest,
-    }, indent=2) + "\n")
+    }
+    if records is not None:
+        meta["records"] = records.describe()
+    out.write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
@@ -373,4 +395,5 @@ def load_epoch(matrix_path, domain_bits: Optional[int] = None) -> ServedEpoch:
         block_number=int(meta.get("block_number", 0)),
         state_root=parse_hex(root),
         seeds=tuple(int(s) for s in meta.get("seeds", (0, 0, 0))),
+        records=records_of(meta),
     )

@@ -1,11 +1,14 @@
 """`make run`: a demo matrix and parties A and B, each an engine server, gunicorn and bulk workers.
 
+DEMO=accounts serves an Ethereum-like state as a records epoch instead of random pages.
+
 Each party is its own operator: its own SQLite database, Celery file broker and engine server
 under the state folder (MORPHO_VAR_DIR, default var/), which only this user may enter; the demo
-matrix lies in var/matrices/, a folder of matrix files alone, the only one epochs are taken from. The engine server owns the matrix and the
-device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
-served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
-it to gunicorn on a Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
+matrix lies in var/matrices/, a folder of matrix files alone, the only one epochs are taken
+from. The engine server owns the matrix and the device; the web processes and the bulk worker
+reach it over an ipc:// socket. The party's port is served by its front end
+(morphoweb/frontend.py), which reads each request whole before it passes it to gunicorn on a
+Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
 that dies is started again; any other process that dies stops everything, and so does the death
 of the process that started this one (`make`, killed alone or with its terminal).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from morpho_pir.ethereum import ACCOUNT_TYPE, state_key
 from morphoweb.partyprocs import NotHealthy, health, wait_healthy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -186,11 +191,37 @@ def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_wor
     ]
 
 
+DEMOS = ("pages", "accounts")
+
+
+def _accounts_demo(var_dir: Path, accounts: int) -> tuple[Path, str]:
+    """The accounts demo's records epoch (made once): make_accounts, then build_records of its
+    state table; and the client options that look its first account up."""
+    dataset = var_dir / f"demo-accounts-{accounts}.jsonl"
+    matrix = var_dir / "matrices" / f"demo-accounts-{accounts}.bin"
+    if not matrix.exists():
+        print(f"generating the accounts demo {matrix} ({accounts} accounts)", flush=True)
+        _manage(["make_accounts", "--accounts", str(accounts), "--seed", "1", "--out",
+                 str(dataset)], dict(os.environ))
+        _manage(["build_records", "--input", str(dataset.with_name(dataset.stem + ".state.jsonl")),
+                 "--out", str(matrix), "--type-column", "type", "--seed", "1"], dict(os.environ))
+    with open(dataset) as fh:
+        address = bytes.fromhex(json.loads(fh.readline())["address"][2:])
+    return matrix, f"--key 0x{state_key(ACCOUNT_TYPE, address).hex()}"
+
+
 def main(argv=None) -> int:
     cores = os.cpu_count() or 2
     parser = argparse.ArgumentParser(description="Run PIR parties A and B locally.")
     parser.add_argument("--pages", type=int, default=demo_pages(),
                         help="pages of the generated demo matrix (default 8192 = 32 MiB)")
+    parser.add_argument("--demo", choices=DEMOS, default=os.environ.get("DEMO") or "pages",
+                        help="pages: a random matrix of --pages; accounts: an Ethereum-like "
+                             "state of --accounts accounts as a records epoch, for lookups by "
+                             "key and morpho-rpc")
+    parser.add_argument("--accounts", type=int,
+                        default=int(os.environ.get("DEMO_ACCOUNTS") or 10_000),
+                        help="accounts of the accounts demo (default 10000)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port-a", type=int, default=int(os.environ.get("PORT_A") or 8001))
     parser.add_argument("--port-b", type=int, default=int(os.environ.get("PORT_B") or 8002))
@@ -222,11 +253,15 @@ def main(argv=None) -> int:
     var_dir = state_folder()
     var_dir.mkdir(parents=True, exist_ok=True)
     var_dir.chmod(0o700)
-    matrix = demo_matrix(var_dir, args.pages)
-    if not matrix.exists():
-        print(f"generating the demo matrix {matrix} ({args.pages} pages)", flush=True)
-        _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out", str(matrix)],
-                dict(os.environ))
+    if args.demo == "accounts":
+        matrix, hint = _accounts_demo(var_dir, args.accounts)
+    else:
+        matrix = demo_matrix(var_dir, args.pages)
+        if not matrix.exists():
+            print(f"generating the demo matrix {matrix} ({args.pages} pages)", flush=True)
+            _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out",
+                     str(matrix)], dict(os.environ))
+        hint = "--row 1234 --row 99 --batch"
 
     children: list[Child] = []
     try:
@@ -255,7 +290,10 @@ def main(argv=None) -> int:
             f"demo matrix: {matrix} (served until another epoch is activated; "
             f"`make epoch MATRIX=FILE{_var_arg(var_dir)}` switches both parties)\n\n"
             f"try:  .venv/bin/morpho-client --server-a {urls['a']} "
-            f"--server-b {urls['b']} --row 1234 --row 99 --batch\n\n"
+            f"--server-b {urls['b']} {hint}\n"
+            + (f"      .venv/bin/morpho-rpc --server-a {urls['a']} --server-b {urls['b']} "
+               f"(JSON-RPC on 127.0.0.1:8545)\n" if args.demo == "accounts" else "")
+            + "\n"
             f"admin:  `make superuser{_var_arg(var_dir)}` creates a user and token on both, then "
             f"{urls['a']}/admin/\n"
             f"Ctrl-C stops everything.\n",

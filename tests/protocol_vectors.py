@@ -96,3 +96,24 @@ def protocol_answers(matrix: PageMatrix, keys: KeyBatch) -> np.ndarray:
     pages = matrix.block(0, matrix.num_pages).reshape(matrix.num_pages, 256, 4)
     return np.stack([np.bitwise_xor.reduce(pages & masks[k][:, None, :], axis=0).reshape(-1)
                      for k in range(len(keys))]).astype("<u4").view(np.uint8)
+
+
+# Records tables (section 9): seed 0x0123456789abcdef, 1000 pages, 20-byte keys 00 01 .. 13,
+# 32-byte values 40 41 .. 5f, type 2.
+RECORDS_PARAMS = {"version": 1, "seed": 0x0123456789ABCDEF, "num_pages": 1000, "key_bytes": 20,
+                  "value_bytes": 32}
+RECORDS_KEY_HEX = bytes(range(20)).hex()
+RECORDS_VALUE_HEX = bytes(range(0x40, 0x60)).hex()
+RECORDS_TYPE = 2
+RECORDS_HASH_INPUTS = [  # function i's SHA-256 input: domain, seed u64 LE, i, key
+    "6d6f7270686f2d7265636f7264732f76312f70616765efcdab89674523010" + str(i) + RECORDS_KEY_HEX
+    for i in range(3)]
+RECORDS_WORDS = [8237258798539388198, 2840417314186642787, 13143381184239292439]
+RECORDS_PAGES = (198, 191, 985)
+RECORDS_FINGERPRINT = "0x5fc9131e303e909fa90b5395c362c269"
+RECORDS_PARAMS_INPUT = ("6d6f7270686f2d7265636f7264732f76312f706172616d7301efcdab8967452301e80300"
+                        "000000000014002000")
+RECORDS_ROW_PREFIX = "02" + RECORDS_KEY_HEX + RECORDS_VALUE_HEX  # then 203 zero bytes
+# 3 pages (each key's candidates are all three, in an order), 4-byte keys, no value: key "abcd"
+RECORDS_SMALL = ({"version": 1, "seed": 7, "num_pages": 3, "key_bytes": 4, "value_bytes": 0},
+                 b"abcd", (0, 2, 1), "0xf71b3e05d5ce8025ede3a575923a77fc")

@@ -29,6 +29,7 @@ EXAMPLES = 40  # per operation and mode
 SERVER_STATE = {
     "POST /api/epochs/": {"matrix_path", "epoch_id", "domain_bits"},  # a file here, unique id
     "POST /api/row-updates/": {"row"},  # inside the served epoch's rows
+    "POST /api/records/": {"key", "value"},  # the served records table's key and value lengths
 }
 # Operations checked without positive_data_acceptance, and why.
 NOT_YET_POSITIVE = {

@@ -22,6 +22,7 @@ from morpho_client.bulk import BulkJobs
 from morpho_client.core import (ENCODINGS, KEY_FORMATS, Answer, EpochInfo, EpochMismatch, Half,
                                 ServerError, agreed_epoch, binary_half, check_distinct_servers,
                                 choose_key_format, combine, error_from, json_half)
+from morpho_client.lookup import Lookups
 from morpho_client.plan import Window, plan_window
 from morpho_client.wire import PartyPool
 
@@ -52,7 +53,7 @@ def _auto_planners() -> int:
     return 2 if (os.cpu_count() or 1) >= 4 else 0
 
 
-class AsyncPirClient(BulkJobs):
+class AsyncPirClient(BulkJobs, Lookups):
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys.
 
     `in_flight` batch requests are kept in flight at each party (None: chosen from the parties'

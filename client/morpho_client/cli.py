@@ -14,6 +14,7 @@ from morpho_pir.protocol import MAX_BATCH_QUERIES
 from morpho_client.aio import MAX_IN_FLIGHT, SWITCH_DEADLINE_S
 from morpho_client.bulk import TOKEN_ENV, answered
 from morpho_client.core import ENCODINGS, KEY_FORMATS, PirError
+from morpho_client.lookup import parse_key, read_keys_file
 from morpho_client.plan import read_rows_file
 from morpho_client.sync import PirClient
 
@@ -23,7 +24,9 @@ Fetch rows privately from two PIR parties and print them as hex, `row N: 0x...` 
 Each party sees only pseudorandom DPF keys: neither learns which rows were read, as long as
 the two do not collude. Rows come from --row (repeatable), from a file (--rows FILE: a
 pipelined fetch of batch queries, any number of rows) or through one bulk job per party
-(--bulk FILE, resumable). Exit status 0 when every row was fetched, 1 on any error (a row is
+(--bulk FILE, resumable). In a records epoch, --key HEX (repeatable) and --keys FILE look
+keys up instead (`key 0x...: 0x...` or `key 0x...: absent` a line): one query of the key's
+three candidate pages, the same traffic whether it is there or not. Exit status 0 when every row was fetched, 1 on any error (a row is
 never printed from answers of two different epochs or served states)."""
 
 
@@ -63,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="base URL of party A, e.g. http://127.0.0.1:8001")
     parser.add_argument("--server-b", required=True,
                         help="base URL of party B (another operator), e.g. http://127.0.0.1:8002")
-    rows = parser.add_argument_group("the rows (one of --row, --rows, --bulk)")
+    rows = parser.add_argument_group("the rows or keys (one of --row, --rows, --bulk, --key, "
+                                     "--keys)")
     rows.add_argument("--row", type=int, action="append",
                       help="row to fetch (256 bytes); repeat for several")
     rows.add_argument("--rows", metavar="FILE",
@@ -72,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--bulk", metavar="FILE",
                       help="fetch the rows listed in FILE through one bulk job per party (v1 "
                            "keys, NDJSON); rerun the same command to resume after a crash")
+    rows.add_argument("--key", type=parse_key_argument, action="append", metavar="HEX",
+                      help="in a records epoch: look this key up (hex); repeat for several")
+    rows.add_argument("--keys", metavar="FILE",
+                      help="in a records epoch: look up the keys listed in FILE (hex, one per "
+                           "line, # comments)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE",
                      help="write the rows there (row N: 0x...) instead of stdout; written beside "
@@ -113,16 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_arguments(parser: argparse.ArgumentParser, args) -> None:
     """Refuse options that mean nothing together, rather than ignore them."""
-    given = [name for name in ("row", "rows", "bulk") if getattr(args, name) is not None]
+    given = [name for name in ("row", "rows", "bulk", "key", "keys")
+             if getattr(args, name) is not None]
     if len(given) != 1:
-        parser.error("give the rows with --row (repeatable), --rows FILE or --bulk FILE, "
-                     "one of the three")
+        parser.error("give the rows with --row (repeatable), --rows FILE or --bulk FILE, or "
+                     "the keys with --key (repeatable) or --keys FILE: one of the five")
     if args.bulk is None:
         for option in ("state", "token_a", "token_b", "poll"):
             if getattr(args, option) is not None:
                 parser.error(f"--{option.replace('_', '-')} is for bulk jobs: give --bulk FILE")
         if args.batch and args.rows is not None:
             parser.error("--batch is for --row: --rows always sends batch queries")
+        if args.batch and (args.key is not None or args.keys is not None):
+            parser.error("--batch is for --row: lookups always send batch queries")
         return
     if args.batch:
         parser.error("--batch is for --row: --bulk sends the rows as one bulk job per party")
@@ -145,6 +157,7 @@ class RowWriter:
 
     def __init__(self, target: Optional[str], out: Callable[[str], None]) -> None:
         self.count = 0
+        self.noun = "rows"  # what the lines are, for the closing message
         self.target = Path(target) if target is not None else None
         self._out = out
         if self.target is not None:
@@ -153,14 +166,17 @@ class RowWriter:
             self._out = lambda line: self._fh.write(line + "\n")
 
     def __call__(self, row: int, data: bytes) -> None:
-        self._out(f"row {row}: 0x{data.hex()}")
+        self.line(f"row {row}: 0x{data.hex()}")
+
+    def line(self, text: str) -> None:
+        self._out(text)
         self.count += 1
 
     def finish(self) -> None:
         if self.target is not None:
             self._fh.close()
             os.replace(self._tmp, self.target)
-            print(f"wrote {self.count} rows to {self.target}", file=sys.stderr)
+            print(f"wrote {self.count} {self.noun} to {self.target}", file=sys.stderr)
 
     def abandon(self) -> None:
         if self.target is not None:
@@ -174,6 +190,22 @@ def progress_bar(total: int, enabled: bool, unit: str = "row"):
         return contextlib.nullcontext(None)
     from tqdm import tqdm  # noqa: PLC0415 - the bar's library is loaded only where a bar is shown
     return tqdm(total=total, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+
+
+def parse_key_argument(text: str) -> bytes:
+    try:
+        return parse_key(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def lookup_main(args, client: PirClient, keys: list[bytes], write: "RowWriter") -> None:
+    """--key/--keys: each key's value, or `absent`, in the order given."""
+    for key, record in zip(keys, client.lookup_records(keys)):
+        found = "absent" if record is None else f"0x{record.value.hex()} (type {record.type})"
+        write.line(f"key 0x{key.hex()}: {found}")
+    if args.verbose:
+        print(describe_encodings(client), file=sys.stderr)
 
 
 def fetch_main(args, client: PirClient, rows: list[int], write: Callable) -> None:
@@ -237,8 +269,14 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
                        encoding=args.encoding, key_format=args.key_format,
                        in_flight=args.in_flight, switch_deadline=args.switch_deadline,
                        planners=None) as client:
-            rows = args.row if args.row is not None else read_rows_file(args.rows or args.bulk)
             write = RowWriter(args.out, out)
+            if args.key is not None or args.keys is not None:
+                write.noun = "keys"
+                keys = args.key if args.key is not None else read_keys_file(args.keys)
+                lookup_main(args, client, keys, write)
+                write.finish()
+                return 0
+            rows = args.row if args.row is not None else read_rows_file(args.rows or args.bulk)
             if args.bulk is not None:
                 if args.verbose:
                     print("bulk jobs: NDJSON up and down, keys: v1 (bulk jobs take v1 keys)",

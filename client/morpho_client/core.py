@@ -61,6 +61,8 @@ class EpochInfo:
     state_root: str
     encodings: tuple[str, ...] = ("json",)  # what the party's query endpoints speak
     key_formats: tuple[str, ...] = ("v1",)  # the key formats they take
+    # a records epoch's table parameters (docs/PROTOCOL.md section 9.4), as /epoch gives them
+    records: Optional[dict] = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_json(cls, body: dict, url: str) -> "EpochInfo":
@@ -73,6 +75,7 @@ class EpochInfo:
                 domain_bits=int(pir["domain_bits"]),
                 block_number=int(body["block_number"]),
                 state_root=str(body["state_root"]),
+                records=body.get("records"),
             )
             page_size, rows_per_page = int(pir["page_size_bytes"]), int(pir["rows_per_page"])
             info = _with_encodings(info, body.get("encodings", ["json"]),

@@ -280,20 +280,23 @@ class BulkState:
             raise
 
 
-def read_rows_file(path) -> list[int]:
-    """Rows one per line (blank lines and # comments skipped); ValueError names a bad line."""
-    rows = []
+def listed_lines(path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a list file's entries: blank lines and # comments skipped."""
     with open(path) as fh:
         for number, text in enumerate(fh, start=1):
             text = text.split("#", 1)[0].strip()
-            if not text:
-                continue
-            try:
-                rows.append(int(text))
-            except ValueError:
-                raise ValueError(
-                    f"{path}, line {number}: expected a row number, got {text!r}"
-                ) from None
+            if text:
+                yield number, text
+
+
+def read_rows_file(path) -> list[int]:
+    """Rows one per line (blank lines and # comments skipped); ValueError names a bad line."""
+    rows = []
+    for number, text in listed_lines(path):
+        try:
+            rows.append(int(text))
+        except ValueError:
+            raise ValueError(f"{path}, line {number}: expected a row number, got {text!r}") from None
     if not rows:
         raise ValueError(f"{path}: no rows in it")
     return rows

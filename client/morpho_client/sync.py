@@ -7,6 +7,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from morpho_pir.records import Record
+
 from morpho_client.aio import AsyncPirClient
 from morpho_client.core import Answer, EpochInfo
 from morpho_client.plan import Window
@@ -65,6 +67,15 @@ class PirClient:
 
     def fetch_row(self, row: int) -> bytes:
         return self._run(self.core.fetch_row(row))
+
+    def lookup(self, key: bytes) -> Optional[bytes]:
+        return self._run(self.core.lookup(key))
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        return self._run(self.core.lookup_many(keys))
+
+    def lookup_records(self, keys: Sequence[bytes]) -> list[Optional[Record]]:
+        return self._run(self.core.lookup_records(keys))
 
     def iter_answers(self, rows: Iterable[int], batch: bool = True
                      ) -> Iterator[tuple[np.ndarray, list[bytes]]]:

@@ -7,7 +7,7 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
-from epochs.models import Epoch, RowUpdate
+from epochs.models import Epoch, RecordChange, RowUpdate
 from morpho_pir.dpf import MAX_DOMAIN_BITS
 from gpu_engine.engine import SwitchMode
 from gpu_engine.placement import Placement
@@ -126,12 +126,13 @@ class EpochSerializer(ValidatedModelSerializer):
     class Meta:
         model = Epoch
         fields = ["id", "epoch_id", "matrix_path", "block_number", "state_root", "seeds",
-                  "domain_bits", "pending_updates", "switch_mode", "placement", "state", "num_pages",
-                  "size_bytes", "sha256", "message", "created", "activated"]
+                  "domain_bits", "pending_updates", "switch_mode", "placement", "records", "state",
+                  "num_pages", "size_bytes", "sha256", "message", "created", "activated"]
+        # records: from the matrix file's sidecar (build_records writes it), never typed in
         read_only_fields = ["state", "num_pages", "size_bytes", "sha256", "message", "created",
-                            "activated"]
+                            "activated", "records"]
         extra_kwargs = {"matrix_path": {"min_length": 1}}
-        clean_sets = ["num_pages", "size_bytes", "sha256"]
+        clean_sets = ["num_pages", "size_bytes", "sha256", "records"]
 
 
 class ActivateSerializer(serializers.Serializer):
@@ -162,3 +163,13 @@ class RowUpdateSerializer(ValidatedModelSerializer):
         fields = ["id", "epoch_id", "first_epoch_id", "row", "data", "state", "created"]
         read_only_fields = ["epoch_id", "first_epoch_id", "state", "created"]
         clean_sets = ["epoch_id", "first_epoch_id"]
+
+
+class RecordChangeSerializer(ValidatedModelSerializer):
+    """A key set or deleted in the active records epoch; `rows` says which rows it wrote."""
+
+    class Meta:
+        model = RecordChange
+        fields = ["id", "epoch_id", "op", "key", "value", "record_type", "rows", "created"]
+        read_only_fields = ["epoch_id", "rows", "created"]
+        clean_sets = ["epoch_id"]

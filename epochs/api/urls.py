@@ -6,5 +6,6 @@ from epochs.api import views
 router = SimpleRouter()
 router.register("epochs", views.EpochViewSet)
 router.register("row-updates", views.RowUpdateViewSet)
+router.register("records", views.RecordChangeViewSet)
 
 urlpatterns = router.urls

@@ -9,9 +9,11 @@ from rest_framework.exceptions import APIException
 from rest_framework.permissions import DjangoModelPermissions
 from rest_framework.response import Response
 
-from epochs import sync
-from epochs.api.serializers import ActivateSerializer, EpochSerializer, RowUpdateSerializer
-from epochs.models import Epoch, EpochState, RowUpdate
+from epochs import record_changes, sync
+from epochs.api.serializers import (
+    ActivateSerializer, EpochSerializer, RecordChangeSerializer, RowUpdateSerializer,
+)
+from epochs.models import Epoch, EpochState, RecordChange, RowUpdate
 from gpu_engine.engine import SwitchMode
 from gpu_engine.placement import Placement
 
@@ -29,6 +31,11 @@ class OperatorPermissions(DjangoModelPermissions):
 class SwitchConflict(APIException):
     status_code = status.HTTP_409_CONFLICT
     default_code = "switch_failed"
+
+
+class NoRoomConflict(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "no_room"
 
 
 class OperatorViewSet(viewsets.GenericViewSet):
@@ -80,3 +87,24 @@ class RowUpdateViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Re
         update = RowUpdate(**serializer.validated_data, created_by=self.request.user)
         sync.save_updates([update])
         serializer.instance = update
+
+
+class RecordChangeViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                          OperatorViewSet):
+    """Record changes: a 201 means every answer this party starts from now on includes the
+    change; 409 where a set finds no room within its eviction walk (nothing was written)."""
+
+    queryset = RecordChange.objects.all()
+    serializer_class = RecordChangeSerializer
+
+    @extend_schema(responses={201: RecordChangeSerializer, 409: None})
+    def create(self, request, *args, **kwargs):
+        return super().create(request, *args, **kwargs)
+
+    def perform_create(self, serializer):
+        change = RecordChange(**serializer.validated_data, created_by=self.request.user)
+        try:
+            record_changes.apply_change(change)
+        except record_changes.NoRoom as exc:
+            raise NoRoomConflict(str(exc)) from None
+        serializer.instance = change

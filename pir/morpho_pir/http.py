@@ -18,6 +18,8 @@ DIGEST_HEADER = "X-Morpho-State-Digest"
 EPOCH_IDS_HEADER = "X-Morpho-Epoch-Ids"
 EPOCH_RANGES_HEADER = "X-Morpho-Epoch-Ranges"
 STATE_RANGES_HEADER = "X-Morpho-State-Ranges"
+# A lookup by key names the records table its keys were made for (section 9.4): its fingerprint.
+RECORDS_HEADER = "X-Morpho-Records-Fingerprint"
 ANSWER_BYTES = KEYS_PER_QUERY * PAGE_BYTES  # one query's three answers: 12,288 bytes
 # The query endpoints (section 5): one query, and up to MAX_BATCH_QUERIES in one request.
 QUERY_PATH = "/query/page/gpu"

@@ -4,6 +4,8 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.conf import settings
+from rest_framework import status
+from rest_framework.exceptions import APIException
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -13,6 +15,7 @@ from drf_spectacular.utils import extend_schema
 from engine.holder import get_engine
 from morpho_pir.dpf import KeyBatch, key_domain_bits
 from gpu_engine.engine import EngineUnavailable, key_formats_of
+from morpho_pir.http import RECORDS_HEADER
 from morpho_pir.protocol import query_key_counts
 from queries.api.binary import (
     BinaryBatchQuerySerializer,
@@ -55,6 +58,7 @@ class PublicAPIView(APIView):
         first where the engine is held (its epoch is not the party's: keys are not judged by it)."""
         engine = serving_engine()
         epoch = engine.epoch
+        check_records_fingerprint(request, epoch)
         serializer = self.serializer_class_for(request)(
             data=request.data, context={"domain_bits": epoch.matrix.domain_bits,
                                         "key_formats": key_formats_of(engine)}
@@ -65,6 +69,29 @@ class PublicAPIView(APIView):
     def serializer_class_for(self, request):
         """The serializer of this request's body (QueryAPIView picks one by Content-Type)."""
         return self.serializer_class
+
+
+class RecordsMismatch(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "records_fingerprint"
+
+
+def check_records_fingerprint(request, epoch) -> None:
+    """A lookup names the records table its keys were made for (docs/PROTOCOL.md section 9.4);
+    a party whose epoch has another (or none) refuses it rather than answer other pages."""
+    given = request.headers.get(RECORDS_HEADER)
+    if given is None:
+        return
+    served = epoch.records.fingerprint_hex if epoch.records is not None else None
+    if served is not None and given.strip().lower() == served:
+        return
+    expected = (f"{served}, the records table of epoch {epoch.epoch_id}" if served else
+                f"no fingerprint: epoch {epoch.epoch_id} holds no records table")
+    message = (f"expected {expected}, got {given[:80]!r}; read GET /epoch again and make the keys "
+               f"for its records table")
+    raise RecordsMismatch({"detail": f"{RECORDS_HEADER}: {message}", "errors": [
+        {"field": RECORDS_HEADER, "query": None, "key": None, "code": "records_fingerprint",
+         "message": message}]})
 
 
 def serving_engine():
