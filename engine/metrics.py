@@ -57,6 +57,13 @@ class EngineCollector:
         yield from self._engine_families(snap)
 
     def _engine_families(self, snap: dict) -> Iterable:
+        layout = InfoMetricFamily("pir_engine_layout", "How the engine's backend stores the matrix "
+                                  "(MORPHO_MATRIX_LAYOUT) and why.")
+        layout.add_metric([], {"backend": str(snap.get("backend", "")),
+                               "layout": str(snap.get("layout", "")),
+                               "reason": str(snap.get("layout_reason", "")),
+                               "pass_queries": str(snap.get("pass_queries", ""))})
+        yield layout
         modes = CounterMetricFamily("gpu_batch_dispatch_mode", "Launches by the mode of the policy "
                                     "that decided them.", labels=["mode"])
         for mode, count in sorted(snap["dispatch_modes"].items()):

@@ -264,10 +264,11 @@ MORPHO_ENGINE_DEVICES = _env("MORPHO_ENGINE_DEVICES", "").strip()
 # has 1-bit products; the ALU below), mma (always the tensor cores) or alu (never); answers are the
 # same bytes. The CPU backend has one scan and ignores it.
 MORPHO_V2_SCAN = _env("MORPHO_V2_SCAN", "auto").strip().lower()
-# How the CUDA backend stores the matrix: pages (row-major) or fragments (as the tensor cores read
-# it; the faster for v2 keys and for v1 batches of 32 queries). Both answer v1 and v2 keys. The CPU
-# backend ignores it.
-MORPHO_MATRIX_LAYOUT = _env("MORPHO_MATRIX_LAYOUT", "pages").strip().lower()
+# How the CUDA backend stores the matrix: auto (fragments on sm_80 and sm_90, whose fastest scans
+# read them; pages elsewhere), pages (row-major) or fragments (as the tensor cores read it; the
+# faster for v2 keys and for v1 batches). Both answer v1 and v2 keys; /health says which and why.
+# The CPU backend has one layout.
+MORPHO_MATRIX_LAYOUT = _env("MORPHO_MATRIX_LAYOUT", "auto").strip().lower()
 # DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
 MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None)
 # Queries per batch request (count, 1..32).
