@@ -35,7 +35,8 @@ ANSWER_BYTES = KEYS_PER_QUERY * PAGE_BYTES  # one query's three answers: 12,288 
 
 
 class OctetStreamParser(BaseParser):
-    """A binary body: keys concatenated, three per query (read whole; the body limit bounds it)."""
+    """A binary query body: keys concatenated, three per query (read whole; MORPHO_MAX_BODY_BYTES
+    bounds it)."""
 
     media_type = OCTET_STREAM
 
@@ -116,9 +117,11 @@ def query_bytes(domain_bits: int, key_format: int = KEY_FORMAT_V1) -> int:
 
 
 def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool = False,
-               limit_setting: str = "", key_formats=KEY_FORMATS) -> int:
+               limit_setting: str = "", key_formats=KEY_FORMATS, length: int | None = None) -> int:
     """The number of queries in a binary body, or a ValidationError naming the length or count.
-    The keys' format is the first key's (byte 18), one of `key_formats`."""
+    The keys' format is the first key's (byte 18), one of `key_formats`. `raw` may be the body's
+    first bytes only (a streamed body), its whole `length` given apart."""
+    length = len(raw) if length is None else length
     key_format = key_format_of(raw)
     if key_format not in key_formats:
         raise serializers.ValidationError(
@@ -127,13 +130,13 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
     size = query_bytes(domain_bits, key_format)
     shape = (f"{KEYS_PER_QUERY} keys of {key_length(domain_bits, key_format)} bytes: "
              f"{key_shape(domain_bits, key_format)}")
-    if single and len(raw) != size:
-        message = f"expected {size} bytes (one query, {shape}), got {len(raw)}"
-    elif len(raw) % size:
+    if single and length != size:
+        message = f"expected {size} bytes (one query, {shape}), got {length}"
+    elif length % size:
         message = (f"expected a multiple of {size} bytes (one query is {shape}), "
-                   f"got {len(raw)}")
+                   f"got {length}")
     else:
-        count = len(raw) // size
+        count = length // size
         if not lo <= count <= hi:
             setting = f" ({limit_setting})" if limit_setting else ""
             raise serializers.ValidationError({"queries": [serializers.ErrorDetail(
@@ -151,17 +154,20 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
         {"body": [serializers.ErrorDetail(message, code="body_length")]})
 
 
-def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], dict]:
+def parse_query(raw: bytes, index: int, domain_bits: int, key_format: int | None = None,
+                first: int = 0) -> tuple[list[bytes], dict]:
     """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key.
-    Every key is of the body's format, its first key's."""
-    key_format = key_format_of(raw)
+    Every key is of the body's format, its first key's. `raw` may be a piece of the body that
+    starts at query `first`; then the body's format is given as `key_format`."""
+    key_format = key_format_of(raw) if key_format is None else key_format
     length = key_length(domain_bits, key_format)
     keys: list[bytes] = []
     errors: dict = {}
     for key in range(KEYS_PER_QUERY):
         start = (index * KEYS_PER_QUERY + key) * length
+        at = start - first * KEYS_PER_QUERY * length
         try:
-            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits, (key_format,)))
+            keys.append(key_from_bytes(bytes(raw[at:at + length]), domain_bits, (key_format,)))
         except serializers.ValidationError as exc:
             (detail,) = exc.detail
             errors[key] = [serializers.ErrorDetail(

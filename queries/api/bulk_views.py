@@ -28,7 +28,6 @@ from queries.api.binary import (
     OCTET_STREAM,
     QUERIES_HEADER,
     JSONErrorsMixin,
-    OctetStreamParser,
     OctetStreamRenderer,
     QualityNegotiation,
     sent_binary,
@@ -41,7 +40,7 @@ from queries.api.bulk_serializers import (
     NDJSONSource,
 )
 from queries.api.bulk_limits import BulkSubmitThrottle, check_quota, drain, slots
-from queries.api.bulk_parsing import StreamingBulkJSONParser
+from queries.api.bulk_parsing import StreamingBulkJSONParser, StreamingOctetStreamParser
 from queries.api.errors import exception_handler as api_exception_handler
 from queries.api.openapi import response_headers
 from queries.bulk_runner import bulk_policy
@@ -145,9 +144,9 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
     serializer_class = BulkJobSerializer
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [IsAuthenticated]
-    # JSON read as a stream (queries/api/bulk_parsing.py): memory per request stays bounded; a
-    # binary body is read whole, bounded by MORPHO_BULK_MAX_BODY_BYTES.
-    parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser, OctetStreamParser]
+    # Bodies read as streams (queries/api/bulk_parsing.py): memory per request stays bounded.
+    parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser,
+                      StreamingOctetStreamParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
     content_negotiation_class = FormatNegotiation
 
