@@ -379,7 +379,7 @@ MORPHO_BULK_QUEUE = _env("MORPHO_BULK_QUEUE", "gpu")
 MORPHO_BULK_LEASE_SECONDS = _env_float("MORPHO_BULK_LEASE_SECONDS", 30.0, lo=0.5)
 # A queued chunk not taken this long after its task was sent is sent again (seconds): the
 # broker may have lost the message; a duplicate is harmless. A broker restart seen by a worker's
-# connection is handled at once (queries/tasks.py, BrokerWatch); this is the backstop.
+# connection is handled at once (queries/worker.py, BrokerWatch); this is the backstop.
 MORPHO_BULK_REQUEUE_SECONDS = _env_float("MORPHO_BULK_REQUEUE_SECONDS", 300.0, lo=0.5)
 # How often each worker looks for such chunks (seconds).
 MORPHO_BULK_SWEEP_SECONDS = _env_float("MORPHO_BULK_SWEEP_SECONDS", 5.0, lo=0.1)

@@ -1,4 +1,5 @@
-"""App configuration for queries: the query metrics from the start, bulk jobs on the dashboard."""
+"""App configuration for queries: the query metrics from the start, bulk jobs on the dashboard,
+the Celery worker's receivers."""
 from django.apps import AppConfig
 
 from engine import dashboard
@@ -10,8 +11,11 @@ class QueriesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # queries.metrics reads the models: it loads once the app registry is ready, here. Its
-        # import also registers the query metrics, so /metrics lists them before the first query.
+        # These modules read the models: they load once the app registry is ready, here. The
+        # metrics' import also registers the query metrics, so /metrics lists them before the
+        # first query.
+        from queries import worker
         from queries.metrics import dashboard_figures
 
         dashboard.add_figures(dashboard_figures)
+        worker.connect()
