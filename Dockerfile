@@ -37,8 +37,8 @@ COPY bin bin
 RUN python manage.py collectstatic --no-input -v0
 
 RUN useradd --create-home --uid 1000 morpho \
-    && mkdir -p /data /app/var \
-    && chown morpho /data /app/var
+    && mkdir -p /data /app/var /bulk \
+    && chown morpho /data /app/var /bulk
 USER morpho
 
 EXPOSE 8000

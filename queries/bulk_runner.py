@@ -16,7 +16,7 @@ from gpu_engine.engine import EngineBusy, EngineOverloaded
 from morpho_pir.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, query_key_counts
 from gpu_engine.scheduler import LanePolicy
 from engine.holder import get_engine
-from queries import bulk
+from queries import bulk, bulk_files
 from queries.models import BulkChunk, JobStatus
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,17 @@ def parse_chunk(chunk: BulkChunk) -> KeyBatch:
     """The chunk's stored raw keys (three per query) as one batch, checked in one pass."""
     d = chunk.job.domain_bits
     size = key_length(d)
-    raw = bytes(chunk.keys)
+    try:
+        raw = bulk_files.read_keys(chunk.keys_file)
+    except FileNotFoundError:
+        raise ChunkRejected(f"its keys file {chunk.keys_file!r} is gone") from None
     if len(raw) != chunk.count * KEYS_PER_QUERY * size:
         raise ChunkRejected(
             f"stored keys are {len(raw)} bytes, expected {chunk.count} x 3 x {size}"
         )
     try:
         return KeyBatch.from_bytes(raw, d)
-    except KeyFormatError as exc:  # checked when the job was submitted: the row was altered
+    except KeyFormatError as exc:  # checked when the job was submitted: the file was altered
         raise ChunkRejected(f"stored keys do not parse: {exc}") from None
 
 

@@ -1,4 +1,4 @@
-"""Celery tasks of the GPU workers: answer bulk chunks in turn.
+"""Celery tasks of the GPU workers: answer bulk chunks in turn, purge expired jobs.
 
 The worker process's wiring (sweeper, fork guard, broker watch, warm-up) is queries/worker.py."""
 
@@ -8,12 +8,13 @@ import time
 
 from celery import Task, shared_task
 
-from queries import bulk
+from queries import bulk, bulk_files
 from queries.bulk_runner import TRANSIENT, answer_claimed
 
 # Seconds one task goes on taking the next chunk in turn after its first (answer_chunk): a
 # chunk is a fraction of a second of GPU work, a broker delivery can take as long.
 CHAIN_SECONDS = 10.0
+PURGE_TASK = "queries.purge_expired_jobs"
 
 
 class ChunkTask(Task):
@@ -54,3 +55,9 @@ def answer_chunk(self, chunk_id: int) -> str:
         chunk = bulk.claim_chunk(chunk_id, worker, task_id=task_id)
     # none: no chunk is waiting (done, held by live workers, or their jobs ended)
     return ",".join(outcomes) or "skipped"
+
+
+@shared_task(name=PURGE_TASK)
+def purge_expired_jobs() -> int:
+    """Delete the bulk jobs past their retention, with their files (sent by Celery beat)."""
+    return bulk_files.purge_expired()

@@ -15,6 +15,7 @@ import queries.api.bulk_parsing as bulk_parsing
 from morpho_pir.dpf import gen_keys
 from queries.api.bulk_limits import slots
 from queries.api.bulk_parsing import QuerySpool, StreamingBulkJSONParser, ndjson_lines
+from queries import bulk_files
 from queries.models import BulkJob
 
 JOBS = "/bulk/jobs"
@@ -147,7 +148,7 @@ def test_a_large_job_is_spooled_and_stored_whole(client, settings, monkeypatch):
     chunks = list(job.chunks.order_by("index"))
     assert job.total == 300 and [c.count for c in chunks] == [64, 64, 64, 64, 44]
     first = bytes.fromhex("".join(good_queries(1)[0]["keys"]))
-    assert bytes(chunks[0].keys)[: len(first)] == first
+    assert bulk_files.read_keys(chunks[0].keys_file)[: len(first)] == first
 
 
 def test_submissions_are_limited_per_user(client, settings):

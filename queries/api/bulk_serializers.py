@@ -241,6 +241,11 @@ class BulkJobSerializer(serializers.ModelSerializer):
     chunks = serializers.SerializerMethodField()
     errors = serializers.SerializerMethodField()
     results_url = serializers.SerializerMethodField()
+    expires_at = serializers.DateTimeField(
+        source="expires", read_only=True, allow_null=True,
+        help_text="when the job and its answers are deleted (MORPHO_BULK_RETENTION_SECONDS after "
+        "it finished); null while it is queued or running",
+    )
 
     class Meta:
         model = BulkJob
@@ -256,6 +261,7 @@ class BulkJobSerializer(serializers.ModelSerializer):
             "created",
             "started",
             "finished",
+            "expires_at",
             "epoch_ids",
             "errors",
             "results_url",

@@ -21,7 +21,7 @@ from engine.holder import get_engine
 from morpho_pir.dpf import KEY_FORMAT_V1
 from gpu_engine.engine import key_formats_of
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
-from queries import bulk
+from queries import bulk, bulk_files
 from queries.api.binary import (
     EPOCH_IDS_HEADER,
     EPOCH_RANGES_HEADER,
@@ -70,42 +70,40 @@ class NDJSONRenderer(JSONRenderer):
     format = "ndjson"
 
 
-def stored_chunks(job: BulkJob) -> tuple[list[int], int]:
-    """(ids of the job's stored result rows in query order, how many queries they answer)."""
-    rows = list(BulkResult.objects.filter(job=job).order_by("index").values_list("pk", "count"))
-    return [pk for pk, _ in rows], sum(count for _, count in rows)
+def stored_chunks(job: BulkJob) -> tuple[list[tuple[int, int, str]], int]:
+    """((first query, epoch id, answers file) of each stored chunk in query order, how many
+    queries they answer)."""
+    rows = list(BulkResult.objects.filter(job=job).order_by("index")
+                .values_list("first", "count", "epoch_id", "answers_file"))
+    return [(first, epoch_id, name) for first, _, epoch_id, name in rows], \
+        sum(count for _, count, _, _ in rows)
 
 
-def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
-    """The answers of these result rows in query order, one chunk row in memory at a time."""
+def result_lines(chunks: list[tuple[int, int, str]]) -> Iterator[bytes]:
+    """The answers of these chunks in query order, LINES_PER_WRITE queries read at a time."""
     size = KEYS_PER_QUERY * PAGE_BYTES
-    for pk in chunk_ids:
-        first, epoch_id, answers = BulkResult.objects.values_list(
-            "first", "epoch_id", "answers"
-        ).get(pk=pk)
-        answers = bytes(answers)
-        lines = []
-        for query in range(len(answers) // size):
-            base = query * size
-            pages = '", "0x'.join(
-                answers[base + k * PAGE_BYTES : base + (k + 1) * PAGE_BYTES].hex()
-                for k in range(KEYS_PER_QUERY)
-            )
-            lines.append(
-                f'{{"index": {first + query}, "epoch_id": {epoch_id}, "pages": ["0x{pages}"]}}\n'
-            )
-            if len(lines) == LINES_PER_WRITE:
-                yield "".join(lines).encode()
+    for first, epoch_id, name in chunks:
+        with bulk_files.open_answers(name) as handle:
+            query = first
+            while block := handle.read(size * LINES_PER_WRITE):
                 lines = []
-        if lines:
-            yield "".join(lines).encode()
+                for base in range(0, len(block), size):
+                    pages = '", "0x'.join(
+                        block[base + k * PAGE_BYTES : base + (k + 1) * PAGE_BYTES].hex()
+                        for k in range(KEYS_PER_QUERY)
+                    )
+                    lines.append(
+                        f'{{"index": {query}, "epoch_id": {epoch_id}, "pages": ["0x{pages}"]}}\n'
+                    )
+                    query += 1
+                yield "".join(lines).encode()
 
 
-def result_bytes(chunk_ids: list[int]) -> Iterator[bytes]:
-    """These result rows' answers in query order as raw bytes: each query's three pages."""
-    for pk in chunk_ids:
+def result_bytes(chunks: list[tuple[int, int, str]]) -> Iterator[bytes]:
+    """These chunks' answers in query order as raw bytes: each query's three pages."""
+    for _first, _epoch_id, name in chunks:
         # A chunk's answers are stored exactly so: query after query, key after key.
-        yield bytes(BulkResult.objects.values_list("answers", flat=True).get(pk=pk))
+        yield from bulk_files.answer_blocks(name)
 
 
 def epoch_ranges(job: BulkJob) -> str:
@@ -288,14 +286,14 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
                 status=status.HTTP_409_CONFLICT,
             )
         # Read once: a chunk that was running at a cancel may still store its answers meanwhile.
-        chunk_ids, answered = stored_chunks(job)
+        chunks, answered = stored_chunks(job)
         if wants_binary(request):
-            response = StreamingHttpResponse(result_bytes(chunk_ids), content_type=OCTET_STREAM)
+            response = StreamingHttpResponse(result_bytes(chunks), content_type=OCTET_STREAM)
             response[QUERIES_HEADER] = str(answered)
             response[EPOCH_IDS_HEADER] = ",".join(str(e) for e in job.epoch_ids())
             response[EPOCH_RANGES_HEADER] = epoch_ranges(job)
         else:
-            response = StreamingHttpResponse(result_lines(chunk_ids), content_type=NDJSON)
+            response = StreamingHttpResponse(result_lines(chunks), content_type=NDJSON)
         response["X-Bulk-Total"] = str(job.total)
         response["X-Bulk-Answered"] = str(answered)
         response["X-Bulk-Partial"] = "true" if answered < job.total else "false"
