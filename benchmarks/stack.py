@@ -83,9 +83,10 @@ class Party:
         return done.stdout
 
     def request(self, method: str, path: str, body: Optional[bytes] = None, timeout: float = 600,
-                content_type: str = "application/json"):
+                content_type: str = "application/json", accept: str = "*/*"):
         req = urllib.request.Request(self.url + path, data=body, method=method, headers={
-            "Authorization": f"Token {self.token}", "Content-Type": content_type})
+            "Authorization": f"Token {self.token}", "Content-Type": content_type,
+            "Accept": accept})
         return urllib.request.urlopen(req, timeout=timeout)
 
     def json(self, method: str, path: str, body=None) -> dict:
