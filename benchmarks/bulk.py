@@ -131,6 +131,19 @@ def bulk_job(party: Party, pool, picks, reference, binary: bool) -> tuple[float,
     return elapsed, time.perf_counter() - started, job
 
 
+def restart_workers(party: Party, concurrency: int, timeout: float = 300) -> None:
+    """Start the party's bulk workers again answering `concurrency` chunks at once, and wait
+    until Celery says they are ready (a job is not timed through their start)."""
+    log = party.folder / "workers.log"
+    ready = log.read_text(errors="replace").count(" ready.")
+    party.restart("workers", MORPHO_BULK_CONCURRENCY=concurrency)
+    deadline = time.monotonic() + timeout
+    while log.read_text(errors="replace").count(" ready.") <= ready:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the workers did not start again:\n{party.log('workers')}")
+        time.sleep(0.2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=1024)
@@ -143,6 +156,9 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8731)
     parser.add_argument("--upload", default="json,binary",
                         help="the encodings jobs are uploaded (and read back) in, one job each")
+    parser.add_argument("--concurrency", default="",
+                        help="chunks a worker answers at once (MORPHO_BULK_CONCURRENCY), comma-"
+                             "separated: the jobs again for each (default: bin/gpu-workers' own)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -173,11 +189,18 @@ def main(argv=None) -> int:
         # The engine rows run again after the job, so load from elsewhere shows as a spread.
         party = Party(matrix, tmp / "party", args.backend, web_workers=2, bulk_workers=True,
                       port=args.port)
+        concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else [0]
         try:
-            for upload in args.upload.split(","):
-                job_s, stream_s, job = bulk_job(party, pool, picks, reference, upload == "binary")
-                rows.append((f"bulk_job_{upload}", job_s))
-                rows.append((f"bulk_results_stream_{upload}", stream_s))
+            for concurrency in concurrencies:
+                tag = ""
+                if concurrency:  # the workers again, with this many chunks at once
+                    restart_workers(party, concurrency)
+                    tag = f"_c{concurrency}" if len(concurrencies) > 1 else ""
+                for upload in args.upload.split(","):
+                    job_s, stream_s, job = bulk_job(party, pool, picks, reference,
+                                                    upload == "binary")
+                    rows.append((f"bulk_job_{upload}{tag}", job_s))
+                    rows.append((f"bulk_results_stream_{upload}{tag}", stream_s))
         finally:
             party.stop()
         engine_rows("_after")

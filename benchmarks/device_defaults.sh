@@ -15,14 +15,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "from gpu_engine.backends import create_backend as c; d = c('cuda', layout='auto').describe(); print({k: d[k] for k in ('device', 'layout', 'layout_reason', 'pass_queries')})" 2>&1 | tee -a "$LOG"
 for pages in 65536 1048576; do
     echo "== bulk $pages" | tee -a "$LOG"
-    timeout "${BULK_S:-90}" python3 benchmarks/bulk.py --backend cuda --pages $pages --queries 10000 \
-        --port 9650 --out "$OUT/bulk_h200_${pages}p.csv" 2>&1 | tail -14 | tee -a "$LOG"
+    timeout "${BULK_S:-100}" python3 benchmarks/bulk.py --backend cuda --pages $pages --queries 10000 \
+        --concurrency 2,4 --port 9650 --out "$OUT/bulk_h200_${pages}p.csv" 2>&1 | tail -16 | tee -a "$LOG"
 done
 MAINNET=16817159
 for keys in v1 v2; do
     for layout in auto pages; do
         echo "== mainnet $keys $layout" | tee -a "$LOG"
-        timeout "${LAYOUT_S:-40}" python3 benchmarks/backend_batch.py --backend cuda --gpu-matrix \
+        timeout "${LAYOUT_S:-25}" python3 benchmarks/backend_batch.py --backend cuda --gpu-matrix \
             --pages $MAINNET --domain-bits 25 --key-format $keys --layout $layout --q 1,8,32 \
             --repeat 2 --out "$OUT/layout_h200_mainnet_${keys}_${layout}.csv" 2>&1 | tail -6 | tee -a "$LOG"
     done

@@ -112,6 +112,16 @@ class Party:
                 found += [proc.pid] + _descendants(proc.pid)
         return found
 
+    def restart(self, name: str, **env) -> subprocess.Popen:
+        """Stop one of the party's processes (SIGTERM, as a supervisor does) and start it again
+        with these environment variables changed, e.g. the bulk workers' concurrency."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+        self.env.update({k: str(v) for k, v in env.items()})
+        return self.start(name, proc.args)
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
