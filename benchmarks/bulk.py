@@ -131,6 +131,14 @@ def bulk_job(party: Party, pool, picks, reference, binary: bool) -> tuple[float,
     return elapsed, time.perf_counter() - started, job
 
 
+class Rows(list):
+    """(measure, seconds) rows, each printed as it comes: a run cut short still says what it had."""
+
+    def append(self, row) -> None:
+        super().append(row)
+        print(f"{row[0]}: {row[1]:.2f} s", flush=True)
+
+
 def restart_workers(party: Party, concurrency: int, timeout: float = 300) -> None:
     """Start the party's bulk workers again answering `concurrency` chunks at once, and wait
     until Celery says they are ready (a job is not timed through their start)."""
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
     resident = backend.load(epoch.matrix)
     reference = [page.tobytes() for page in resident.answer(KeyBatch.from_keys(pool))]
     max_batch = BULK_POLICY.max_batch
-    rows = []
+    rows = Rows()
 
     def engine_rows(tag: str) -> None:
         seconds = backend_batch(resident, pool, picks, max_batch)

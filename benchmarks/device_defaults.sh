@@ -16,7 +16,7 @@ python3 -c "from gpu_engine.backends import create_backend as c; d = c('cuda', l
 for pages in 65536 1048576; do
     echo "== bulk $pages" | tee -a "$LOG"
     timeout "${BULK_S:-100}" python3 benchmarks/bulk.py --backend cuda --pages $pages --queries 10000 \
-        --concurrency 2,4 --port 9650 --out "$OUT/bulk_h200_${pages}p.csv" 2>&1 | tail -16 | tee -a "$LOG"
+        --concurrency 2,4 --port 9650 --out "$OUT/bulk_h200_${pages}p.csv" 2>&1 | tee -a "$LOG" | tail -3
 done
 MAINNET=16817159
 for keys in v1 v2; do
