@@ -111,6 +111,10 @@ class JSONStream:
             raise self.error(exc.msg.removesuffix(" at")) from None
         except RecursionError:
             raise self.error("nested too deeply") from None
+        except ValueError as exc:
+            # Python refuses to convert an integer of more than 4,300 digits (sys.int_info):
+            # the body's fault, not the server's.
+            raise self.error(str(exc)) from None
         if end - self.pos > self.cap:
             raise _Incomplete()
         if not self.eof and (end == len(self.buf) or self.buf[end] not in _AFTER_VALUE):

@@ -255,7 +255,8 @@ def _piece_errors(piece: bytes, first: int, domain_bits: int) -> list[tuple[int,
         first_failure = exc
     found = []
     for index in range(first, first + len(piece) // query_bytes(domain_bits)):
-        _keys, detail = parse_query(piece, index, domain_bits, KEY_FORMAT_V1, first)
+        _keys, detail = parse_query(piece, index, domain_bits, (KEY_FORMAT_V1,), KEY_FORMAT_V1,
+                                    first)
         if detail:
             found.append((index, detail))
     if not found:  # the two checks disagree: a bug, but never a job of keys we doubt
