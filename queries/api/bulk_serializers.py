@@ -93,7 +93,8 @@ class BulkQueriesField(serializers.Field):
             """Check the pending queries at once (keys_checked_at_once), one by one only where
             that fails, so that every error is named as the batch endpoint names it."""
             nonlocal stopped
-            batch = keys_checked_at_once([item for _, item in pending], **context)
+            batch = keys_checked_at_once([item for _, item in pending], context["domain_bits"],
+                                         context["key_formats"])
             if batch is not None:
                 if not errors:  # once a query is bad nothing is stored; keep checking the rest
                     size = len(batch.raw) // len(pending)
