@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.variant import add_define_argument, apply_defines  # noqa: E402
 from gpu_engine.backends import DispatchShape, create_backend  # noqa: E402
-from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS  # noqa: E402
+from gpu_engine.backends.cuda_plan import LAYOUT_CHOICES, V2_SCANS  # noqa: E402
 from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, format_by_name, gen_keys  # noqa: E402
 from gpu_engine.matrix import domain_bits_for, random_matrix  # noqa: E402
 from morpho_pir.protocol import KEY_FORMAT_NAMES, KEYS_PER_QUERY  # noqa: E402
@@ -172,8 +172,9 @@ def add_matrix_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--gpu-matrix", action="store_true", help="generate the matrix in GPU memory (cuda)")
     ap.add_argument("--key-format", choices=KEY_FORMAT_NAMES, default="v1", help="docs/PROTOCOL.md 3, 3.1")
-    ap.add_argument("--layout", choices=MATRIX_LAYOUTS, default="pages",
-                    help="cuda: how the matrix is stored (fragments: both key formats on the tensor cores)")
+    ap.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto",
+                    help="cuda: how the matrix is stored (fragments: both key formats on the tensor "
+                         "cores; auto: the server's default, by the GPU)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -220,8 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra.append(f"chunk_levels={args.chunk_levels}")
     key_format = format_by_name(args.key_format)
     extra.append(f"keys={args.key_format}")
-    if args.layout != "pages":
-        extra.append(f"layout={args.layout}")
+    layout = getattr(backend, "layout", "pages")
+    extra.append(f"layout={layout}" + (f" ({backend.layout_reason})" if args.layout == "auto" else ""))
     if getattr(backend, "wgmma", False):
         extra.append("wgmma")
     if key_format == KEY_FORMAT_V2 and args.backend == "cuda":

@@ -1,14 +1,16 @@
 """Bulk job throughput (submit to last answer stored) against the engine's batch throughput (CSV).
 
     python3 benchmarks/bulk.py --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
+    python3 benchmarks/bulk.py --backend cuda --pages 65536 --out FILE.csv
     python3 benchmarks/bulk.py --engine-only --backend cuda --pages 1048576 --out FILE.csv
 
 Three measurements over one matrix and one set of queries, on the same machine:
 `backend_batch` (the backend answering max-batch launches back to back: the ceiling),
 `engine_bulk_lane` (the Engine's bulk lane fed two requests ahead, as a worker feeds it), and
-`bulk_job` (a real job on the stack as an operator starts it, benchmarks/stack.py: POST to
-gunicorn, SQLite, the filesystem broker, `bin/gpu-workers` submitting to the engine server, until
-the job is done; then the NDJSON results are streamed and every answer is checked).
+`bulk_job_json` and `bulk_job_binary` (a real job on the stack as an operator starts it,
+benchmarks/stack.py: POST to gunicorn, SQLite, the filesystem broker, `bin/gpu-workers`
+submitting to the engine server, until the job is done; then the results are streamed in the
+upload's encoding and every answer is checked).
 `--engine-only` runs the first two with numpy (and cupy for `--backend cuda`) only, no Django.
 """
 
@@ -85,22 +87,40 @@ def engine_bulk_lane(engine, pool, picks, max_batch: int) -> float:
     return time.perf_counter() - started
 
 
-def bulk_job(party: Party, pool, picks, reference) -> tuple[float, float, dict]:
-    """(seconds from POST to the job done, seconds to stream and check the results, the job)."""
-    body = json.dumps(
-        {"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}
-    ).encode()
+def bulk_job(party: Party, pool, picks, reference, binary: bool) -> tuple[float, float, dict]:
+    """(seconds from POST to the job done, seconds to stream and check the results, the job),
+    the queries uploaded as JSON (hex keys) or in the binary encoding (raw keys), and the results
+    read back in the same encoding."""
+    if binary:
+        body = b"".join(pool[i].to_bytes() for row in picks for i in row)
+        content_type = "application/octet-stream"
+    else:
+        body = json.dumps(
+            {"queries": [{"keys": [pool[i].to_bytes().hex() for i in row]} for row in picks]}
+        ).encode()
+        content_type = "application/json"
     started = time.perf_counter()
-    job = json.loads(party.request("POST", "/bulk/jobs", body).read())
+    job = json.loads(party.request("POST", "/bulk/jobs", body, content_type=content_type).read())
     while job["status"] in ("queued", "running"):
-        time.sleep(0.5)  # each poll costs the web process CPU that the worker would use
+        time.sleep(0.05)  # a poll costs the web process a few ms; the job ends between two
         job = json.loads(party.request("GET", f"/bulk/jobs/{job['id']}").read())
     elapsed = time.perf_counter() - started
     if job["status"] != "done":
         raise SystemExit(f"bulk job ended {job['status']}: {job['errors']}")
     started = time.perf_counter()
+    path = f"/bulk/jobs/{job['id']}/results"
+    if binary:
+        with party.request("GET", path, accept="application/octet-stream") as response:
+            answers = response.read()
+        size = 3 * len(reference[0])
+        if len(answers) != len(picks) * size:
+            raise SystemExit(f"{len(answers)} result bytes for {len(picks)} queries")
+        for index, row in enumerate(picks):
+            if answers[index * size:(index + 1) * size] != b"".join(reference[i] for i in row):
+                raise SystemExit(f"answer of query {index} differs from the reference")
+        return elapsed, time.perf_counter() - started, job
     count = 0
-    with party.request("GET", f"/bulk/jobs/{job['id']}/results") as response:
+    with party.request("GET", path) as response:
         for count, line in enumerate(response, start=1):
             answer = json.loads(line)
             row = picks[answer["index"]]
@@ -109,6 +129,27 @@ def bulk_job(party: Party, pool, picks, reference) -> tuple[float, float, dict]:
     if count != len(picks):
         raise SystemExit(f"{count} result lines for {len(picks)} queries")
     return elapsed, time.perf_counter() - started, job
+
+
+class Rows(list):
+    """(measure, seconds) rows, each printed as it comes: a run cut short still says what it had."""
+
+    def append(self, row) -> None:
+        super().append(row)
+        print(f"{row[0]}: {row[1]:.2f} s", flush=True)
+
+
+def restart_workers(party: Party, concurrency: int, timeout: float = 300) -> None:
+    """Start the party's bulk workers again answering `concurrency` chunks at once, and wait
+    until Celery says they are ready (a job is not timed through their start)."""
+    log = party.folder / "workers.log"
+    ready = log.read_text(errors="replace").count(" ready.")
+    party.restart("workers", MORPHO_BULK_CONCURRENCY=concurrency)
+    deadline = time.monotonic() + timeout
+    while log.read_text(errors="replace").count(" ready.") <= ready:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the workers did not start again:\n{party.log('workers')}")
+        time.sleep(0.2)
 
 
 def main(argv=None) -> int:
@@ -121,6 +162,11 @@ def main(argv=None) -> int:
         "--engine-only", action="store_true", help="no Django: backend and engine rows"
     )
     parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--upload", default="json,binary",
+                        help="the encodings jobs are uploaded (and read back) in, one job each")
+    parser.add_argument("--concurrency", default="",
+                        help="chunks a worker answers at once (MORPHO_BULK_CONCURRENCY), comma-"
+                             "separated: the jobs again for each (default: bin/gpu-workers' own)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -133,7 +179,7 @@ def main(argv=None) -> int:
     resident = backend.load(epoch.matrix)
     reference = [page.tobytes() for page in resident.answer(KeyBatch.from_keys(pool))]
     max_batch = BULK_POLICY.max_batch
-    rows = []
+    rows = Rows()
 
     def engine_rows(tag: str) -> None:
         seconds = backend_batch(resident, pool, picks, max_batch)
@@ -151,12 +197,20 @@ def main(argv=None) -> int:
         # The engine rows run again after the job, so load from elsewhere shows as a spread.
         party = Party(matrix, tmp / "party", args.backend, web_workers=2, bulk_workers=True,
                       port=args.port)
+        concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else [0]
         try:
-            job_s, stream_s, job = bulk_job(party, pool, picks, reference)
+            for concurrency in concurrencies:
+                tag = ""
+                if concurrency:  # the workers again, with this many chunks at once
+                    restart_workers(party, concurrency)
+                    tag = f"_c{concurrency}" if len(concurrencies) > 1 else ""
+                for upload in args.upload.split(","):
+                    job_s, stream_s, job = bulk_job(party, pool, picks, reference,
+                                                    upload == "binary")
+                    rows.append((f"bulk_job_{upload}{tag}", job_s))
+                    rows.append((f"bulk_results_stream_{upload}{tag}", stream_s))
         finally:
             party.stop()
-        rows.append(("bulk_job", job_s))
-        rows.append(("bulk_results_stream", stream_s))
         engine_rows("_after")
     # The engine's batch throughput: the mean of its runs before and after the job, so load from
     # other processes during the run weighs on both sides alike.
@@ -180,9 +234,9 @@ def main(argv=None) -> int:
         f"# command: {command}",
         f"# date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
         (
-            "# bulk_job: POST to job done (validation, chunks, Celery filesystem broker, SQLite, "
-            "one worker node submitting to the engine server); every streamed answer equals the "
-            "backend's"
+            "# bulk_job_<upload>: POST to job done (validation, chunks, Celery filesystem broker, "
+            "SQLite, answers in files, one worker node submitting to the engine server), uploaded "
+            "as JSON or binary; every streamed answer equals the backend's"
         ),
         (
             "# ratio_to_engine: queries/s over the mean of the engine_bulk_lane runs "

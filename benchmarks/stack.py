@@ -86,9 +86,10 @@ class Party:
         return done.stdout
 
     def request(self, method: str, path: str, body: Optional[bytes] = None, timeout: float = 600,
-                content_type: str = "application/json"):
+                content_type: str = "application/json", accept: str = "*/*"):
         req = urllib.request.Request(self.url + path, data=body, method=method, headers={
-            "Authorization": f"Token {self.token}", "Content-Type": content_type})
+            "Authorization": f"Token {self.token}", "Content-Type": content_type,
+            "Accept": accept})
         return urllib.request.urlopen(req, timeout=timeout)
 
     def json(self, method: str, path: str, body=None) -> dict:
@@ -113,6 +114,16 @@ class Party:
             if name in (None, proc_name):
                 found += [proc.pid] + _descendants(proc.pid)
         return found
+
+    def restart(self, name: str, **env) -> subprocess.Popen:
+        """Stop one of the party's processes (SIGTERM, as a supervisor does) and start it again
+        with these environment variables changed, e.g. the bulk workers' concurrency."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+        self.env.update({k: str(v) for k, v in env.items()})
+        return self.start(name, proc.args)
 
     def stop(self) -> None:
         for proc in self.procs.values():

@@ -18,7 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from gpu_engine.backends.cuda_plan import MATRIX_LAYOUTS, V2_SCANS
+from gpu_engine.backends.cuda_plan import LAYOUT_CHOICES, V2_SCANS
 from gpu_engine.placement import parse_devices
 from gpu_engine.choices import BACKEND_NAMES
 
@@ -32,7 +32,7 @@ class EngineSettings:
     backend: str  # MORPHO_ENGINE_BACKEND: auto, cpu or cuda
     devices: Tuple[int, ...]  # MORPHO_ENGINE_DEVICES: device ids; () = one device, the current one
     v2_scan: str  # MORPHO_V2_SCAN: how CUDA scans v2 keys: auto, mma or alu
-    matrix_layout: str  # MORPHO_MATRIX_LAYOUT: how CUDA stores the matrix: pages or fragments
+    matrix_layout: str  # MORPHO_MATRIX_LAYOUT: how CUDA stores the matrix: auto, pages or fragments
     domain_bits: Optional[int]  # MORPHO_DOMAIN_BITS: None = the smallest that fits the pages
     url: str  # MORPHO_ENGINE_URL: the engine server's address; "" = an engine in this process
     deadline_s: float  # MORPHO_ENGINE_DEADLINE: silence after which the engine server is given up
@@ -50,9 +50,10 @@ class EngineSettings:
             raise ImproperlyConfigured(
                 f"MORPHO_V2_SCAN: expected {', '.join(V2_SCANS[:-1])} or {V2_SCANS[-1]}, "
                 f"got {self.v2_scan!r}")
-        if self.matrix_layout not in MATRIX_LAYOUTS:
+        if self.matrix_layout not in LAYOUT_CHOICES:
             raise ImproperlyConfigured(
-                f"MORPHO_MATRIX_LAYOUT: expected {' or '.join(MATRIX_LAYOUTS)}, got {self.matrix_layout!r}")
+                f"MORPHO_MATRIX_LAYOUT: expected {', '.join(LAYOUT_CHOICES[:-1])} or "
+                f"{LAYOUT_CHOICES[-1]}, got {self.matrix_layout!r}")
         if self.domain_bits is not None and not 1 <= self.domain_bits <= 32:
             raise ImproperlyConfigured(
                 f"MORPHO_DOMAIN_BITS: expected an integer in 1..32, got {self.domain_bits}")

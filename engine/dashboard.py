@@ -26,6 +26,7 @@ FAMILIES = (
     "pir_query_duration_seconds", "pir_query_count", "pir_latency_p95_last_minute_seconds",
     "pir_device_memory_bytes", "pir_epoch", "pir_row_updates_pending", "gpu_queries_answered",
     "gpu_device_launches", "gpu_device_busy_seconds", "gpu_device_resident_bytes",
+    "pir_engine_layout",
 )
 HISTORY_SECONDS = 15 * 60  # per-second points kept server-side and drawn when the page loads
 SAMPLE_EVERY_S = 1.0
@@ -75,6 +76,8 @@ def metric_figures(registry=None) -> dict:
                 for s in by_family.get("pir_batching_policy", []) if s.name.endswith("_info")}
     epoch = next((dict(s.labels) for s in by_family.get("pir_epoch", []) if s.name.endswith("_info")), None)
     pending = next((s.value for s in by_family.get("pir_row_updates_pending", [])), None)
+    layout = next((dict(s.labels) for s in by_family.get("pir_engine_layout", [])
+                   if s.name.endswith("_info")), None)
     memory = {s.labels["kind"]: s.value for s in by_family.get("pir_device_memory_bytes", [])} or None
     latency = [s for s in by_family.get("pir_query_duration_seconds", []) if s.name.endswith("_bucket")]
     sizes = [s for s in by_family.get("gpu_batch_size_queries", []) if s.name.endswith("_bucket")]
@@ -96,6 +99,7 @@ def metric_figures(registry=None) -> dict:
         "latency_buckets": _buckets(latency) if latency else None,
         "batch_size_buckets": _buckets(sizes) if sizes else None,
         "memory": memory,
+        "layout": layout,
         "devices": [{"device": name, **figures} for name, figures in sorted(devices.items())] or None,
         "epoch": epoch,
         "pending_updates": pending,

@@ -60,6 +60,12 @@ class EngineCollector:
         yield from self._engine_families(snap)
 
     def _engine_families(self, snap: dict) -> Iterable:
+        layout = InfoMetricFamily("pir_engine_layout", "How the engine's backend stores the matrix "
+                                  "(MORPHO_MATRIX_LAYOUT) and why.")
+        layout.add_metric([], {"backend": str(snap.get("backend", "")),
+                               "layout": str(snap.get("layout", "")),
+                               "reason": str(snap.get("layout_reason", "")),
+                               "pass_queries": str(snap.get("pass_queries", ""))})
         modes = CounterMetricFamily("gpu_batch_dispatch_mode", "Launches by the mode of the policy "
                                     "that decided them.", labels=["mode"])
         for mode, count in sorted(snap["dispatch_modes"].items()):
@@ -103,8 +109,8 @@ class EngineCollector:
                                  "(seconds) and the launches it is fitted from.", labels=["parameter"])
         for name in ("intercept_s", "per_query_s", "samples", "rmse_s"):
             cost.add_metric([name], snap["cost"][name])
-        return [modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait, compute,
-                held, cost, *_device_families(snap.get("placement", {}))]
+        return [layout, modes, reasons, sizes, launches, answered, refused, depth, rate, p95, wait,
+                compute, held, cost, *_device_families(snap.get("placement", {}))]
 
 
 def _device_families(placed: dict) -> Iterable:

@@ -671,7 +671,8 @@ class Engine:
         fit = self.cost.fit()
         data = self.stats.snapshot(now)
         data.update(running=self.running, epoch_id=self._epoch.epoch_id, backend=self.backend.name,
-                    pass_queries=self.pass_queries,
+                    pass_queries=self.pass_queries, layout=self.backend.layout,
+                    layout_reason=self.backend.layout_reason,
                     placement=describe_placement(self._resident),
                     cost=_fit_fields(fit),  # the dearest format's: what admission and the dashboard plan with
                     cost_by_format={format_name(fmt): _fit_fields(each) for fmt, each in self.cost.by_format().items()})

@@ -406,6 +406,7 @@ class DeviceGroup(Backend):
         # serve in one pass
         self.pass_queries = min(backend.pass_queries for backend in devices)
         self.fallback_reason = devices[0].fallback_reason
+        self.layout, self.layout_reason = devices[0].layout, devices[0].layout_reason
 
     def plan(self, matrix: PageMatrix, placement: str = Placement.AUTO,
              bounds: Optional[Sequence[int]] = None) -> Tuple[Placement, Optional[List[int]]]:
@@ -486,7 +487,7 @@ def parse_devices(text: str) -> List[int]:
 
 
 def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "auto",
-                        layout: str = "pages") -> DeviceGroup:
+                        layout: str = "auto") -> DeviceGroup:
     """One backend per device id as a DeviceGroup: GPUs cuda:ID for CUDA; for the CPU backend,
     as many simulated devices (the host's scan threads shared among them), so the placement
     logic runs, and is tested, where there is no GPU."""

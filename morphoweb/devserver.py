@@ -102,6 +102,8 @@ def party_env(name: str, matrix: Path, var_dir: Path) -> dict:
         MORPHO_VAR_DIR=str(var_dir),
         DATABASE_URL=f"sqlite:///{var_dir / f'party-{name}.sqlite3'}",
         CELERY_FILESYSTEM_BROKER_DIR=str(var_dir / f"celery-broker-{name}"),
+        CELERY_BEAT_SCHEDULE_FILENAME=str(var_dir / f"celerybeat-schedule-{name}"),
+        MORPHO_BULK_FILES_DIR=str(var_dir / f"bulk-{name}"),
         MORPHO_ENGINE_URL=_engine_url(var_dir, name),
         MORPHO_PARTY_NAME=name.upper(),  # in the admin's header, the dashboard and /
         MORPHO_GUNICORN_CONTROL_SOCKET=str(var_dir / f"gunicorn-{name}.ctl"),

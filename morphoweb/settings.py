@@ -295,10 +295,11 @@ MORPHO_ENGINE_DEVICES = _env("MORPHO_ENGINE_DEVICES", "").strip()
 # has 1-bit products; the ALU below), mma (always the tensor cores) or alu (never); answers are the
 # same bytes. The CPU backend has one scan and ignores it.
 MORPHO_V2_SCAN = _env("MORPHO_V2_SCAN", "auto").strip().lower()
-# How the CUDA backend stores the matrix: pages (row-major) or fragments (as the tensor cores read
-# it; the faster for v2 keys and for v1 batches of 32 queries). Both answer v1 and v2 keys. The CPU
-# backend ignores it.
-MORPHO_MATRIX_LAYOUT = _env("MORPHO_MATRIX_LAYOUT", "pages").strip().lower()
+# How the CUDA backend stores the matrix: auto (fragments on sm_80 and sm_90, whose fastest scans
+# read them; pages elsewhere), pages (row-major) or fragments (as the tensor cores read it; the
+# faster for v2 keys and for v1 batches). Both answer v1 and v2 keys; /health says which and why.
+# The CPU backend has one layout.
+MORPHO_MATRIX_LAYOUT = _env("MORPHO_MATRIX_LAYOUT", "auto").strip().lower()
 # DPF tree depth in bits; unset = the smallest d with 2**d >= number of pages.
 MORPHO_DOMAIN_BITS = _env_int("MORPHO_DOMAIN_BITS", None)
 # Queries per batch request (count, 1..32).
@@ -417,10 +418,68 @@ MORPHO_BULK_QUEUE = _env("MORPHO_BULK_QUEUE", "gpu")
 MORPHO_BULK_LEASE_SECONDS = _env_float("MORPHO_BULK_LEASE_SECONDS", 30.0, lo=0.5)
 # A queued chunk not taken this long after its task was sent is sent again (seconds): the
 # broker may have lost the message; a duplicate is harmless. A broker restart seen by a worker's
-# connection is handled at once (queries/tasks.py, BrokerWatch); this is the backstop.
+# connection is handled at once (queries/worker.py, BrokerWatch); this is the backstop.
 MORPHO_BULK_REQUEUE_SECONDS = _env_float("MORPHO_BULK_REQUEUE_SECONDS", 300.0, lo=0.5)
 # How often each worker looks for such chunks (seconds).
 MORPHO_BULK_SWEEP_SECONDS = _env_float("MORPHO_BULK_SWEEP_SECONDS", 5.0, lo=0.1)
+# How long a finished job (done, failed or cancelled) and its answers are kept (seconds); then
+# the purge deletes both, and the job's URL answers 404. The API gives the moment as `expires_at`.
+MORPHO_BULK_RETENTION_SECONDS = _env_int("MORPHO_BULK_RETENTION_SECONDS", 7 * 24 * 3600, lo=60)
+# How often a worker's Celery beat purges expired jobs (seconds); `manage.py purge_bulk_jobs`
+# does the same at once.
+MORPHO_BULK_PURGE_SECONDS = _env_float("MORPHO_BULK_PURGE_SECONDS", 3600.0, lo=1.0)
+
+# --- Bulk files: chunk keys and answers (queries/bulk_files.py) --------------------------------
+# A chunk's keys and its answers (12,288 bytes a query) are files, not database rows; the
+# database holds the jobs' state. "filesystem": under MORPHO_BULK_FILES_DIR, which the web
+# processes and the workers of a party must share; "s3": an S3-compatible bucket through
+# django-storages (`pip install "django-storages[s3]"`), credentials from the usual AWS_*
+# environment variables.
+MORPHO_BULK_STORAGE = _env("MORPHO_BULK_STORAGE", "filesystem").strip().lower()
+# The folder of the filesystem storage (path); the party's own user alone reads it.
+MORPHO_BULK_FILES_DIR = Path(_env("MORPHO_BULK_FILES_DIR", str(VAR_DIR / "bulk")))
+# The bucket, its endpoint (empty: AWS itself), region and key prefix, for "s3".
+MORPHO_BULK_S3_BUCKET = _env("MORPHO_BULK_S3_BUCKET", "")
+MORPHO_BULK_S3_ENDPOINT_URL = _env("MORPHO_BULK_S3_ENDPOINT_URL", "")
+MORPHO_BULK_S3_REGION = _env("MORPHO_BULK_S3_REGION", "")
+MORPHO_BULK_S3_PREFIX = _env("MORPHO_BULK_S3_PREFIX", "bulk")
+if MORPHO_BULK_STORAGE == "filesystem":
+    _BULK_STORAGE = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(MORPHO_BULK_FILES_DIR), "file_permissions_mode": 0o600,
+                    "directory_permissions_mode": 0o700},
+    }
+elif MORPHO_BULK_STORAGE == "s3":
+    if not MORPHO_BULK_S3_BUCKET:
+        raise ImproperlyConfigured("MORPHO_BULK_S3_BUCKET: expected a bucket name with "
+                                   "MORPHO_BULK_STORAGE=s3, got nothing")
+    _BULK_STORAGE = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {"bucket_name": MORPHO_BULK_S3_BUCKET, "location": MORPHO_BULK_S3_PREFIX,
+                    "endpoint_url": MORPHO_BULK_S3_ENDPOINT_URL or None,
+                    "region_name": MORPHO_BULK_S3_REGION or None,
+                    "file_overwrite": False, "default_acl": None},
+    }
+else:
+    raise ImproperlyConfigured(
+        f"MORPHO_BULK_STORAGE: expected filesystem or s3, got {MORPHO_BULK_STORAGE!r}")
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "bulk": _BULK_STORAGE,
+}
+# Periodic tasks, run by the beat of worker 0 (bin/gpu-workers): the purge of expired bulk jobs,
+# sent to the bulk queue the workers consume.
+# Where beat keeps when each periodic task last ran (path; one file per party).
+CELERY_BEAT_SCHEDULE_FILENAME = _env("CELERY_BEAT_SCHEDULE_FILENAME",
+                                     str(VAR_DIR / "celerybeat-schedule"))
+CELERY_BEAT_SCHEDULE = {
+    "purge-expired-bulk-jobs": {
+        "task": "queries.purge_expired_jobs",
+        "schedule": MORPHO_BULK_PURGE_SECONDS,
+        "options": {"queue": MORPHO_BULK_QUEUE, "expires": 600},
+    },
+}
 
 # --- Metrics -----------------------------------------------------------------------------------
 

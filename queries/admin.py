@@ -11,7 +11,7 @@ from queries.models import BulkChunk, BulkJob
 
 
 class BulkChunkInline(admin.TabularInline):
-    """A job's chunks without their keys: who holds each, how often it was tried, last error."""
+    """A job's chunks: who holds each, how often it was tried, last error."""
 
     model = BulkChunk
     fields = [
@@ -32,9 +32,6 @@ class BulkChunkInline(admin.TabularInline):
     can_delete = False
     show_change_link = False
 
-    def get_queryset(self, request):
-        return super().get_queryset(request).defer("keys")
-
 
 @admin.register(BulkJob)
 class BulkJobAdmin(admin.ModelAdmin):
@@ -49,6 +46,7 @@ class BulkJobAdmin(admin.ModelAdmin):
         "chunk_size",
         "created",
         "finished",
+        "expires",
     ]
     list_filter = ["status"]
     search_fields = ["id", "owner__username"]
@@ -68,6 +66,7 @@ class BulkJobAdmin(admin.ModelAdmin):
         "created",
         "started",
         "finished",
+        "expires",
     ]
     fields = readonly_fields
     inlines = [BulkChunkInline]

@@ -15,6 +15,8 @@ from django.utils import timezone
 
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from morpho_pir.state import ServedState
+from queries import bulk_files
+from queries.bulk_files import expiry
 from queries.models import ACTIVE, BulkChunk, BulkJob, BulkResult, JobStatus
 
 log = logging.getLogger(__name__)
@@ -65,29 +67,36 @@ def _chunk_runs(queries: Iterable[bytes], chunk_size: int):
 def create_job(
     owner, queries: Iterable[bytes], total: int, domain_bits: int, chunk_size: int
 ) -> BulkJob:
-    """Store a job and its chunks in one transaction, then send one task per chunk after commit.
+    """Store a job, its chunks' rows and their key files, then send one task per chunk after
+    the transaction commits; a job that fails half-way leaves neither rows nor files.
 
     `queries` yields each query's three keys as raw bytes, concatenated, already validated."""
-    with transaction.atomic():
-        job = BulkJob(owner=owner, total=total, domain_bits=domain_bits, chunk_size=chunk_size)
-        job.full_clean(exclude=["owner"])
-        job.save()
-        now = timezone.now()
-        pending: list[BulkChunk] = []
-        stored = 0
-        for index, (first, count, keys) in enumerate(_chunk_runs(queries, chunk_size)):
-            pending.append(BulkChunk(job=job, index=index, first=first, count=count, keys=keys,
-                                     dispatched=now))
-            stored = first + count
-            if len(pending) >= 16:  # bounded memory: chunks go to the database as they fill
-                BulkChunk.objects.bulk_create(pending)
-                pending = []
-        BulkChunk.objects.bulk_create(pending)
-        if stored != total:
-            raise ValueError(f"job declared {total} queries but {stored} were given")
-        # Its first turn: when it becomes visible to workers, not when its chunks began to load.
-        BulkJob.objects.filter(pk=job.pk).update(turn=timezone.now())
-        transaction.on_commit(lambda: dispatch_job(job.pk))
+    job = BulkJob(owner=owner, total=total, domain_bits=domain_bits, chunk_size=chunk_size)
+    job.full_clean(exclude=["owner"])
+    index = count = 0
+    try:
+        with transaction.atomic():
+            job.save()
+            now = timezone.now()
+            pending: list[BulkChunk] = []
+            stored = 0
+            for index, (first, count, keys) in enumerate(_chunk_runs(queries, chunk_size)):
+                pending.append(BulkChunk(job=job, index=index, first=first, count=count,
+                                         keys_file=bulk_files.save_keys(job.pk, index, keys),
+                                         dispatched=now))
+                stored = first + count
+                if len(pending) >= 64:  # bounded memory: rows go to the database as they fill
+                    BulkChunk.objects.bulk_create(pending)
+                    pending = []
+            BulkChunk.objects.bulk_create(pending)
+            if stored != total:
+                raise ValueError(f"job declared {total} queries but {stored} were given")
+            # Its first turn: when it becomes visible to workers, not when its chunks began to load.
+            BulkJob.objects.filter(pk=job.pk).update(turn=timezone.now())
+            transaction.on_commit(lambda: dispatch_job(job.pk))
+    except BaseException:
+        bulk_files.delete_job_files(job.pk)
+        raise
     chunks = index + (1 if count else 0)
     log.info(
         "bulk job %s: %d quer%s in %d chunk%s of %d",
@@ -148,7 +157,7 @@ def cancel_job(job: BulkJob) -> BulkJob:
     now = timezone.now()
     with transaction.atomic():
         if not BulkJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
-            status=JobStatus.CANCELLED, finished=now
+            status=JobStatus.CANCELLED, finished=now, expires=expiry(now)
         ):
             job.refresh_from_db()
             raise JobFinished(job)
@@ -266,43 +275,57 @@ def release_chunk(chunk: BulkChunk, worker: str, error: str) -> None:
 
 def store_answers(chunk: BulkChunk, worker: str, epoch_id: int, answers: bytes,
                   state: ServedState | None = None) -> bool:
-    """Write a chunk's answers and count them in one transaction; False if already stored.
-    `state`: the served state all of them come from (its epoch is epoch_id)."""
+    """Write a chunk's answers to a file, then record and count them in one transaction; False
+    if another attempt stored them first (this attempt's file is deleted again). `state`: the
+    served state all of them come from (its epoch is epoch_id)."""
     expected = chunk.count * KEYS_PER_QUERY * PAGE_BYTES
     if state is not None and state.epoch_id != epoch_id:
         raise ValueError(f"chunk {chunk.pk}: state of epoch {state.epoch_id}, answers of {epoch_id}")
     if len(answers) != expected:
         raise ValueError(f"chunk {chunk.pk}: expected {expected} answer bytes, got {len(answers)}")
+    # The file first: a row never names a file that is not all there.
+    name = bulk_files.save_answers(chunk.job_id, chunk.index, answers)
     now = timezone.now()
-    with transaction.atomic():
-        try:
-            with transaction.atomic():
-                BulkResult.objects.create(
-                    job_id=chunk.job_id,
-                    index=chunk.index,
-                    first=chunk.first,
-                    count=chunk.count,
-                    epoch_id=epoch_id,
-                    state_updates=None if state is None else state.updates,
-                    state_digest="" if state is None else "0x" + state.digest.hex(),
-                    answers=answers,
-                    worker=worker,
+    try:
+        with transaction.atomic():
+            try:
+                with transaction.atomic():
+                    BulkResult.objects.create(
+                        job_id=chunk.job_id,
+                        index=chunk.index,
+                        first=chunk.first,
+                        count=chunk.count,
+                        epoch_id=epoch_id,
+                        state_updates=None if state is None else state.updates,
+                        state_digest="" if state is None else "0x" + state.digest.hex(),
+                        answers_file=name,
+                        worker=worker,
+                    )
+            except IntegrityError:
+                # Another copy of this chunk (a redelivered or resent task) stored it first; its
+                # answers stand and the job's count already includes them.
+                BulkChunk.objects.filter(pk=chunk.pk, status=JobStatus.RUNNING).update(
+                    status=JobStatus.DONE, lease_expires=None
                 )
-        except IntegrityError:
-            # Another copy of this chunk (a redelivered or resent task) stored it first; its
-            # answers stand and the job's count already includes them.
-            BulkChunk.objects.filter(pk=chunk.pk, status=JobStatus.RUNNING).update(
-                status=JobStatus.DONE, lease_expires=None
-            )
-            return False
-        BulkChunk.objects.filter(pk=chunk.pk).update(
-            status=JobStatus.DONE, lease_expires=None, worker=worker, keys=b""
-        )
-        BulkJob.objects.filter(pk=chunk.job_id).update(answered=F("answered") + chunk.count)
-        BulkJob.objects.filter(pk=chunk.job_id, status__in=ACTIVE, answered=F("total")).update(
-            status=JobStatus.DONE, finished=now
-        )
-    return True
+                stored = False
+            else:
+                BulkChunk.objects.filter(pk=chunk.pk).update(
+                    status=JobStatus.DONE, lease_expires=None, worker=worker, keys_file=""
+                )
+                BulkJob.objects.filter(pk=chunk.job_id).update(
+                    answered=F("answered") + chunk.count)
+                BulkJob.objects.filter(
+                    pk=chunk.job_id, status__in=ACTIVE, answered=F("total")
+                ).update(status=JobStatus.DONE, finished=now, expires=expiry(now))
+                stored = True
+    except BaseException:
+        bulk_files.delete(name)
+        raise
+    if stored:
+        bulk_files.delete(chunk.keys_file)  # answered for good: its keys are not needed again
+    else:
+        bulk_files.delete(name)
+    return stored
 
 
 def fail_chunk(chunk_id: int, reason: str) -> None:
@@ -319,6 +342,7 @@ def fail_chunk(chunk_id: int, reason: str) -> None:
         BulkJob.objects.filter(pk=chunk.job_id, status__in=ACTIVE).update(
             status=JobStatus.FAILED,
             finished=now,
+            expires=expiry(now),
             error=f"chunk {chunk.index} (queries {chunk.first}..{last}): {reason}"[:2000],
         )
         BulkChunk.objects.filter(job_id=chunk.job_id, status=JobStatus.QUEUED).update(

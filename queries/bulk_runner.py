@@ -1,4 +1,5 @@
-"""Answer a claimed chunk on this worker's engine: bulk lane, policy-sized requests, one epoch."""
+"""Answer a claimed chunk on this worker's engine (bulk lane, policy-sized requests, one epoch) and
+store its answers."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from django.conf import settings
+from django.db import DatabaseError
 
 from morpho_pir.dpf import KeyBatch, KeyFormatError, key_length
 from gpu_engine.engine import EngineBusy, EngineOverloaded
 from morpho_pir.protocol import KEYS_PER_QUERY, MAX_BATCH_QUERIES, query_key_counts
 from morpho_pir.state import ServedState
 from gpu_engine.scheduler import LanePolicy
-from queries.models import BulkChunk
+from engine.holder import get_engine
+from queries import bulk, bulk_files
+from queries.models import BulkChunk, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +30,12 @@ LAUNCHES_IN_FLIGHT = 2
 # a bulk request's size makes whole requests fill at least this fraction of a launch: requests
 # of 20 for launches of 41 (40 of them), never requests of 1 because 41 is prime
 MIN_LAUNCH_FILL = 0.9
+# Failures that pass: the engine is busy or (re)starting (EngineStartFailed is an EngineBusy), the
+# database is briefly unreachable.
+TRANSIENT = (EngineBusy, DatabaseError)
+# Seconds between writes of a running chunk's progress: launch by launch, but at most this often
+# (a GPU resolves hundreds of launches a second; each write is a database round trip).
+PROGRESS_WRITE_S = 0.25
 EPOCH_ATTEMPTS = 3  # an epoch switch mid-chunk: answer the whole chunk again, this many times
 
 
@@ -60,14 +70,17 @@ def parse_chunk(chunk: BulkChunk) -> KeyBatch:
     """The chunk's stored raw keys (three per query) as one batch, checked in one pass."""
     d = chunk.job.domain_bits
     size = key_length(d)
-    raw = bytes(chunk.keys)
+    try:
+        raw = bulk_files.read_keys(chunk.keys_file)
+    except FileNotFoundError:
+        raise ChunkRejected(f"its keys file {chunk.keys_file!r} is gone") from None
     if len(raw) != chunk.count * KEYS_PER_QUERY * size:
         raise ChunkRejected(
             f"stored keys are {len(raw)} bytes, expected {chunk.count} x 3 x {size}"
         )
     try:
         return KeyBatch.from_bytes(raw, d)
-    except KeyFormatError as exc:  # checked when the job was submitted: the row was altered
+    except KeyFormatError as exc:  # checked when the job was submitted: the file was altered
         raise ChunkRejected(f"stored keys do not parse: {exc}") from None
 
 
@@ -164,3 +177,38 @@ def answer_queries(
         )
     raise EpochChanged(f"the epoch or its rows changed during each of {EPOCH_ATTEMPTS} attempts",
                        retry_after=5)
+
+
+def progress_writer(chunk: BulkChunk, worker: str):
+    """progress(n) for answer_queries: store n on the chunk while this worker holds it."""
+    last = [-PROGRESS_WRITE_S]
+
+    def write(answered: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_WRITE_S:
+            last[0] = now
+            BulkChunk.objects.filter(
+                pk=chunk.pk, status=JobStatus.RUNNING, worker=worker
+            ).update(answered=answered)
+
+    return write
+
+
+def answer_claimed(chunk: BulkChunk, worker: str) -> str:
+    """Answer and store one chunk this worker holds: "stored", "duplicate" or "failed"."""
+    try:
+        epoch_id, answers, state = answer_queries(
+            get_engine(),
+            parse_chunk(chunk),
+            heartbeat=lambda: bulk.renew_lease(chunk, worker),
+            heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3,
+            progress=progress_writer(chunk, worker),
+        )
+    except ChunkRejected as exc:
+        bulk.fail_chunk(chunk.pk, str(exc))
+        return "failed"
+    except TRANSIENT as exc:
+        bulk.release_chunk(chunk, worker, f"{type(exc).__name__}: {exc}")
+        raise
+    stored = bulk.store_answers(chunk, worker, epoch_id, answers, state)
+    return "stored" if stored else "duplicate"

@@ -1,4 +1,6 @@
-"""Bulk job records: a job, its chunks (the unit of work and retry), one result row per chunk."""
+"""Bulk job records: a job, its chunks (the unit of work and retry), one result row per chunk.
+
+The rows hold state; a chunk's keys and answers are files (queries/bulk_files.py)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ class BulkJob(models.Model):
         null=True, blank=True, help_text="when a worker took its first chunk"
     )
     finished = models.DateTimeField(null=True, blank=True, help_text="done, failed or cancelled at")
+    # Set when the job finishes (MORPHO_BULK_RETENTION_SECONDS later); the purge deletes the job,
+    # its chunks and their files past it (queries/bulk_files.py, purge_expired).
+    expires = models.DateTimeField(
+        null=True, blank=True, db_index=True,
+        help_text="when the job and its answers are deleted; set once it is done, failed or cancelled",
+    )
     # Round-robin over jobs (queries/bulk.py, claim_chunk): the job with the oldest turn gets the
     # next chunk a worker claims, and its turn becomes that moment.
     turn = models.DateTimeField(
@@ -105,9 +113,9 @@ class BulkChunk(models.Model):
     index = models.PositiveIntegerField(help_text="chunk number within the job, from 0")
     first = models.PositiveIntegerField(help_text="job index of the chunk's first query")
     count = models.PositiveIntegerField(help_text="queries in the chunk")
-    # The validated keys as raw bytes, 3 per query in order: the worker needs nothing from the
-    # broker but the chunk's id.
-    keys = models.BinaryField()
+    # The storage name of the validated keys as raw bytes, 3 per query in order (bulk_files): the
+    # worker needs nothing from the broker but the chunk's id. Emptied once its answers are stored.
+    keys_file = models.CharField(max_length=255, blank=True, help_text="file of the chunk's keys")
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED)
     attempts = models.PositiveIntegerField(default=0, help_text="times a worker claimed it")
     # Written by the worker as the engine's launches resolve (at most every PROGRESS_WRITE_S), so
@@ -145,15 +153,11 @@ class BulkChunk(models.Model):
     def clean(self) -> None:
         if self.count is not None and self.count < 1:
             raise ValidationError({"count": f"expected at least 1 query, got {self.count}"})
-        if self.job_id and self.count and self.keys is not None:
-            expected = self.count * KEYS_PER_QUERY * self.job.key_bytes
-            if len(self.keys) != expected:
-                raise ValidationError(
-                    {
-                        "keys": f"expected {expected} bytes for {self.count} queries, "
-                        f"got {len(self.keys)}"
-                    }
-                )
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of the chunk's keys file: three keys per query."""
+        return self.count * KEYS_PER_QUERY * self.job.key_bytes
 
 
 class BulkResult(models.Model):
@@ -174,8 +178,8 @@ class BulkResult(models.Model):
     state_digest = models.CharField(
         max_length=66, blank=True, help_text="their digest, 0x and 64 hex digits"
     )
-    # count x 3 answers of 4096 bytes, in query order then key order.
-    answers = models.BinaryField()
+    # The storage name of count x 3 answers of 4096 bytes, in query order then key order.
+    answers_file = models.CharField(max_length=255, help_text="file of the chunk's answers")
     worker = models.CharField(max_length=200, blank=True)
     created = models.DateTimeField(auto_now_add=True)
 

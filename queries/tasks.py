@@ -1,52 +1,20 @@
-"""Celery tasks of the GPU workers: answer one bulk chunk; sweeper, broker watch and warm-up."""
+"""Celery tasks of the GPU workers: answer bulk chunks in turn, purge expired jobs.
+
+The worker process's wiring (sweeper, fork guard, broker watch, warm-up) is queries/worker.py."""
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 import time
 
-from celery import Task, bootsteps, shared_task
-from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
-from django.conf import settings
-from django.db import DatabaseError, connections
-from django.template.defaultfilters import pluralize
-from django.utils import timezone
+from celery import Task, shared_task
 
-from engine.errors import EngineStartFailed
-from engine.holder import get_engine
-from gpu_engine.engine import EngineBusy
-from queries import bulk
-from queries.bulk_runner import ChunkRejected, answer_queries, parse_chunk
-from queries.models import BulkChunk, JobStatus
+from queries import bulk, bulk_files
+from queries.bulk_runner import TRANSIENT, answer_claimed
 
-log = logging.getLogger(__name__)
-
-# Failures that pass: the engine is busy or (re)starting (EngineStartFailed is an EngineBusy), the
-# database is briefly unreachable.
-TRANSIENT = (EngineBusy, DatabaseError)
-# Seconds between writes of a running chunk's progress: launch by launch, but at most this often
-# (a GPU resolves hundreds of launches a second; each write is a database round trip).
-PROGRESS_WRITE_S = 0.25
 # Seconds one task goes on taking the next chunk in turn after its first (answer_chunk): a
 # chunk is a fraction of a second of GPU work, a broker delivery can take as long.
 CHAIN_SECONDS = 10.0
-
-
-def progress_writer(chunk: BulkChunk, worker: str):
-    """progress(n) for answer_queries: store n on the chunk while this worker holds it."""
-    last = [-PROGRESS_WRITE_S]
-
-    def write(answered: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= PROGRESS_WRITE_S:
-            last[0] = now
-            BulkChunk.objects.filter(
-                pk=chunk.pk, status=JobStatus.RUNNING, worker=worker
-            ).update(answered=answered)
-
-    return write
+PURGE_TASK = "queries.purge_expired_jobs"
 
 
 class ChunkTask(Task):
@@ -89,185 +57,7 @@ def answer_chunk(self, chunk_id: int) -> str:
     return ",".join(outcomes) or "skipped"
 
 
-def answer_claimed(chunk: BulkChunk, worker: str) -> str:
-    """Answer and store one chunk this worker holds: "stored", "duplicate" or "failed"."""
-    try:
-        epoch_id, answers, state = answer_queries(
-            get_engine(),
-            parse_chunk(chunk),
-            heartbeat=lambda: bulk.renew_lease(chunk, worker),
-            heartbeat_every=settings.MORPHO_BULK_LEASE_SECONDS / 3,
-            progress=progress_writer(chunk, worker),
-        )
-    except ChunkRejected as exc:
-        bulk.fail_chunk(chunk.pk, str(exc))
-        return "failed"
-    except TRANSIENT as exc:
-        bulk.release_chunk(chunk, worker, f"{type(exc).__name__}: {exc}")
-        raise
-    stored = bulk.store_answers(chunk, worker, epoch_id, answers, state)
-    return "stored" if stored else "duplicate"
-
-
-# --- worker process wiring ---------------------------------------------------------------------
-
-_sweeper_started = threading.Event()
-_stop = threading.Event()
-_wake = threading.Event()
-# Held by the sweeper for each pass and by every fork of this process (os.register_at_fork).
-# The worker's main process forks a new pool process whenever one dies (billiard's supervisor
-# thread), and a child gets only the forking thread: a lock another thread held at that moment
-# stays held in the child for good. A pass runs inside SQLite (whose allocator mutex it takes at
-# every query), the database driver, the broker client and logging; a pool process forked in the
-# middle of one blocked on its first query (it had inherited SQLite's mutex, locked) and the
-# worker consumed nothing more, its one prefetched task handed to that process. Forks wait for the
-# pass to end, and a pass ends with this thread's connections closed, so a child inherits neither
-# a held lock nor an open database file or socket.
-_fork_guard = threading.RLock()
-# When this worker's consumer last lost the broker; set by BrokerWatch, read by the sweeper.
-_broker_lost_at: list = []
-
-
-def forget_own_leases(worker: str) -> int:
-    """A worker that starts holds no chunk: chunks its previous life held are free at once."""
-    return BulkChunk.objects.filter(status=JobStatus.RUNNING, worker=worker).update(
-        lease_expires=timezone.now()
-    )
-
-
-class BrokerWatch(bootsteps.StartStopStep):
-    """Tells the sweeper when the consumer reconnects: a restarted broker lost every message.
-
-    Celery restarts the consumer's steps after a connection error (stop, then start once the
-    broker answers again). The moment of the stop is kept; at the next start the sweeper resends
-    every queued chunk sent before it (bulk.resend_sent_before) instead of waiting
-    MORPHO_BULK_REQUEUE_SECONDS for the queue to look stalled."""
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-
-    def __init__(self, c, **kwargs) -> None:
-        super().__init__(c, **kwargs)
-        self.lost_at = None
-
-    def start(self, c) -> None:
-        if self.lost_at is not None:
-            log.warning("connected to the broker again; resending bulk chunks it may have lost")
-            _broker_lost_at.append(self.lost_at)
-            self.lost_at = None
-            _wake.set()
-
-    def stop(self, c) -> None:
-        # Called on a connection error (before reconnecting; again if a reconnection fails
-        # half-way, hence the first moment is kept) and at shutdown.
-        if self.lost_at is None:
-            self.lost_at = timezone.now()
-
-
-@worker_init.connect
-def _watch_broker(sender=None, **kwargs) -> None:
-    # Runs before the worker builds its consumer, so the step is part of it.
-    sender.app.steps["consumer"].add(BrokerWatch)
-
-
-def _sweep_once() -> None:
-    while _broker_lost_at:
-        resent = bulk.resend_sent_before(_broker_lost_at[0])
-        _broker_lost_at.pop(0)  # only once done: a failed resend is tried again next sweep
-        log.warning(
-            "broker came back: %d queued bulk chunk%s sent again", resent, pluralize(resent)
-        )
-    bulk.sweep()
-
-
-def _forget_own_leases(worker: str) -> None:
-    try:
-        freed = forget_own_leases(worker)
-    except DatabaseError:
-        log.exception("could not release this worker's old leases")
-        return
-    if freed:
-        log.warning(
-            "%s: %d chunk%s held by this worker's previous run %s free again",
-            worker, freed, pluralize(freed), pluralize(freed, "is,are"),
-        )
-
-
-def _close_connections() -> None:
-    # Closed whatever CONN_MAX_AGE says: nothing of a connection may be forked.
-    try:
-        connections.close_all()  # this thread's
-    except Exception:  # Django drops the connection even when closing it fails
-        log.exception("could not close the sweeper's database connection")
-
-
-def _sweep_forever(worker: str) -> None:
-    with _fork_guard:
-        try:
-            _forget_own_leases(worker)
-        finally:
-            _close_connections()
-    while not _stop.is_set():
-        _wake.clear()
-        with _fork_guard:
-            try:
-                _sweep_once()
-            except Exception:  # a broken database or broker must not kill the thread
-                log.exception(
-                    "bulk sweep failed; trying again in %s s", settings.MORPHO_BULK_SWEEP_SECONDS
-                )
-            finally:
-                _close_connections()
-        _wake.wait(settings.MORPHO_BULK_SWEEP_SECONDS)
-
-
-def _before_fork() -> None:
-    _fork_guard.acquire()  # waits for the sweep pass under way, if any
-
-
-def _after_fork_in_parent() -> None:
-    _fork_guard.release()
-
-
-def _after_fork_in_child() -> None:
-    global _fork_guard
-    _fork_guard = threading.RLock()  # the child has no sweeper; its own forks need not wait
-
-
-@worker_ready.connect
-def _start_sweeper(sender=None, **kwargs) -> None:
-    # The main worker process sweeps (it outlives pool children); once, even if the consumer
-    # reconnects to the broker and signals ready again.
-    if _sweeper_started.is_set():
-        return
-    _sweeper_started.set()
-    # Registered last, so it runs before the other before-fork hooks (logging's takes its lock).
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
-    worker = getattr(sender, "hostname", None) or "worker"
-    threading.Thread(
-        target=_sweep_forever, args=(worker,), name="bulk-sweeper", daemon=True
-    ).start()
-
-
-@worker_shutdown.connect
-def _stop_sweeper(**kwargs) -> None:
-    _stop.set()
-    _wake.set()
-
-
-@worker_process_init.connect
-def _warm_engine(**kwargs) -> None:
-    # Load the matrix onto this process's device before the first chunk arrives; in a thread,
-    # because Celery gives a pool process only a few seconds to start.
-    def warm() -> None:
-        started = time.monotonic()
-        try:
-            get_engine()
-            log.info("engine ready in %.1f s", time.monotonic() - started)
-        except EngineStartFailed as exc:
-            log.error("engine did not start: %s (chunks retry until it does)", exc.reason)
-
-    threading.Thread(target=warm, name="engine-warmup", daemon=True).start()
+@shared_task(name=PURGE_TASK)
+def purge_expired_jobs() -> int:
+    """Delete the bulk jobs past their retention, with their files (sent by Celery beat)."""
+    return bulk_files.purge_expired()

@@ -182,6 +182,19 @@ def start_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _bulk_files_in_a_temporary_folder(tmp_path_factory):
+    """Bulk job files of in-process tests go to a folder of the run's own, not the checkout's var/."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    storage = {**settings.STORAGES["bulk"], "OPTIONS": {
+        **settings.STORAGES["bulk"].get("OPTIONS", {}),
+        "location": str(tmp_path_factory.mktemp("bulk-files"))}}
+    with override_settings(STORAGES={**settings.STORAGES, "bulk": storage}):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_request_counters():
     """Each test starts with no request counted against any limit (user ids repeat per test)."""

@@ -65,6 +65,9 @@ def test_health_reports_epoch_backend_and_queue(api):
     assert body["backend"] == "cpu"
     assert body["fallback_reason"] is None  # cpu was asked for, nothing fell back
     assert body["pass_queries"] == 74  # queries a launch holds at most: the CPU's one pass, the static bound
+    # which matrix layout, and why: the CPU backend has one
+    assert body["layout"] == "pages"
+    assert body["layout_reason"] == "this backend scans pages, its one layout"
     assert body["queue_depth"] == {"interactive": 0, "bulk": 0}
     assert body["num_pages"] == 200 and body["domain_bits"] == D
 

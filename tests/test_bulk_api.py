@@ -16,7 +16,7 @@ from gpu_engine.backends.cpu import reference_answers
 from morpho_pir.dpf import DpfKey, KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix
 from engine.holder import get_engine
-from queries import bulk
+from queries import bulk, bulk_files
 from gpu_engine.scheduler import LanePolicy
 from queries.bulk_runner import answer_queries, parse_chunk, request_plan
 from queries.models import BulkChunk, BulkJob, BulkResult, JobStatus
@@ -99,7 +99,7 @@ def test_json_job_is_split_into_policy_sized_chunks(client, key_pool):
     assert body["chunks"]["queued"] == 3
     # The stored keys are the submitted ones, in order.
     first = queries_of(key_pool, 10)[4]["keys"]
-    assert bytes(chunks[1].keys)[: 3 * len(bytes.fromhex(first[0]))].hex() == "".join(first)
+    assert bulk_files.read_keys(chunks[1].keys_file)[: 3 * len(bytes.fromhex(first[0]))].hex() == "".join(first)
 
 
 def test_bare_array_ndjson_body_and_uploaded_file_make_the_same_job(client, key_pool):
@@ -114,7 +114,7 @@ def test_bare_array_ndjson_body_and_uploaded_file_make_the_same_job(client, key_
     for response in (bare, body, form):
         assert response.status_code == 201, response.json()
         assert response.json()["total"] == 6
-    stored = {bytes(c.keys) for c in BulkChunk.objects.filter(index=0)}
+    stored = {bulk_files.read_keys(c.keys_file) for c in BulkChunk.objects.filter(index=0)}
     assert len(stored) == 1  # three jobs, identical first chunks
 
 

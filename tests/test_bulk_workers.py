@@ -406,3 +406,28 @@ def test_a_2000_query_job_keeps_its_turn_while_small_jobs_stream_in(stack, workl
         for start, end in zip(starts, own[len(own) - len(starts) :]):
             between = [other for at, other in claims if start < at < end]
             assert len(between) <= 2, (job, start, end, between)
+
+
+def test_celery_beat_purges_an_expired_job_and_its_files(stack, workload):
+    # bin/gpu-workers starts the party's beat beside its worker; it sends the purge every second
+    # here, and a worker deletes what is past its expires_at, rows and files.
+    s = stack("filesystem://", MORPHO_BULK_PURGE_SECONDS=1)
+    s.start_workers()
+    picks = workload[1][:40]
+    kept = submit(s, workload, body_of(workload, picks))
+    check_answers(s, kept, picks, workload[2])
+    expired = submit(s, workload, body_of(workload, picks))
+    job = check_answers(s, expired, picks, workload[2])
+    assert job["expires_at"] is not None
+    folder = s.tmp / "bulk" / expired
+    assert [p.name for p in folder.iterdir()], "the answers are files under the state folder"
+    with sqlite3.connect(s.db) as db:
+        db.execute("update queries_bulkjob set expires = '2000-01-01 00:00:00' where id = ?",
+                   (uuid.UUID(expired).hex,))
+    deadline = time.monotonic() + 60
+    while s.request("GET", f"/bulk/jobs/{expired}")[0] != 404:
+        assert time.monotonic() < deadline, s.logs()
+        time.sleep(0.2)
+    assert not folder.exists()
+    assert s.job(kept)["status"] == "done"  # not expired: kept, with its answers
+    assert s.request("GET", f"/bulk/jobs/{kept}/results")[0] == 200

@@ -29,6 +29,33 @@ def test_a_pass_serves_the_whole_queries_of_one_key_group(shared, layout, wgmma,
     assert plan.num_groups == 2
 
 
+@pytest.mark.parametrize("capability, shared, layout, queries", [
+    ((9, 0), SM_90, "fragments", 74),  # the H100 and H200: wgmma over fragments
+    ((8, 0), SM_80, "pages", None),  # the A100: v1's fragments scan needs more than its 163 KiB
+    ((8, 6), 99 * 1024, "pages", None),  # no tile of the fragments scans fits
+    ((8, 9), 99 * 1024, "pages", None),
+    ((7, 5), 64 * 1024, "pages", None),  # no 1-bit products at all
+])
+def test_auto_picks_the_layout_the_fastest_scans_read_and_says_why(capability, shared, layout,
+                                                                   queries):
+    picked, why = cuda_plan.auto_layout(capability, shared)
+    assert picked == layout
+    sm = f"sm_{capability[0]}{capability[1]}"
+    assert why.startswith(f"auto: {sm}")
+    if queries is not None:
+        assert f"{queries} queries a pass" in why
+    if capability == (8, 0):
+        assert "the fragments scans need 198080" in why
+
+
+def test_a_backend_without_a_choice_of_layout_says_it_has_pages():
+    from gpu_engine.backends import create_backend
+
+    described = create_backend("cpu").describe()
+    assert described["layout"] == "pages"
+    assert described["layout_reason"] == "this backend scans pages, its one layout"
+
+
 def test_the_static_bound_is_the_most_any_scan_serves_in_one_pass():
     assert cuda_plan.MAX_LAUNCH_QUERIES == 74 and cuda_plan.MAX_LAUNCH_KEYS == 222
     assert cuda_plan.MAX_LAUNCH_QUERIES == max(map(cuda_plan.pass_queries, cuda_plan.ANY_TILE_COUNTS))
@@ -58,3 +85,14 @@ def test_a_cuda_backend_serves_its_scans_pass(layout):
         if layout == "fragments":
             assert CudaBackend(layout=layout, wgmma=False).pass_queries == 58  # mma.sync's 11 tiles
     assert CudaBackend(layout="pages", v2_scan="alu").pass_queries == cuda_plan.MAX_LAUNCH_QUERIES
+
+
+@pytest.mark.gpu
+def test_a_cuda_backend_asked_for_auto_takes_the_gpus_layout_and_its_pass():
+    from gpu_engine.backends import create_backend
+
+    backend = create_backend("cuda", layout="auto")
+    info = backend.describe()
+    assert info["layout"] in cuda_plan.MATRIX_LAYOUTS and info["layout_reason"].startswith("auto: ")
+    if backend.compute_capability == cuda_plan.WGMMA_CAPABILITY:
+        assert info["layout"] == "fragments" and info["pass_queries"] == 74

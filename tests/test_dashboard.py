@@ -50,6 +50,10 @@ def test_page_and_data_show_what_metrics_exports(staff, serve_matrix, vector_mat
     assert data["batch_size_buckets"][-1][1] >= 1
     assert data["memory"]["resident"] == 200 * 4096
     assert set(data["queue_depth"]) == {"interactive", "bulk"}
+    layout = metric_line(metrics, "pir_engine_layout_info")
+    assert 'layout="pages"' in layout and 'reason="this backend scans pages, its one layout"' in layout
+    assert data["layout"] == {"backend": "cpu", "layout": "pages", "pass_queries": "74",
+                              "reason": "this backend scans pages, its one layout"}
 
     # the digest every answer's `state` carries, the one figure that differs where parties diverge
     state = APIClient().get("/epoch").json()["state"]

@@ -23,7 +23,7 @@ from policies.models import BatchingPolicy
 from queries import bulk
 from queries.bulk_runner import answer_queries, parse_chunk
 from queries.models import BulkChunk
-from queries.tasks import progress_writer
+from queries.bulk_runner import progress_writer
 from tests.conftest import VECTOR_EPOCH
 from tests.test_bulk_api import key_pool, queries_of  # noqa: F401 - a fixture and a helper
 

@@ -15,7 +15,7 @@ from gpu_engine.backends.cpu import reference_answers
 from morpho_pir.dpf import DpfKey, KeyBatch, gen_keys, key_length
 from gpu_engine.matrix import load_matrix
 from engine.holder import get_engine
-from queries import bulk
+from queries import bulk, bulk_files
 from queries.bulk_runner import answer_queries, parse_chunk
 from queries.models import BulkChunk, BulkJob
 
@@ -70,8 +70,9 @@ def test_binary_upload_makes_the_same_job_as_json(client):
     assert binary.status_code == hexed.status_code == 201, binary.content
     assert binary.json()["total"] == hexed.json()["total"] == 10
     assert binary.json()["chunk_size"] == hexed.json()["chunk_size"]
-    stored = [[bytes(c.keys) for c in BulkChunk.objects.filter(job_id=r.json()["id"])
-               .order_by("index")] for r in (binary, hexed)]
+    stored = [[bulk_files.read_keys(c.keys_file)
+               for c in BulkChunk.objects.filter(job_id=r.json()["id"]).order_by("index")]
+              for r in (binary, hexed)]
     assert stored[0] == stored[1] and b"".join(stored[0]) == b"".join(b"".join(q) for q in queries)
 
 
@@ -160,4 +161,4 @@ def test_a_large_binary_upload_is_stored_as_sent(client, settings):
     assert response.json()["total"] == 6000
     chunks = BulkChunk.objects.filter(job_id=response.json()["id"]).order_by("index")
     assert [c.count for c in chunks] == [1024] * 5 + [880]
-    assert b"".join(bytes(c.keys) for c in chunks) == raw
+    assert b"".join(bulk_files.read_keys(c.keys_file) for c in chunks) == raw

@@ -3,7 +3,6 @@ their result lines combined only where both name one epoch and served state."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from pathlib import Path
 from typing import AsyncIterator, Callable, Optional, Sequence

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.parse
-from typing import Optional
 
 from morpho_client.core import ServerError
 

@@ -128,6 +128,10 @@ class Backend(ABC):
     # CudaBackend's comes from its scan's key tiles (cuda_plan.pass_queries); a backend without
     # passes (the CPU's scan serves any batch in one) takes the static bound
     pass_queries: int = MAX_LAUNCH_QUERIES
+    # how its matrices are stored (cuda_plan.MATRIX_LAYOUTS) and why: CudaBackend's is asked for
+    # or picked by the GPU (cuda_plan.auto_layout); a backend of one layout has pages
+    layout: str = "pages"
+    layout_reason: str = "this backend scans pages, its one layout"
 
     def __init__(self) -> None:
         # Why this backend was chosen when another was asked for (auto fallback), else None.
@@ -143,6 +147,7 @@ class Backend(ABC):
 
     def describe(self) -> dict:
         info = {"backend": self.name, "fallback_reason": self.fallback_reason,
-                "pass_queries": self.pass_queries}
+                "pass_queries": self.pass_queries, "layout": self.layout,
+                "layout_reason": self.layout_reason}
         info.update(self.memory_info())
         return info

@@ -316,7 +316,8 @@ class CudaBackend(Backend):
     def __init__(self, device: Optional[int] = None, v2_scan: str = "auto", layout: str = "pages",
                  wgmma: Optional[bool] = None) -> None:
         super().__init__()
-        cuda_plan.check_layout(layout)
+        if layout != "auto":
+            cuda_plan.check_layout(layout)
         try:
             count = runtime.getDeviceCount()
         except Exception as exc:  # CuPy present, driver or GPU missing
@@ -335,6 +336,12 @@ class CudaBackend(Backend):
         # key tiles a block of the tensor-core scan may hold: what a block's shared memory fits
         # (sm_80 fewer than sm_90: more key groups a launch; sm_86/89 not one tile)
         shared_limit = int(props.get("sharedMemPerBlockOptin", cuda_plan.MAX_SHARED_BYTES))
+        # the layout of the matrices it loads from now on (both answer v1 and v2 keys), and why
+        if layout == "auto":
+            layout, self.layout_reason = cuda_plan.auto_layout(self.compute_capability, shared_limit)
+        else:
+            self.layout_reason = f"MORPHO_MATRIX_LAYOUT={layout}"
+        self.layout = layout
         # the fragments layout on sm_90: Hopper's warpgroup products (dpf_scan_wgmma_frag, 1.55x
         # mma.sync's rate, up to 224 keys a block); wgmma=False keeps mma.sync (for comparison)
         can_wgmma = layout == "fragments" and self.compute_capability == cuda_plan.WGMMA_CAPABILITY
@@ -349,8 +356,6 @@ class CudaBackend(Backend):
         self.v1_pairs = can_wgmma
         self.mma_max_tiles = cuda_plan.mma_max_tiles(shared_limit, layout, self.wgmma)
         self.tensor_cores = self.compute_capability >= cuda_plan.MMA_MIN_CAPABILITY and self.mma_max_tiles > 0
-        # the layout of the matrices it loads from now on (both answer v1 and v2 keys)
-        self.layout = layout
         if layout == "fragments":
             # v2 keys' scan and v1 keys' (dpf_scan_v1_frag) must both fit a block
             need = max(cuda_plan.mma_shared_bytes(1, layout),

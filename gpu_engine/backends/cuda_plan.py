@@ -109,6 +109,14 @@ V2_SCANS = ("auto", "mma", "alu")  # how v2 keys are scanned: by batch size, ten
 # pages, chunk c's slice s at (c * MMA_SLICES + s) * MMA_FRAGMENT_WORDS (dpf_scan_mma.cu,
 # fragment_offset), which only dpf_scan_mma_frag reads: v2 keys, on the tensor cores.
 MATRIX_LAYOUTS = ("pages", "fragments")
+# What MORPHO_MATRIX_LAYOUT may name: a layout, or "auto", the layout the GPU's fastest scans read
+# (auto_layout)
+LAYOUT_CHOICES = ("auto",) + MATRIX_LAYOUTS
+# GPUs whose fastest scans read the fragments layout, where a block's shared memory holds both of
+# its scans (auto_layout): sm_90 (the H100 and H200: v2 keys on the warpgroup products, 74 queries
+# a pass, v1 batches in cluster pairs); sm_80 has the 1-bit products, but its 163 KiB hold v2's
+# fragments scan and not v1's (dpf_scan_v1_frag), so it keeps pages. sm_86/89 hold no tile of it.
+FRAGMENTS_CAPABILITIES = ((8, 0), (9, 0))
 MMA_FRAGMENT_WORDS = MMA_CHUNK_PAGES * MMA_SLICE_WORDS  # one (chunk, slice) of the layout: 32 KiB
 # chunks' buffers of the fragments scans: dpf_scan_mma_frag copies chunk i + 2 while chunk i is
 # multiplied; dpf_scan_wgmma_frag splits them into parts of a chunk (WGMMA_SPLIT, in the kernel)
@@ -296,6 +304,22 @@ def v1_frag_shared_bytes() -> int:
     regions for chunks of 2**V1_FRAG_CHUNK_LEVELS leaves, then its A fragments and the first
     levels' nodes of a batch of chunks."""
     return V1_FRAG_AFRAG_BYTES + V1_FRAG_TOPS_BYTES + scan_shared_bytes(V1_FRAG_GROUP_KEYS, V1_FRAG_CHUNK_LEVELS)
+
+
+def auto_layout(capability: Tuple[int, int], shared_limit: int) -> Tuple[str, str]:
+    """(layout, why) for MORPHO_MATRIX_LAYOUT=auto on a GPU of this compute capability whose
+    blocks may opt in to shared_limit bytes of shared memory."""
+    sm = f"sm_{capability[0]}{capability[1]}"
+    need = max(mma_shared_bytes(1, "fragments"), v1_frag_shared_bytes())
+    if capability in FRAGMENTS_CAPABILITIES and need <= shared_limit:
+        return "fragments", (f"auto: {sm}'s fastest scans (tensor-core 1-bit products, "
+                             f"{pass_queries(mma_max_tiles(shared_limit, 'fragments', capability == WGMMA_CAPABILITY))}"
+                             f" queries a pass) read fragments")
+    if capability in FRAGMENTS_CAPABILITIES:
+        return "pages", (f"auto: {sm} opts in to {shared_limit} bytes of shared memory a block, "
+                         f"the fragments scans need {need}")
+    return "pages", (f"auto: {sm} has no fragments scan measured faster than the pages scan "
+                     f"(fragments are for sm_80 and sm_90)")
 
 
 def check_layout(layout: str) -> None:

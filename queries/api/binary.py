@@ -27,7 +27,8 @@ from queries.api.serializers import KEY_FORMATS, format_message, key_from_bytes,
 
 
 class OctetStreamParser(BaseParser):
-    """A binary body: keys concatenated, three per query (read whole; the body limit bounds it)."""
+    """A binary query body: keys concatenated, three per query (read whole; MORPHO_MAX_BODY_BYTES
+    bounds it)."""
 
     media_type = OCTET_STREAM
 
@@ -126,10 +127,12 @@ def first_key_error(message: str, single: bool) -> serializers.ValidationError:
 
 
 def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool = False,
-               limit_setting: str = "", key_formats=KEY_FORMATS) -> int:
+               limit_setting: str = "", key_formats=KEY_FORMATS, length: int | None = None) -> int:
     """The number of queries in a binary body, or a ValidationError naming the length or count.
     The keys' format is the first key's (byte 18), one of `key_formats`: a byte 18 that names no
-    format is that key's error, since the body cannot be cut into keys without one."""
+    format is that key's error, since the body cannot be cut into keys without one. `raw` may be
+    the body's first bytes only (a streamed body), its whole `length` given apart."""
+    length = len(raw) if length is None else length
     problem = format_byte_problem(raw)
     if problem:
         raise first_key_error(f"{problem} (body bytes 0 to {FORMAT_BYTE})", single)
@@ -141,13 +144,13 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
     size = query_bytes(domain_bits, key_format)
     shape = (f"{KEYS_PER_QUERY} keys of {key_length(domain_bits, key_format)} bytes: "
              f"{key_shape(domain_bits, key_format)}")
-    if single and len(raw) != size:
-        message = f"expected {size} bytes (one query, {shape}), got {len(raw)}"
-    elif len(raw) % size:
+    if single and length != size:
+        message = f"expected {size} bytes (one query, {shape}), got {length}"
+    elif length % size:
         message = (f"expected a multiple of {size} bytes (one query is {shape}), "
-                   f"got {len(raw)}")
+                   f"got {length}")
     else:
-        count = len(raw) // size
+        count = length // size
         if not lo <= count <= hi:
             setting = f" ({limit_setting})" if limit_setting else ""
             raise serializers.ValidationError({"queries": [serializers.ErrorDetail(
@@ -165,18 +168,20 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
         {"body": [serializers.ErrorDetail(message, code="body_length")]})
 
 
-def parse_query(raw: bytes, index: int, domain_bits: int,
-                key_formats=KEY_FORMATS) -> tuple[list[bytes], dict]:
+def parse_query(raw: bytes, index: int, domain_bits: int, key_formats=KEY_FORMATS,
+                key_format: int | None = None, first: int = 0) -> tuple[list[bytes], dict]:
     """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key.
-    Every key is of the body's format, its first key's."""
-    key_format = key_format_of(raw)
+    Every key is of the body's format, its first key's. `raw` may be a piece of the body that
+    starts at query `first`; then the body's format is given as `key_format`."""
+    key_format = key_format_of(raw) if key_format is None else key_format
     length = key_length(domain_bits, key_format)
     keys: list[bytes] = []
     errors: dict = {}
     for key in range(KEYS_PER_QUERY):
         start = (index * KEYS_PER_QUERY + key) * length
+        at = start - first * KEYS_PER_QUERY * length
         try:
-            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits, key_formats,
+            keys.append(key_from_bytes(bytes(raw[at:at + length]), domain_bits, key_formats,
                                        key_format))
         except serializers.ValidationError as exc:
             (detail,) = exc.detail

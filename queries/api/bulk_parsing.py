@@ -1,10 +1,11 @@
 """Bulk bodies read as streams: bounded memory per request, whatever the body holds.
 
-Parsed whole, 64 MiB of `[[],[],...]` would become 22 million Python lists (1.2 GB, 11-15 s
-holding the GIL, every other request stalled). So a JSON body is read
-64 KiB at a time, and each query, one array element of at most MORPHO_BULK_MAX_QUERY_BYTES, is
-decoded on its own; NDJSON lines have the same cap; validated queries are kept as key bytes in a
-spool that moves to a temporary file past SPOOL_MEMORY_BYTES.
+Parsed whole, 64 MiB of JSON `[[],[],...]` is 22 million Python lists (1.2 GB, 11-15 s holding
+the GIL, every other request stalled), and a binary body its own size again. So a JSON body is
+read 64 KiB at a time, and each query, one array element of at most MORPHO_BULK_MAX_QUERY_BYTES,
+is decoded on its own; NDJSON lines have the same cap; a binary body is read BINARY_READ_BYTES of
+whole queries at a time. Validated queries are kept as key bytes in a spool that moves to a
+temporary file past SPOOL_MEMORY_BYTES.
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from django.conf import settings
 from rest_framework import exceptions
 from rest_framework.parsers import BaseParser
 
+from queries.api.binary import OctetStreamParser
+
 READ_BYTES = 64 * 1024  # read from the body at a time
+BINARY_READ_BYTES = 1 << 20  # of a binary body, rounded down to whole queries
 SPOOL_MEMORY_BYTES = 4 << 20  # validated key bytes kept in memory before spilling to a file
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
@@ -293,3 +297,48 @@ class QuerySpool:
 
     def close(self) -> None:
         self._file.close()
+
+    def extend(self, raw: bytes, size: int) -> None:
+        """Append whole queries of `size` key bytes at once (a piece of a binary body)."""
+        if self._size is None:
+            self._size = size
+        if size != self._size or len(raw) % size:
+            raise ValueError(f"{len(raw)} key bytes are not whole queries of {self._size}")
+        self._file.write(raw)
+        self._count += len(raw) // self._size
+
+
+class BinaryBody:
+    """A binary bulk body, not read yet: its length (Content-Length) and its stream."""
+
+    def __init__(self, stream, length: int) -> None:
+        self.stream = stream
+        self.length = length
+        self.read_bytes = 0
+
+    def pieces(self, query_bytes: int) -> Iterator[bytes]:
+        """The body in pieces of whole queries, at most BINARY_READ_BYTES each (at least one
+        query); the last piece holds what is left, whole or not."""
+        want = max(query_bytes, BINARY_READ_BYTES // query_bytes * query_bytes)
+        while self.read_bytes < self.length:
+            piece = bytearray()
+            while len(piece) < want and self.read_bytes < self.length:
+                data = self.stream.read(min(want - len(piece), self.length - self.read_bytes))
+                if not data:
+                    return  # the client stopped sending: the caller counts what came
+                piece += data
+                self.read_bytes += len(data)
+            yield bytes(piece)
+
+
+class StreamingOctetStreamParser(OctetStreamParser):
+    """A binary bulk body, handed over unread (BinaryBody): the serializer reads and checks it
+    piece by piece, so a submission holds BINARY_READ_BYTES of it, not all of it."""
+
+    def parse(self, stream, media_type=None, parser_context=None) -> BinaryBody:
+        meta = parser_context["request"].META
+        try:
+            length = int(meta.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        return BinaryBody(stream, max(0, length))

@@ -22,14 +22,13 @@ from morpho_pir.dpf import KEY_FORMAT_V1
 from gpu_engine.engine import key_formats_of
 from morpho_pir.http import NDJSON, STATE_RANGES_HEADER
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
-from queries import bulk
+from queries import bulk, bulk_files
 from queries.api.binary import (
     EPOCH_IDS_HEADER,
     EPOCH_RANGES_HEADER,
     OCTET_STREAM,
     QUERIES_HEADER,
     JSONErrorsMixin,
-    OctetStreamParser,
     OctetStreamRenderer,
     QualityNegotiation,
     sent_binary,
@@ -42,7 +41,7 @@ from queries.api.bulk_serializers import (
     NDJSONSource,
 )
 from queries.api.bulk_limits import BulkSubmitThrottle, check_quota, drain, slots
-from queries.api.bulk_parsing import StreamingBulkJSONParser
+from queries.api.bulk_parsing import StreamingBulkJSONParser, StreamingOctetStreamParser
 from queries.api.errors import exception_handler as api_exception_handler
 from queries.api.openapi import response_headers
 from queries.bulk_runner import bulk_policy
@@ -71,10 +70,15 @@ class NDJSONRenderer(JSONRenderer):
     format = "ndjson"
 
 
-def stored_chunks(job: BulkJob) -> tuple[list[int], int]:
-    """(ids of the job's stored result rows in query order, how many queries they answer)."""
-    rows = list(BulkResult.objects.filter(job=job).order_by("index").values_list("pk", "count"))
-    return [pk for pk, _ in rows], sum(count for _, count in rows)
+def stored_chunks(job: BulkJob) -> tuple[list[tuple[int, int, str, str]], int]:
+    """((first query, epoch id, answers file, its line's state member) of each stored chunk in
+    query order, how many queries they answer)."""
+    rows = list(BulkResult.objects.filter(job=job).order_by("index")
+                .values_list("first", "count", "epoch_id", "answers_file", "state_updates",
+                             "state_digest"))
+    return [(first, epoch_id, name, state_text(epoch_id, updates, digest))
+            for first, _, epoch_id, name, updates, digest in rows], \
+        sum(row[1] for row in rows)
 
 
 def state_text(epoch_id: int, updates, digest: str) -> str:
@@ -85,37 +89,32 @@ def state_text(epoch_id: int, updates, digest: str) -> str:
     return f'"state": {{"epoch_id": {epoch_id}, "updates": {updates}, "digest": "{digest}"}}, '
 
 
-def result_lines(chunk_ids: list[int]) -> Iterator[bytes]:
-    """The answers of these result rows in query order, one chunk row in memory at a time."""
+def result_lines(chunks: list[tuple[int, int, str, str]]) -> Iterator[bytes]:
+    """The answers of these chunks in query order, LINES_PER_WRITE queries read at a time."""
     size = KEYS_PER_QUERY * PAGE_BYTES
-    for pk in chunk_ids:
-        first, epoch_id, updates, digest, answers = BulkResult.objects.values_list(
-            "first", "epoch_id", "state_updates", "state_digest", "answers"
-        ).get(pk=pk)
-        answers = bytes(answers)
-        state = state_text(epoch_id, updates, digest)
-        lines = []
-        for query in range(len(answers) // size):
-            base = query * size
-            pages = '", "0x'.join(
-                answers[base + k * PAGE_BYTES : base + (k + 1) * PAGE_BYTES].hex()
-                for k in range(KEYS_PER_QUERY)
-            )
-            lines.append(
-                f'{{"index": {first + query}, "epoch_id": {epoch_id}, {state}"pages": ["0x{pages}"]}}\n'
-            )
-            if len(lines) == LINES_PER_WRITE:
-                yield "".join(lines).encode()
+    for first, epoch_id, name, state in chunks:
+        with bulk_files.open_answers(name) as handle:
+            query = first
+            while block := handle.read(size * LINES_PER_WRITE):
                 lines = []
-        if lines:
-            yield "".join(lines).encode()
+                for base in range(0, len(block), size):
+                    pages = '", "0x'.join(
+                        block[base + k * PAGE_BYTES : base + (k + 1) * PAGE_BYTES].hex()
+                        for k in range(KEYS_PER_QUERY)
+                    )
+                    lines.append(
+                        f'{{"index": {query}, "epoch_id": {epoch_id}, {state}'
+                        f'"pages": ["0x{pages}"]}}\n'
+                    )
+                    query += 1
+                yield "".join(lines).encode()
 
 
-def result_bytes(chunk_ids: list[int]) -> Iterator[bytes]:
-    """These result rows' answers in query order as raw bytes: each query's three pages."""
-    for pk in chunk_ids:
+def result_bytes(chunks: list[tuple[int, int, str, str]]) -> Iterator[bytes]:
+    """These chunks' answers in query order as raw bytes: each query's three pages."""
+    for _first, _epoch_id, name, _state in chunks:
         # A chunk's answers are stored exactly so: query after query, key after key.
-        yield bytes(BulkResult.objects.values_list("answers", flat=True).get(pk=pk))
+        yield from bulk_files.answer_blocks(name)
 
 
 def epoch_ranges(job: BulkJob, with_state: bool = False) -> str:
@@ -142,9 +141,9 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
     serializer_class = BulkJobSerializer
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [IsAuthenticated]
-    # JSON read as a stream (queries/api/bulk_parsing.py): memory per request stays bounded; a
-    # binary body is read whole, bounded by MORPHO_BULK_MAX_BODY_BYTES.
-    parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser, OctetStreamParser]
+    # Bodies read as streams (queries/api/bulk_parsing.py): memory per request stays bounded.
+    parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser,
+                      StreamingOctetStreamParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
     content_negotiation_class = QualityNegotiation
 
@@ -291,15 +290,15 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
                 status=status.HTTP_409_CONFLICT,
             )
         # Read once: a chunk that was running at a cancel may still store its answers meanwhile.
-        chunk_ids, answered = stored_chunks(job)
+        chunks, answered = stored_chunks(job)
         if wants_binary(request):
-            response = StreamingHttpResponse(result_bytes(chunk_ids), content_type=OCTET_STREAM)
+            response = StreamingHttpResponse(result_bytes(chunks), content_type=OCTET_STREAM)
             response[QUERIES_HEADER] = str(answered)
             response[EPOCH_IDS_HEADER] = ",".join(str(e) for e in job.epoch_ids())
             response[EPOCH_RANGES_HEADER] = epoch_ranges(job)
             response[STATE_RANGES_HEADER] = epoch_ranges(job, with_state=True)
         else:
-            response = StreamingHttpResponse(result_lines(chunk_ids), content_type=NDJSON)
+            response = StreamingHttpResponse(result_lines(chunks), content_type=NDJSON)
         response["X-Bulk-Total"] = str(job.total)
         response["X-Bulk-Answered"] = str(answered)
         response["X-Bulk-Partial"] = "true" if answered < job.total else "false"

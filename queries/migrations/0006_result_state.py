@@ -4,7 +4,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('queries', '0004_fair_share'),
+        ('queries', '0005_bulk_files'),
     ]
 
     operations = [

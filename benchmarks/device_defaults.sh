@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for the defaults' figures: the layout the server picks (auto) against pages at
+# the mainnet shape, v1 and v2 keys (benchmarks/backend_batch.py), then bulk jobs from POST to done
+# against the engine at 65,536 and 1,048,576 pages (benchmarks/bulk.py, JSON and binary uploads).
+# Run from the repo root on the device with the Django/Celery wheels in .whl:
+#   bash benchmarks/device_defaults.sh   (CSVs and one log under $OUT)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/pir PATH=/tmp/site/bin:$PATH
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG="$OUT/device_defaults.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
+# what the server's default (MORPHO_MATRIX_LAYOUT=auto) picks here, and why
+python3 -c "from gpu_engine.backends import create_backend as c; d = c('cuda', layout='auto').describe(); print({k: d[k] for k in ('device', 'layout', 'layout_reason', 'pass_queries')})" 2>&1 | tee -a "$LOG"
+for pages in 65536 1048576; do
+    echo "== bulk $pages" | tee -a "$LOG"
+    timeout "${BULK_S:-100}" python3 benchmarks/bulk.py --backend cuda --pages $pages --queries 10000 \
+        --concurrency 2,4 --port 9650 --out "$OUT/bulk_h200_${pages}p.csv" 2>&1 | tee -a "$LOG" | tail -3
+done
+MAINNET=16817159
+for keys in v1 v2; do
+    for layout in auto pages; do
+        echo "== mainnet $keys $layout" | tee -a "$LOG"
+        timeout "${LAYOUT_S:-25}" python3 benchmarks/backend_batch.py --backend cuda --gpu-matrix \
+            --pages $MAINNET --domain-bits 25 --key-format $keys --layout $layout --q 1,8,32 \
+            --repeat 2 --out "$OUT/layout_h200_mainnet_${keys}_${layout}.csv" 2>&1 | tail -6 | tee -a "$LOG"
+    done
+done
