@@ -60,6 +60,7 @@ def test_backend_batch_runs_on_the_cpu_backend(tmp_path):
         backend_batch.parse_dispatch("streams=2,lanes=3")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("script", PY_SCRIPTS, ids=lambda p: p.name)
 def test_each_script_runs_as_a_file_from_anywhere(script, tmp_path):
     # Not installed: the script itself makes the checkout importable, whatever the working folder.

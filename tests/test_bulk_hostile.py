@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import REPO, server_env
 from tests.protocol_vectors import KEY0_HEX, KEY1_HEX
 
+pytestmark = pytest.mark.processes
+
 MIB = 1 << 20
 BODY_BYTES = 64 * MIB
 RSS_GROWTH_LIMIT = 100 * MIB

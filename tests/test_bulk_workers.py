@@ -26,6 +26,8 @@ from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix, write_matrix_file
 from tests.conftest import REPO, redis_reachable, server_env
 
+pytestmark = pytest.mark.processes
+
 PAGES = 512  # d = 9: about 200 queries/s on 2 cores, so a 1,000-query job runs for seconds
 QUERIES = 1000
 POOL = 24  # distinct keys; queries pick three each, so 3,000 keys cost 24 key generations

@@ -50,6 +50,7 @@ def expected(matrix_file):
     return load_matrix(matrix_file)
 
 
+@pytest.mark.processes
 def test_fetch_single_rows(parties, expected):
     a, b, _ = parties
     with PirClient(a, b) as client:
@@ -59,6 +60,7 @@ def test_fetch_single_rows(parties, expected):
             assert client.fetch_row(row) == expected.row(row)
 
 
+@pytest.mark.processes
 def test_fetch_many_rows_in_batches(parties, expected):
     a, b, _ = parties
     rows = random.Random(5).sample(range(PAGES * 16), 40)  # two requests: 32 + 8 queries
@@ -68,6 +70,7 @@ def test_fetch_many_rows_in_batches(parties, expected):
         assert client.fetch_rows(rows[:7], batch=True) == [expected.row(r) for r in rows[:7]]
 
 
+@pytest.mark.processes
 def test_cli_prints_each_row_as_hex(parties, expected):
     a, b, _ = parties
     for extra in ([], ["--batch"]):
@@ -83,6 +86,7 @@ def test_cli_prints_each_row_as_hex(parties, expected):
         ]
 
 
+@pytest.mark.processes
 def test_mismatched_epochs_are_refused(parties):
     a, _, c = parties
     with PirClient(a, c) as client:
@@ -97,6 +101,7 @@ def test_mismatched_epochs_are_refused(parties):
     assert "the servers serve different epochs" in result.stderr
 
 
+@pytest.mark.processes
 def test_row_out_of_range_and_unreachable_server(parties):
     a, b, _ = parties
     with PirClient(a, b) as client:
@@ -107,6 +112,7 @@ def test_row_out_of_range_and_unreachable_server(parties):
             client.fetch_row(0)
 
 
+@pytest.mark.processes
 def test_a_server_error_is_reported_with_its_reason(parties):
     a, b, _ = parties
     with PirClient(a, b) as client:
@@ -197,6 +203,7 @@ class EpochRewritingProxy:
         self.server.server_close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("lies, retried_ok", [(1, True), (MISMATCH_ATTEMPTS, False)])
 def test_answers_from_different_epochs_are_retried(parties, expected, lies, retried_ok):
     a, b, _ = parties
@@ -218,6 +225,7 @@ def test_answers_from_different_epochs_are_retried(parties, expected, lies, retr
 # --- the binary encoding (docs/PROTOCOL.md section 5.3) -----------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("encoding, used",
                          [("auto", "binary"), ("binary", "binary"), ("json", "json")])
 def test_each_encoding_fetches_the_same_rows(parties, expected, encoding, used):
@@ -231,6 +239,7 @@ def test_each_encoding_fetches_the_same_rows(parties, expected, encoding, used):
         assert client.epoch().encodings == ("json", "binary")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("flag, line", [
     ([], "encoding: binary (requested auto), keys: v2 (requested auto)"),
     (["--encoding", "json"], "encoding: json (requested json), keys: v2 (requested auto)"),
@@ -254,6 +263,7 @@ def test_cli_says_which_encoding_it_used_with_v(parties, expected, flag, line):
 # --- key formats (docs/PROTOCOL.md section 3.1) --------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("encoding", ["json", "binary"])
 @pytest.mark.parametrize("key_format, used", [("auto", "v2"), ("v2", "v2"), ("v1", "v1")])
 def test_each_key_format_fetches_the_same_rows(parties, expected, encoding, key_format, used):

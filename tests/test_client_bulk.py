@@ -108,6 +108,7 @@ def run_cli(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.processes
 def test_cli_bulk_fetch_writes_every_row(parties, expected, tmp_path):
     a, b = parties
     rows = [0, 5, 1023, 17, 17, 600] + list(range(100, 130))
@@ -127,6 +128,7 @@ def test_cli_bulk_fetch_writes_every_row(parties, expected, tmp_path):
     assert [len(p.jobs()) for p in parties] == [n + 1 for n in before]  # one job per party
 
 
+@pytest.mark.processes
 def test_a_crashed_fetch_resumes_the_same_jobs(parties, expected, tmp_path):
     a, b = parties
     rows = list(range(200, 240, 3))
@@ -159,6 +161,7 @@ def test_a_crashed_fetch_resumes_the_same_jobs(parties, expected, tmp_path):
     assert not state.exists()
 
 
+@pytest.mark.processes
 def test_a_crash_between_the_two_submissions_sends_the_same_keys_to_b(parties, expected, tmp_path):
     a, b = parties
     rows = [7, 300, 1000]
@@ -212,6 +215,7 @@ class EpochRewritingProxy:
         self.server.server_close()
 
 
+@pytest.mark.processes
 def test_answers_from_different_epochs_are_refused(parties, tmp_path):
     a, b = parties
     proxy = EpochRewritingProxy(b.url)
@@ -230,6 +234,7 @@ def test_answers_from_different_epochs_are_refused(parties, tmp_path):
     assert state.exists()  # kept: the user decides
 
 
+@pytest.mark.processes
 def test_bulk_needs_tokens_and_a_state_for_these_rows(parties, tmp_path):
     a, b = parties
     rows_file = tmp_path / "rows.txt"
@@ -282,6 +287,7 @@ def test_distinct_servers_and_bad_urls():
         server_address("http://host:99999")
 
 
+@pytest.mark.processes
 def test_cli_refuses_the_same_server_twice():
     result = run_cli("--server-a", "http://127.0.0.1:8001", "--server-b", "http://localhost:8001",
                      "--row", "1", timeout=60)
@@ -292,6 +298,7 @@ def test_cli_refuses_the_same_server_twice():
 
 
 
+@pytest.mark.processes
 def test_a_missing_rows_file_is_one_error_line(tmp_path):
     missing = tmp_path / "no-such-rows.txt"
     result = run_cli("--server-a", "http://127.0.0.1:9", "--server-b", "http://127.0.0.1:10",

@@ -14,6 +14,8 @@ from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_fi
 from queries.client import PirClient, StateMismatch
 from tests.conftest import REPO, http_json, server_env
 
+pytestmark = pytest.mark.processes
+
 ROW = 2 * 16 + 2  # a row of page 2, as in the finding: rows r % 16 == 2
 DATA = bytes((7 * i + 1) % 256 for i in range(256))
 

@@ -762,6 +762,7 @@ def _simulate_scan_mma(plan, matrix, keys, rng):
     return out[: len(keys)].astype("<u4").view(np.uint8)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("pages, d, keys, run_chunks", [
     (1, 1, 2, None), (200, 8, 3, None), (1500, 11, 17, None),
     (1100, 11, 200, 1)])  # two key groups of 7 tiles, two runs

@@ -22,8 +22,9 @@ import pytest
 from tests.conftest import REPO, http_json, server_env
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
-                                "(.ci/run installs it: apt-get install -y chromium)")
+pytestmark = [pytest.mark.processes, pytest.mark.browser,
+              pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                 "(.ci/run installs it: apt-get install -y chromium)")]
 websocket = pytest.importorskip("websocket")
 
 NEW_POLICY = "interactive-slo"  # a default policy of the lane, inactive on a fresh database

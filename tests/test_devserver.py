@@ -13,7 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, free_port, http_json, server_env
+
+pytestmark = pytest.mark.processes
 
 
 def children_of(pid: int) -> list[int]:

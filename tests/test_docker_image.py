@@ -93,6 +93,8 @@ def cpu_image(tmp_path_factory):
     return bin_dir, context
 
 
+@pytest.mark.docker
+@pytest.mark.processes
 def test_the_cpu_image_installs_and_runs_the_project(cpu_image, tmp_path):
     bin_dir, context = cpu_image
     assert sorted(p.name for p in context.iterdir()) == ["README.md", "pir", "pyproject.toml"]
@@ -112,6 +114,8 @@ def test_the_cpu_image_installs_and_runs_the_project(cpu_image, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.docker
+@pytest.mark.processes
 @pytest.mark.parametrize("extras, cupy, nvrtc, major", [
     ("cuda13", "cupy-cuda13x", "nvidia-cuda-nvrtc", "13"),
     ("cuda12", "cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "12"),
@@ -132,6 +136,8 @@ def test_a_cuda_image_brings_nvrtc(cpu_image, tmp_path, extras, cupy, nvrtc, maj
     assert versions.get(nvrtc, "").split(".")[0] == major, sorted(versions)
 
 
+@pytest.mark.docker
+@pytest.mark.processes
 @pytest.mark.gpu
 def test_the_cuda_image_compiles_a_kernel_with_its_own_nvrtc(tmp_path):
     # MORPHO_TEST_IMAGE_EXTRAS=cuda12 on a host whose driver predates CUDA 13.

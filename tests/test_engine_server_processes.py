@@ -25,6 +25,8 @@ from benchmarks.stack import Party
 from tests.conftest import every_web_process_serves, http_json
 from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX
 
+pytestmark = pytest.mark.processes
+
 DEADLINE_S = 1.5  # MORPHO_ENGINE_DEADLINE of the party: silence after which clients give up
 
 

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import REPO, free_port, server_env
 from tests.proxy_upstream import Upstream, error_of, read_all, serve_upstream
 
+pytestmark = pytest.mark.processes
+
 HEADER_TIMEOUT_S = 1.0
 KEEPALIVE_TIMEOUT_S = 1.0
 MAX_HEADER_BYTES = 4096

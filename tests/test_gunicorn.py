@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import REPO, VECTOR_EPOCH, http_json
 from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX
 
+pytestmark = pytest.mark.processes
+
 
 def only(**values) -> dict:
     """An environment with nothing of ours in it but `values` (PATH kept to find programs)."""

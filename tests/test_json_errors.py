@@ -43,6 +43,7 @@ def raw_exchange(url: str, request: bytes) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("request_bytes, status, words", [
     (b"GARBAGE\r\n\r\n", 400, "Bad Request: Invalid Request Line"),
     (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon in this header\r\n\r\n", 400,
@@ -73,6 +74,7 @@ def _get(url: str, path: str, host: str):
         connection.close()
 
 
+@pytest.mark.processes
 def test_a_host_this_server_does_not_answer_for_gets_a_json_400(server):
     status, content_type, body = _get(server.url, "/epoch", "evil.example")
     assert status == 400
@@ -83,6 +85,7 @@ def test_a_host_this_server_does_not_answer_for_gets_a_json_400(server):
     assert payload["errors"][0]["field"] == "Host"
 
 
+@pytest.mark.processes
 def test_the_server_still_answers_after_the_bad_requests(server):
     status, _, body = _get(server.url, "/epoch", "127.0.0.1")
     assert status == 200 and json.loads(body)["epoch_id"] == 5

@@ -303,6 +303,7 @@ def _loader_name(symbol):
     return f"{symbol[mangled.end():end]}<{argument.group(1)}>"
 
 
+@pytest.mark.kernels
 @needs_nvcc
 def test_the_pages_scans_file_compiles_for_a_gpu_before_sm80(tmp_path):
     # NVRTC builds the whole file for the GPU the backend runs on, and dpf_scan.cu holds the pages
@@ -315,6 +316,7 @@ def test_the_pages_scans_file_compiles_for_a_gpu_before_sm80(tmp_path):
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-2000:]}"
 
 
+@pytest.mark.kernels
 @needs_nvcc
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_compiles_for_sm90a(name, compiled):
@@ -328,6 +330,7 @@ def test_compiles_for_sm90a(name, compiled):
     assert sorted(_loader_name(symbol) for symbol, _ in entries) == sorted(KERNEL_NAMES[name])
 
 
+@pytest.mark.kernels
 @needs_nvcc
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_ptx_entry_points_take_the_blocks_the_host_launches(name, compiled):
@@ -343,6 +346,7 @@ def test_ptx_entry_points_take_the_blocks_the_host_launches(name, compiled):
             assert bound is not None and int(bound.group(1)) == LAUNCH_THREADS[kernel], (kernel, directives)
 
 
+@pytest.mark.kernels
 @needs_nvcc
 def test_scan_instantiations_match_the_host_and_do_not_spill(compiled):
     report = compiled("dpf_scan.cu").report

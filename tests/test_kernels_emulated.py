@@ -15,8 +15,9 @@ from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch, gen_keys
 from gpu_engine.matrix import random_matrix
 from tests import cuda_emulator
 
-pytestmark = pytest.mark.skipif(cuda_emulator.compiler() is None,
-                                reason=f"no C++ compiler {cuda_emulator.CXX!r} to build the emulated kernels")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(cuda_emulator.compiler() is None,
+                                 reason=f"no C++ compiler {cuda_emulator.CXX!r} to build the emulated kernels")]
 
 
 def _batch(num_keys: int, num_pages: int, domain_bits: int, seed: int, key_format: int = KEY_FORMAT_V1) -> KeyBatch:

@@ -84,6 +84,7 @@ def test_a_96_key_batch_makes_over_1000_pairs_per_second(d):
     assert 96 / best >= 1000, f"{96 / best:.0f} key pairs/s"
 
 
+@pytest.mark.processes
 def test_benchmark_script_writes_its_csv(tmp_path):
     out = tmp_path / "keygen.csv"
     result = subprocess.run(

@@ -163,6 +163,7 @@ def party(tmp_path_factory):
     return path, env
 
 
+@pytest.mark.processes
 def test_overwriting_or_truncating_the_served_file_changes_nothing_served(start_server, party):
     path, env = party
     original = path.read_bytes()
@@ -178,6 +179,7 @@ def test_overwriting_or_truncating_the_served_file_changes_nothing_served(start_
     assert server.proc.poll() is None and "SIGBUS" not in server.log()
 
 
+@pytest.mark.processes
 def test_a_restarted_server_refuses_a_changed_file_with_the_reason(start_server, party):
     path, env = party
     assert path.stat().st_size != PAGES * PAGE_BYTES  # changed by the test above

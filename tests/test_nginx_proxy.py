@@ -31,9 +31,9 @@ def nginx_binary():
     return None
 
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.processes, pytest.mark.skipif(
     nginx_binary() is None,
-    reason="no nginx binary here (apt-get install nginx, or MORPHO_TEST_NGINX=path)")
+    reason="no nginx binary here (apt-get install nginx, or MORPHO_TEST_NGINX=path)")]
 
 
 class Nginx:

@@ -14,6 +14,8 @@ from morpho_pir.dpf import gen_keys
 from gpu_engine.matrix import load_matrix, metadata_path, write_epoch_metadata, write_matrix_file
 from tests.conftest import REPO, every_web_process_serves, http_json, server_env
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def party(tmp_path_factory, vector_matrix_path):

@@ -170,6 +170,7 @@ def _manage(args, env, **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_change_reaches_another_process_within_one_second(tmp_path):
     env = {**os.environ, "MORPHO_VAR_DIR": str(tmp_path),

@@ -58,6 +58,7 @@ def party(tmp_path, start_server):
     return start_server("runserver", env), env
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_http_load_and_a_policy_switch_seen_by_the_server_within_a_second(party):
     server, env = party

@@ -59,6 +59,7 @@ def test_the_callers_that_skipped_whitespace_refuse_it_now(tmp_path):
         {"epoch_id": 1, "updates": 0, "digest": "0X" + "AB" * 32}).digest == b"\xab" * 32
 
 
+@pytest.mark.processes
 def test_importing_the_constants_loads_no_numpy():
     # settings and the client read them; NumPy waits for whoever computes
     code = "import sys, morpho_pir.protocol; assert 'numpy' not in sys.modules"

@@ -33,6 +33,7 @@ def throttled_server(start_server, vector_matrix_path, tmp_path_factory):
     return start_server("runserver", env)
 
 
+@pytest.mark.processes
 def test_public_queries_are_rate_limited_per_client_and_keys_never_logged(throttled_server):
     rng = np.random.default_rng(8)
     keys = [gen_keys(p, 8, rng=rng)[0] for p in (42, 7, 100)]
@@ -114,6 +115,7 @@ def _check(**env):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 def test_production_refuses_debug_default_key_and_no_hosts():
     result = _check(MORPHO_ENV="production", DEBUG="true", ALLOWED_HOSTS=" ")
     assert result.returncode != 0
@@ -123,6 +125,7 @@ def test_production_refuses_debug_default_key_and_no_hosts():
     assert "[morphoweb.E003] ALLOWED_HOSTS is []" in result.stderr
 
 
+@pytest.mark.processes
 def test_production_starts_with_safe_settings_and_local_runs_are_not_checked():
     for key in (secrets.token_urlsafe(50), secrets.token_hex(32), get_random_secret_key()):
         safe = _check(MORPHO_ENV="production", SECRET_KEY=key, ALLOWED_HOSTS="pir.example.org")
@@ -131,6 +134,7 @@ def test_production_starts_with_safe_settings_and_local_runs_are_not_checked():
     assert local.returncode == 0, local.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("key, problem", [
     (" " * 34, "has 0 characters besides surrounding whitespace, expected at least 50"),
     ("a" * 40, "has 40 characters besides surrounding whitespace, expected at least 50"),
@@ -145,6 +149,7 @@ def test_production_refuses_a_secret_key_without_entropy(key, problem):
     assert "[morphoweb.E002] SECRET_KEY" in result.stderr and problem in result.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("value", ["prod", "Production1", "dev", "staging"])
 def test_an_unknown_deployment_kind_is_refused_naming_the_allowed_ones(value):
     result = _check(MORPHO_ENV=value, DEBUG="true")

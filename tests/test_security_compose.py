@@ -82,6 +82,7 @@ def _client():
     return None
 
 
+@pytest.mark.processes
 def test_docker_compose_config_accepts_it_and_demands_the_secrets(tmp_path):
     client = _client()
     if client is None:

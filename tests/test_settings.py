@@ -15,6 +15,7 @@ def check(**env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("env, message", [
     ({"MORPHO_MAX_BATCH": "33"}, "MORPHO_MAX_BATCH: expected an integer in 1..32, got 33"),
     ({"MORPHO_MAX_BATCH": "many"}, "MORPHO_MAX_BATCH: expected an integer, got 'many'"),
@@ -30,6 +31,7 @@ def test_bad_setting_is_refused_with_its_name(env, message):
     assert message in result.stderr
 
 
+@pytest.mark.processes
 def test_defaults_pass_the_system_check():
     result = check()
     assert result.returncode == 0, result.stderr

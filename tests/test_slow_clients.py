@@ -25,6 +25,8 @@ import pytest
 from tests.conftest import REPO, free_port, http_json, server_env
 from tests.protocol_vectors import ANSWER0_SHA256, ANSWER1_SHA256, KEY0_HEX, KEY1_HEX
 
+pytestmark = pytest.mark.processes
+
 SLOW_CONNECTIONS = 256
 TRICKLE_INTERVAL_S = 0.5  # each slow connection sends one more header byte this often
 # The bound on a legitimate request while the attack runs: the 1 s. Measured on the shared

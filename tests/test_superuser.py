@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import REPO, server_env
 
+pytestmark = pytest.mark.processes
+
 
 def manage(*args, db, **env):
     return subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, capture_output=True,

@@ -24,6 +24,7 @@ CLIENTS = 16
 REQUESTS_PER_CLIENT = 15  # 240 requests, four times the limit
 
 
+@pytest.mark.processes
 def test_local_counter_counts_every_hit_under_threads():
     counter = LocalCounter()
     now = 1_000_000.5
@@ -54,6 +55,7 @@ class NetworkLikeCache(LocMemCache):
         return super().set(*args, **kwargs)
 
 
+@pytest.mark.processes
 def test_the_services_throttle_admits_no_more_than_its_rate_to_concurrent_requests(monkeypatch):
     # DRF's own throttle reads the history, then writes it back: with a cache that takes a round
     # trip, concurrent requests of one client overwrite each other's writes and it overshoots.
@@ -174,12 +176,14 @@ def assert_bound_holds(statuses: list[int], began: float, ended: float) -> None:
         assert LIMIT <= admitted <= windows * LIMIT, admitted
 
 
+@pytest.mark.processes
 def test_one_process_admits_exactly_the_limit_to_concurrent_clients(gunicorn):
     server = gunicorn(workers=1, threads=8)
     wait_listening(server)
     assert_bound_holds(*hammer(server.url))
 
 
+@pytest.mark.processes
 def test_with_redis_the_limit_holds_across_worker_processes(gunicorn, own_redis):
     # own_redis answers PING before the workers start: a worker whose first Redis call fails
     # counts per process for REDIS_RETRY_SECONDS, and two workers would admit twice the limit.

@@ -15,6 +15,8 @@ from morpho_pir.dpf import KeyBatch, gen_keys
 from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
 from tests.conftest import REPO, http_json, server_env
 
+pytestmark = pytest.mark.processes
+
 PAGES = 64
 
 
