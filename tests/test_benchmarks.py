@@ -10,7 +10,7 @@ import pytest
 from setuptools import find_namespace_packages, find_packages
 
 from benchmarks import backend_batch
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 BENCHMARKS = REPO / "benchmarks"
 RESULTS = REPO / "docs" / "benchmarks"
@@ -216,25 +216,26 @@ def test_sustained_times_the_batches_after_the_checked_pair_and_takes_the_second
 
 def test_sustained_samples_the_backends_gpu_by_bus_id_and_reads_the_samples_at_stop(tmp_path, monkeypatch, capsys):
     import os
-    import time
 
     from benchmarks.sustained import POWER_CAP_REASON, GpuSampler
 
     smi = tmp_path / "nvidia-smi"  # prints two samples and keeps running, as nvidia-smi -lms does
     smi.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
                    'echo "2026/11/28 08:37:44.501, 1830, 694.10, 0x0000000000000004"\n'
-                   'echo "2026/11/28 08:37:44.601, 1980, 681.00, 0x0000000000000000"\nexec sleep 30\n')
+                   'echo "2026/11/28 08:37:44.601, 1980, 681.00, 0x0000000000000000"\n'
+                   'touch "$(dirname "$0")/written"\nexec sleep 30\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     sampler = GpuSampler("00000000:3B:00.0")
-    time.sleep(0.5)
+    wait_until((tmp_path / "written").exists, 30, "the fake nvidia-smi has not written its samples")
     sampler.stop()
     sampler.stop()  # a second stop does nothing
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "00000000:3B:00.0"]
     assert [s[1:] for s in sampler.samples] == [(1830.0, 694.1, POWER_CAP_REASON), (1980.0, 681.0, 0)]
     smi.write_text("#!/bin/sh\necho 'Field \"clocks_throttle_reasons.active\" is not a valid field'\nexit 2\n")
     failed = GpuSampler("00000000:3B:00.0")
-    time.sleep(0.3)
+    # stopped after it exited on its own, as nvidia-smi does on a field it does not know
+    wait_until(lambda: failed._proc.poll() is not None, 30, "the fake nvidia-smi has not exited")
     failed.stop()
     assert failed.samples == [] and "nvidia-smi gave no samples (exit 2): Field" in capsys.readouterr().err
     assert GpuSampler(None).samples == [] and GpuSampler(None).stop() is None  # the cpu backend: no sampling

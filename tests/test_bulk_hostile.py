@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, server_env
+from tests.conftest import REPO, server_env, wait_until
 from tests.protocol_vectors import KEY0_HEX, KEY1_HEX
 
 pytestmark = pytest.mark.processes
@@ -106,14 +106,15 @@ def test_a_hostile_body_is_refused_with_bounded_memory_and_queries_keep_flowing(
     stop, took = threading.Event(), []
     prober = threading.Thread(target=timed_queries, args=(server.url, stop, took))
     prober.start()
-    time.sleep(0.3)  # queries are flowing before the body arrives
-    sent = time.monotonic()
     try:
+        wait_until(lambda: took, 60, "no query was answered before the hostile body")
+        sent = time.monotonic()
         status, headers, answer = post(server.url, "/bulk/jobs", body, {
             "Content-Type": content_type, "Authorization": f"Token {token}"})
         answered = time.monotonic()
+        wait_until(lambda: any(began >= answered for began, _, _ in took), 60,
+                   "no query was answered after the hostile request")
     finally:
-        time.sleep(0.3)
         stop.set()
         prober.join(120)
     after = memory(pid)

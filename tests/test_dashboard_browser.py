@@ -221,9 +221,9 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
         assert at_load["points"] >= 3 and at_load["drawn"] >= 2, at_load
         browser.wait_for(f"""[...document.querySelectorAll('#policies tr')]
             .some(tr => tr.cells[0]?.textContent === 'interactive' && tr.cells[1]?.textContent === '{NEW_POLICY}')""")
-        # Let a few polls draw the latency and rate lines before the picture is taken.
+        # The picture is taken once polls have drawn the latency and the rate lines.
         browser.wait_for("document.querySelectorAll('#latency-chart path[d^=M]').length > 0", timeout=20)
-        time.sleep(2)
+        browser.wait_for("document.querySelectorAll('#rate-chart path[d^=M]').length > 0", timeout=20)
         shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
         (tmp_path / "dashboard.png").write_bytes(shot)
         if os.environ.get("MORPHO_SCREENSHOT_DIR"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, http_json, server_env
+from tests.conftest import REPO, free_port, http_json, server_env, wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -70,8 +70,8 @@ def test_make_run_ports_state_folder_busy_ports_and_sighup(tmp_path):
         assert len(family) >= 8  # per party: engine server, gunicorn master + 2 workers, workers
         run.send_signal(signal.SIGHUP)  # the terminal closed
         assert run.wait(90) == 0
-        time.sleep(1.0)
-        assert [pid for pid in family if alive(pid)] == []
+        wait_until(lambda: [pid for pid in family if alive(pid)] == [], 10,
+                   f"a process of {family} outlived the supervisor")
         for port in ports:
             assert http_json_fails(f"http://127.0.0.1:{port}/health")
     finally:

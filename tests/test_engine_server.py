@@ -20,6 +20,7 @@ from gpu_engine.matrix import ServedEpoch, random_matrix
 from gpu_engine.remote import RemoteEngine, RemoteError
 from gpu_engine.scheduler import LanePolicy
 from gpu_engine.server import EngineServer
+from tests.conftest import wait_until
 
 PAGES = 40  # d = 6
 
@@ -91,10 +92,8 @@ def test_a_policy_change_and_an_epoch_switch_reach_the_client_within_a_second(se
     policies.current["interactive"] = LanePolicy(name="changed", mode="adaptive")
     engine.switch_epoch(ServedEpoch(2, random_matrix(PAGES * 2, seed=6))).result(30)
     engine.write_rows({3: bytes(256)}).result(30)
-    changed = time.monotonic()
-    while (client.policies()["interactive"].name, client.state) != ("changed", engine.state):
-        assert time.monotonic() - changed < 1.0, "the client still sees the old policy or epoch"
-        time.sleep(0.02)
+    wait_until(lambda: (client.policies()["interactive"].name, client.state) == ("changed", engine.state),
+               1.0, "the client still sees the old policy or epoch")
     assert client.epoch.matrix.num_pages == PAGES * 2
 
 
@@ -106,10 +105,7 @@ def test_the_bulk_launch_cap_reaches_the_client(served):
     policies.current["bulk"] = LanePolicy(name="yields", mode="throughput", yield_ms=0.001)
     for _ in range(8):  # measured launches: now a query takes longer than 1 µs
         engine.answer([gen_keys(1, client.epoch.matrix.domain_bits)], lane="bulk", timeout=30)
-    changed = time.monotonic()
-    while client.launch_cap("bulk") != 1:
-        assert time.monotonic() - changed < 1.0, "the client still sees the old launch cap"
-        time.sleep(0.02)
+    wait_until(lambda: client.launch_cap("bulk") == 1, 1.0, "the client still sees the old launch cap")
     assert engine.launch_cap("bulk") == 1
     # requests waiting together in the client's outbox merge only up to the cap: the engine
     # never splits a request, so a merged one could not be cut for interactive queries
@@ -131,9 +127,7 @@ def test_queries_of_several_clients_share_one_launch(served, tmp_path):
         done, _ = wait(futures, timeout=30)
         assert len(done) == 3 and all(f.exception() is None for f in futures)
         # the engine hands answers out before it counts the launch: wait for the count
-        deadline = time.monotonic() + 5
-        while engine.snapshot()["queries_answered"] < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: engine.snapshot()["queries_answered"] >= 3, 5, "the engine has not counted the 3 queries")
         snap = engine.snapshot()
         assert snap["launches"] == 1 and snap["queries_answered"] == 3
         assert server.health()["engine_clients"] == 3
@@ -161,7 +155,8 @@ def test_refusals_keep_their_kind_across_the_socket(served):
     # a full queue: the engine's EngineOverloaded, with its retry hint, reaches the caller
     policies.current["interactive"] = LanePolicy(name="tiny", mode="throughput", max_batch=1,
                                                      max_queue=1, window_us=900_000)
-    time.sleep(0.3)
+    # the client merges requests up to the launch cap its last PONG carried: wait for the tiny one
+    wait_until(lambda: client.policies()["interactive"].name == "tiny", 5, "the client has not seen the tiny policy")
     futures = [client.submit(query) for _ in range(4)]
     wait(futures, timeout=30)
     refused = [f.exception() for f in futures if f.exception() is not None]
@@ -179,8 +174,7 @@ def test_a_warming_server_refuses_queries_with_503_and_says_so(served):
     server.mark_ready()
     # at once: the client's last PONG still says warming, but the server decides
     assert len(client.answer([random_keys_as_dpf(d, 3)], timeout=30).pages) == 1
-    time.sleep(0.6)
-    assert client.running
+    assert wait_until(lambda: client.running, 5, "the client's PONGs still say warming")
 
 
 def test_control_operations_and_their_errors(served):
@@ -210,7 +204,8 @@ def test_requests_in_flight_fail_at_once_when_the_server_goes_away(served):
     engine, server, client, _ = served(mode="throughput", window_us=1_000_000, max_batch=32)
     d = client.epoch.matrix.domain_bits
     future = client.submit([random_keys_as_dpf(d, 3)])  # held for the 1 s window
-    time.sleep(0.2)
+    wait_until(lambda: engine.snapshot()["lanes"]["interactive"]["queued"] == 1, 5,
+               "the query has not reached the engine's queue")
     stopped = time.monotonic()
     server.stop()
     with pytest.raises(EngineUnavailable, match="went away|did not answer"):

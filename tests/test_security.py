@@ -141,7 +141,9 @@ def test_production_starts_with_safe_settings_and_local_runs_are_not_checked():
     ("k" * 60, "has 1 distinct characters, expected at least 20"),
     ("pir-" * 20, "has 4 distinct characters, expected at least 20"),
     ("ab" * 40, "is 80 hex digits with 2 distinct ones, expected at least 64 digits with 10"),
-    ("  " + secrets.token_urlsafe(30) + "  ", "characters besides surrounding whitespace"),
+    # a random key's id is fixed: pytest-xdist's workers must collect the same test names
+    pytest.param("  " + secrets.token_urlsafe(30) + "  ", "characters besides surrounding whitespace",
+                 id="40-random-characters-in-whitespace"),
 ])
 def test_production_refuses_a_secret_key_without_entropy(key, problem):
     result = _check(MORPHO_ENV="production", SECRET_KEY=key, ALLOWED_HOSTS="pir.example.org")
