@@ -1,7 +1,7 @@
 """The engine's settings, read from Django's settings in this one place into one frozen, checked
 value (`engine_settings()`); every Django-side reader of the engine takes them from here.
 
-settings.py parses the environment (MORPHO_* variables, documented in the README); this value is
+settings.py parses the environment (MORPHO_* variables, documented in docs/OPERATIONS.md); this value is
 what the engine holder, the engine server and the epoch code use. It is read again after a
 setting changes (tests override settings), and checked at start-up from EngineConfig.ready(), so a
 bad value stops the process before it serves.

@@ -28,7 +28,7 @@ def require_ready_database(alias: str = DEFAULT_DB_ALIAS) -> None:
     name = describe(alias)
     hint = (
         f"`make run` keeps its parties' users in {PARTY_DATABASES}: `make superuser` creates an "
-        "admin user and a token on both (README: Admin users and tokens); for another database "
+        "admin user and a token on both (docs/OPERATIONS.md, Admin users and tokens); for another database "
         "set DATABASE_URL to it and run `python manage.py migrate` first"
     )
     if connection.vendor == "sqlite":

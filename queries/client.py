@@ -431,7 +431,7 @@ class PirClient:
             raise ServerError(f"{url}: expected the epoch in {EPOCH_HEADER}, got "
                               f"{headers.get(EPOCH_HEADER)!r}") from None
 
-    # -- bulk jobs (README "Bulk jobs"): one job per party, resumable through a state file -------
+    # -- bulk jobs (docs/CLIENT.md): one job per party, resumable through a state file ----------
     def fetch_rows_bulk(self, rows: Sequence[int], tokens: Sequence[Optional[str]] = (None, None),
                         state_path=None, progress: Optional[Callable] = None,
                         poll_interval: float = 2.0) -> list[bytes]:
@@ -609,7 +609,7 @@ def _print_progress(job_a: dict, job_b: dict) -> None:
 
 
 def add_bulk_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("bulk jobs (README: Bulk jobs)")
+    group = parser.add_argument_group("bulk jobs (docs/CLIENT.md: Bulk jobs)")
     group.add_argument("--bulk", metavar="FILE",
                        help="fetch the rows listed in FILE, one per line, through one bulk job "
                             "per party; rerun the same command to resume after a crash")

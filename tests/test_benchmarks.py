@@ -19,7 +19,7 @@ SCRIPTS = sorted(p for p in BENCHMARKS.iterdir() if p.suffix == ".sh"
 PY_SCRIPTS = [p for p in SCRIPTS if p.suffix == ".py"]
 # Where a reader is told to run something: every benchmarks/... path named there must exist.
 DOCUMENTS = [REPO / "README.md", REPO / "Makefile", BENCHMARKS / "README.md",
-             *sorted(RESULTS.glob("*.md"))]
+             *sorted((REPO / "docs").glob("*.md")), *sorted(RESULTS.glob("*.md"))]
 
 
 def installed_packages() -> list[str]:

@@ -56,7 +56,7 @@ def test_jobs_take_turns_whatever_their_size_and_a_new_job_waits_its_turn(owner)
 
 
 def test_any_job_waits_at_most_one_claim_per_other_waiting_job(owner):
-    """The README's bound, on random arrivals: between a job's creation or claim and its next
+    """The bound docs/OPERATIONS.md gives, on random arrivals: between a job's creation or claim and its next
     claim, the workers claim at most J - 1 other chunks, J = jobs with chunks waiting then."""
     rng = np.random.default_rng(5)
     events = []  # ("made" | "claim", job id) in order

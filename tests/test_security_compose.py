@@ -1,5 +1,5 @@
 """docker-compose.yml: valid Compose (docker compose config where a client works, the Compose
-spec's own parser always), no secrets in the file, and the stack the README promises."""
+spec's own parser always), no secrets in the file, and the stack docs/DEPLOYMENT.md promises."""
 from __future__ import annotations
 
 import json

@@ -33,15 +33,15 @@ def test_fallback_reason_says_why_once(monkeypatch):
     assert "CPU" not in reason and "auto" not in reason  # /health says both beside it already
 
 
-def test_worker_names_are_the_ones_the_readme_gives():
+def test_worker_names_are_the_ones_the_operations_page_gives():
     workers = _gpu_workers()
     names = [name for name, _, _ in workers.worker_commands("gpu", "INFO", [])]
     names += [name for name, _, _ in workers.worker_commands("gpu", "INFO", ["0", "3"])]
     assert names == ["cpu0", "gpu0", "gpu1"]
     for _, _, argv in workers.worker_commands("gpu", "INFO", ["0"]):
         assert argv[argv.index("-n") + 1] == "gpu0@%h"
-    readme = (REPO / "README.md").read_text()
-    documented = set(re.findall(r"`((?:gpu|cpu)[0-9<n>]+)@host`", readme))
+    page = (REPO / "docs" / "OPERATIONS.md").read_text()
+    documented = set(re.findall(r"`((?:gpu|cpu)[0-9<n>]+)@host`", page))
     assert documented == {"gpu<n>", "cpu0"}
 
 
