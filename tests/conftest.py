@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if touches_database(item):
             item.add_marker(pytest.mark.db)  # the PostgreSQL pass of .ci/run runs `-m db`
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist's file scheduling runs one test of an id: the others would pass unrun
+        repeated = sorted(nodeid for nodeid, count in Counter(i.nodeid for i in items).items() if count > 1)
+        if repeated:
+            raise pytest.UsageError(f"{len(repeated)} test ids name more than one test, which "
+                                    f"pytest-xdist would run once: {repeated[:3]}")
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and gpu_absent_reason():
         skip = pytest.mark.skip(reason=f"gpu test: {gpu_absent_reason()}")
