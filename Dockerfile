@@ -1,4 +1,4 @@
-# One image for both parties' web servers and Celery workers (README: docker compose). The CUDA
+# One image for both parties' web servers and Celery workers (docs/DEPLOYMENT.md: docker compose). The CUDA
 # backend comes with a CUDA extra: CuPy and, from its [ctk] extra, the CUDA toolkit's wheels
 # (NVRTC among them, which compiles the kernels at start); the NVIDIA driver comes from the host
 # through the NVIDIA container toolkit. Without an extra the image runs the CPU backend only.
@@ -36,9 +36,14 @@ COPY bin bin
 # The admin's and the API docs' static files, served by WhiteNoise from STATIC_ROOT (/app/staticfiles).
 RUN python manage.py collectstatic --no-input -v0
 
+# Every path the image's user writes is made here and owned by it: the state folder, the matrix
+# volume's mount point, and /cache, where the engine servers keep CuPy's compiled kernels
+# (CUPY_CACHE_DIR=/cache/cupy in docker-compose.yml). A fresh named volume mounted on a path of the
+# image takes that path's owner; on a path the image lacks it would be root's, and the first
+# kernel compile would fail. tests/test_docker_image.py checks these against docker-compose.yml.
 RUN useradd --create-home --uid 1000 morpho \
-    && mkdir -p /data /app/var \
-    && chown morpho /data /app/var
+    && mkdir -p /data /app/var /cache/cupy \
+    && chown morpho /data /app/var /cache /cache/cupy
 USER morpho
 
 EXPOSE 8000

@@ -8,7 +8,7 @@ SERVER_A ?= http://127.0.0.1:8001
 SERVER_B ?= http://127.0.0.1:8002
 BENCH_PAGES ?= 65536
 
-.PHONY: venv run test bench-http clean-var gpu-workers bench-bulk bench-policy-http superuser
+.PHONY: venv run epoch test bench-http clean-var gpu-workers bench-bulk bench-policy-http superuser
 
 # The virtualenv is (re)built when pyproject.toml changes; `pip install -e` keeps the tree live.
 $(STAMP): pyproject.toml pir/pyproject.toml
@@ -23,12 +23,24 @@ venv: $(STAMP)
 # default 8192), each an engine server, gunicorn and bulk workers with its own SQLite database
 # under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. Ctrl-C stops all. The
 # admin's and the API docs' static files are gathered into STATIC_ROOT first; WhiteNoise serves them.
+# `exec` makes the supervisor make's own child, so that it stops everything when make is killed.
 PORT_A ?= 8001
 PORT_B ?= 8002
 VAR ?=
 run: $(STAMP)
 	$(PY) manage.py collectstatic --no-input -v0
-	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
+	exec env $(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
+
+# One new epoch on both parties of `make run` at once (docs/OPERATIONS.md: Switching epochs):
+# MATRIX= its file, in the state folder; EPOCH_ID= unless the file's sidecar names one; EPOCH_ARGS=
+# more load_epoch options (--stop-the-world, --discard-updates, --placement shard, ...); VAR= as
+# for `make run`. A party that already serves the epoch is left as it is.
+MATRIX ?=
+EPOCH_ID ?=
+EPOCH_ARGS ?=
+epoch: $(STAMP)
+	@test -n "$(MATRIX)" || { echo "make epoch MATRIX=FILE [EPOCH_ID=N]: the epoch's matrix file" >&2; exit 2; }
+	$(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devepoch '$(MATRIX)' $(if $(EPOCH_ID),--epoch-id $(EPOCH_ID)) $(EPOCH_ARGS)
 
 # An admin user and its DRF token on both parties of `make run` (their databases
 # $(PARTY_DB_DIR)/party-a.sqlite3 and party-b.sqlite3, migrated first): SUPERUSER (default admin)

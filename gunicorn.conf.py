@@ -19,3 +19,6 @@ timeout = 120
 # other's. `make run` gives each party its own under its state folder.
 control_socket_disable = not os.environ.get("MORPHO_GUNICORN_CONTROL_SOCKET")
 control_socket = os.environ.get("MORPHO_GUNICORN_CONTROL_SOCKET") or "gunicorn.ctl"
+# The mask gunicorn binds a Unix socket under: 0660, this user's and group's (gunicorn's default
+# of 0 made it 0777, and any local user could reach gunicorn around the front end).
+umask = 0o117

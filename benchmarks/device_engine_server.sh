@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 11's figures: GPU tests, then HTTP through the engine server against
+# One device call for the HTTP figures (docs/PERFORMANCE.md): GPU tests, then HTTP through the engine server against
 # the engine alone (PROFILE=1: with py-spy profiles of both tiers). Run from the repo root on the
 # device with the Django/Celery wheels in .whl:
 #   bash benchmarks/device_engine_server.sh [PAGES] [extra http_vs_engine.py options]

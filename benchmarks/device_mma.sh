@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call for issue 16's v2 figures: GPU tests of both key formats and both v2 scans,
+# One device call for the scans' figures: GPU tests of both key formats and both v2 scans,
 # then backend_batch.py on the tensor-core scan against the ALU scans in the same call (at 65,536,
 # 2^20 and mainnet pages: where each wins, so where the dispatch sends a batch).
 #   bash benchmarks/device_mma.sh tests|bench|ncu|variants|layout|wgmma|v1frag|v1alu|sustained|all   (CSVs and logs under $OUT)
 # (ncu: LAYOUT=fragments profiles the scan over the fragments layout, NCU_KEYS the key counts;
 #  KEY_FORMAT=v1 LAYOUT=fragments NCU_KERNEL=dpf_scan_v1_frag NCU_KEYS="96 24": the v1 scan of that layout;
 #  NCU_DEFINE="V1_FRAG_ALU_KEYS=3 V1F_XOR_PREFETCH=0" profiles a kernel variant, as --define does for backend_batch.py;
-#  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts NOTES-cuda.md quotes)
+#  NCU_METRICS adds metrics, e.g. the smsp__pcsamp_warps_issue_stalled_* counts docs/SCANS.md quotes)
 set -u
 export PYTHONUNBUFFERED=1
 stage=${1:-all}
@@ -19,7 +19,7 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
         tests/test_kernels_compile.py tests/test_cuda_overlap.py tests/test_cuda_placement.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 | tee "$OUT/tests.log"
 fi
 [ "$stage" = tests ] && exit 0
-if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (NOTES-cuda.md)
+if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (docs/SCANS.md)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     ncu_defines=$(for d in ${NCU_DEFINE:-}; do printf -- '--define %s ' "$d"; done)  # NCU_DEFINE's items as options,
     ncu_tag=$(for d in ${NCU_DEFINE:-}; do printf -- '-%s' "$d"; done)  # and in the logs' names
@@ -36,8 +36,8 @@ if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (N
     done
     exit 0
 fi
-if [ "$stage" = variants ]; then  # kernel alternatives (-D options of dpf_scan_mma.cu) at mainnet
-    for v in ${VARIANTS:-MMA_STAGGER=0 MMA_STAGGER=1}; do
+if [ "$stage" = variants ]; then  # kernel alternatives (-D options a kernel reads) at mainnet
+    for v in ${VARIANTS:?VARIANTS: the -D options to time, e.g. VARIANTS="V1F_XOR_PREFETCH=1 V1F_XOR_PREFETCH=2"}; do
         timeout 200 python3 benchmarks/backend_batch.py --backend cuda --pages $MAINNET --domain-bits 25 --gpu-matrix \
             --key-format v2 --v2-scan mma --q ${VARIANT_Q:-24,32,40} --repeat 3 --define $v \
             --dispatch=micro_batch=0,streams=1,graph=1 --out "$OUT/variant_$v.csv" 2>&1 | tail -3

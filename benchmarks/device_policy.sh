@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H100 Poisson sweep of issue 4 (engine level, every mode, cuda, 1,048,576 pages), in two
+# The H100 Poisson sweep of the batching policies (engine level, every mode, cuda, 1,048,576 pages), in two
 # device calls because one command may run 10 minutes at most:
 #   bash benchmarks/device_policy.sh low
 #       measures the capacity and t(1); 10%, 30%, 50%, 70% of it, 4 rounds of 5 s per point, and

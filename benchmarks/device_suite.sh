@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment, GPU tests, benchmarks; logs and CSVs under $OUT.
 #   bash benchmarks/device_suite.sh smoke|full|final
 # smoke: quick GPU tests and both shapes once; full: every GPU test and ncu on the scan (96 and 3
-# keys, docs/benchmarks/NOTES-cuda.md); final: the figures of docs/benchmarks/cuda_*.csv, each
+# keys, docs/SCANS.md); final: backend_batch.py at both shapes, each
 # shape with and without graph replay (the -mb0-s1-g0/-g1 files backend_batch.py writes).
 # Every step runs even when one before it failed; the table printed last says which passed.
 set -u

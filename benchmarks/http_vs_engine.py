@@ -1,4 +1,4 @@
-"""HTTP through the real stack against the engine alone, on one matrix, in one run (issue 11's figures).
+"""HTTP through the real stack against the engine alone, on one matrix, in one run (the HTTP figures).
 
     python3 benchmarks/http_vs_engine.py --backend cuda --pages 65536,1048576 --bulk \
         --out docs/benchmarks/http_vs_engine_h100.csv

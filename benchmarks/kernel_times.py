@@ -5,8 +5,8 @@
 Generates the matrix on the GPU, then runs each batch size `--batches` times (the first compiles
 and allocates) and prints, per batch, its wall time, the GPU time from its first kernel's start to
 its last kernel's end, and each kernel's time summed over its launches, from CUDA events recorded
-around every launch (so graphs are off: one kernel at a time). Figures of NOTES-cuda.md ("Where a
-74-query batch went"). 3 keys a query, v2 unless --key-format says otherwise; --define builds the
+around every launch (so graphs are off: one kernel at a time). docs/SCANS.md quotes its
+figures. 3 keys a query, v2 unless --key-format says otherwise; --define builds the
 kernels with a variant's -D option. Needs CuPy.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import pyplot, read_csv  # noqa: E402
 
-# issue 11's targets as fractions of the engine's 32-query capacity, and (issues 11 and 12) in
+# the HTTP targets (docs/PERFORMANCE.md) as fractions of the engine's 32-query capacity, and in
 # queries per second, drawn as that fraction of the engine alone of the same run
 TARGETS = {"1048576": {"http_single_64_clients": 0.80, "http_batch32_16_clients": 0.90,
                        "bulk_job_10000": 0.85, "bulk_job_10000_binary": 0.85}}

@@ -1,21 +1,15 @@
-"""Plots batch queries/s against Q for v1 keys, v2 keys on the ALU and v2 keys on the tensor cores.
+"""Plots batch queries/s against Q per GPU and shape, per key format and scan, with floor and targets.
 
-    python3 benchmarks/plot_key_formats.py --out docs/benchmarks/keyformats_qps.png \
-        docs/benchmarks/keyformats_*.csv docs/benchmarks/wgmma_*.csv \
-        docs/benchmarks/v1frag_mainnet.csv docs/benchmarks/v1frag_mainnet_waves.csv \
-        docs/benchmarks/v1frag_65536_fragments.csv docs/benchmarks/v1alu_mainnet.csv \
-        docs/benchmarks/v1alu_65536.csv docs/benchmarks/v1frag_h200_mainnet.csv \
-        docs/benchmarks/v1frag_h200_65536_fragments.csv docs/benchmarks/v1alu_h200_mainnet.csv \
-        docs/benchmarks/v1alu_h200_65536.csv
+    python3 benchmarks/plot_key_formats.py --out docs/benchmarks/batch_qps.png \
+        docs/benchmarks/h100_*_v1.csv docs/benchmarks/h100_*_v2.csv \
+        docs/benchmarks/h200_*_v1.csv docs/benchmarks/h200_*_v2.csv
 
-Keys over a matrix in the fragments layout are series of their own: v2 keys on Hopper's warpgroup
-products (wgmma_*_on.csv) and on mma.sync (wgmma_*_off.csv), v1 keys on the ALU for one or two
-queries and on mma.sync above (v1frag_*.csv, v1alu_mainnet.csv). Files of one series and panel
-make one line, by Q: where two hold the same Q, the later file's figure is drawn.
-
-One panel per GPU and shape, with the memory floor (one read of the matrix per batch at the GPU's
-measured streaming read, docs/benchmarks/NOTES-cuda.md) and issue 16's targets drawn: v2's at the
-best batch size (a line), v1's at their batch sizes (open diamonds).
+Each CSV is a backend_batch.py run; its dispatch line names the series (v1 or v2 keys, the pages
+or the fragments layout, the scan), and files of one series and panel make one line, by Q (where
+two hold the same Q, the later file's figure is drawn). One panel per GPU and shape, with the
+memory floor (one read of the matrix per batch at the GPU's measured streaming read, docs/SCANS.md)
+and the targets drawn: v2's at the best batch size (a line), v1's at their batch sizes (open
+diamonds).
 """
 from __future__ import annotations
 
@@ -28,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import pyplot, read_csv  # noqa: E402
 
-# measured streaming reads, bytes/s (NOTES-cuda.md, Floors): the H100's single-query scan under
+# measured streaming reads, bytes/s (docs/SCANS.md, Floors): the H100's single-query scan under
 # ncu, the H200's single v1 query at mainnet (keyformats_h200_mainnet_v1.csv)
 READ_BYTES_PER_S = {"H100": 3.08e12, "H200": 4.47e12}
 PAGE_BYTES = 4096
-# issue 16's v2-key targets, queries/s at the best batch size, per page count
+# the v2-key targets (docs/PERFORMANCE.md), queries/s at the best batch size, per page count
 V2_TARGET = {16817159: 2500.0, 65536: 150000.0}
-# issue 16's v1-key targets, queries/s at a batch size (Q: q/s), per page count; 65,536 pages: at
+# the v1-key targets (docs/PERFORMANCE.md), queries/s at a batch size (Q: q/s), per page count; 65,536 pages: at
 # the best batch size, drawn at Q = 32
 V1_TARGETS = {16817159: {8: 280.0, 32: 300.0}, 65536: {32: 50000.0}}
 
@@ -87,11 +81,11 @@ def main() -> None:
             qs = list(range(1, top + 1))
             ax.plot(qs, [q / floor_s for q in qs], "k:", label=f"memory floor ({floor_s * 1e3:.3g} ms a batch)")
             if pages in V2_TARGET:
-                ax.axhline(V2_TARGET[pages], color="tab:red", ls="--", lw=1, label="issue 16 v2 target")
+                ax.axhline(V2_TARGET[pages], color="tab:red", ls="--", lw=1, label="v2 target")
             if pages in V1_TARGETS:
                 targets = V1_TARGETS[pages]
                 ax.plot(list(targets), list(targets.values()), "D", mfc="none", color="tab:red",
-                        label="issue 16 v1 targets")
+                        label="v1 targets")
             ax.set_yscale("log")
             ax.set_xlabel("queries per batch (Q, 3 keys each)")
             ax.set_ylabel("queries/s")

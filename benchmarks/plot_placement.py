@@ -1,11 +1,10 @@
 """Plots two GPUs against one: each placement's latency and throughput as a ratio to one GPU's.
 
-    python3 benchmarks/plot_placement.py --out docs/benchmarks/placement_h100x2.png \
-        docs/benchmarks/placement_h100x2_mainnet.csv docs/benchmarks/placement_h100x2_1048576p.csv \
-        --http docs/benchmarks/http_placement_h100x2_1gpu.csv docs/benchmarks/http_placement_h100x2_2gpu.csv
+    python3 benchmarks/plot_placement.py --out docs/benchmarks/h100x2_mainnet_placement.png \
+        docs/benchmarks/h100x2_mainnet_placement.csv [--http ONE_GPU.csv TWO_GPUS.csv]
 
 Left: one query's latency (q=1) and a 32-query batch's (q=32), over one GPU's, per shape and
-placement, with issue 17's shard target (9 ms against one H200's 15.1 ms pass: 0.60). Right:
+placement, with the two-GPU shard target (9 ms against one H200's 15.1 ms pass: 0.60). Right:
 throughput over one GPU's, with the 1.9x target; --http adds the 32-query HTTP batches of two
 GPUs over one (http_vs_engine.py --devices 0 and 0,1) beside the engine's own ratio.
 """
@@ -19,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import pyplot, read_csv  # noqa: E402
 
-SHARD_LATENCY_TARGET = 9.0 / 15.1  # issue 17: 9 ms where one H200 reads mainnet in 15.1 ms
-THROUGHPUT_TARGET = 1.9  # issue 17: two GPUs against one
+SHARD_LATENCY_TARGET = 9.0 / 15.1  # 9 ms where one H200 reads mainnet in 15.1 ms
+THROUGHPUT_TARGET = 1.9  # two GPUs against one
 MAINNET_PAGES = 16817159
 
 

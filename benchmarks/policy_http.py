@@ -1,4 +1,4 @@
-"""Poisson sweep over HTTP of the four batching modes and an A/A control, each made live (issue 4).
+"""Poisson sweep over HTTP of the four batching modes and an A/A control, each made live.
 
     python3 benchmarks/policy_http.py --csv docs/benchmarks/policy_http_cpu.csv \
         --png docs/benchmarks/policy_http_cpu.png          (`make bench-policy-http`, ~16 minutes)

@@ -6,7 +6,7 @@ Builds kernels/<file> as NVRTC gets it (cuda_module.kernel_source, the host's -D
 sm_90a with nvcc -cubin, disassembles it with nvdisasm, and prints, for each loop of the kernels
 whose mangled name contains `kernel` (a label to the branch back to it), the count of each opcode;
 --contains keeps only the loops holding that opcode (BMMA: the tensor-core product loops). Also
-prints ptxas's registers and spills. NOTES-cuda.md quotes it for dpf_scan_v1_frag's fold.
+prints ptxas's registers and spills. docs/SCANS.md quotes it for dpf_scan_v1_frag's fold.
 """
 from __future__ import annotations
 

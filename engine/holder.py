@@ -17,7 +17,7 @@ from typing import Optional
 
 from engine.config import engine_settings
 from engine.errors import EngineStartFailed
-from engine.signals import engine_built, engine_started
+from engine.signals import engine_built, engine_started, starting_epoch
 from gpu_engine import backends
 from gpu_engine.engine import Engine
 from gpu_engine.matrix import load_epoch
@@ -120,11 +120,6 @@ def shutdown_engine() -> None:
 def _build_engine():
     config = engine_settings()
     path = config.matrix_path
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"matrix file {path} does not exist (MORPHO_MATRIX_PATH); make one with "
-            f"`python manage.py make_matrix --pages 8192 --seed 1 --out {path}`"
-        )
     requested = config.backend
     if config.devices:
         backend = create_device_group(requested, config.devices, v2_scan=config.v2_scan,
@@ -138,15 +133,18 @@ def _build_engine():
         )
     else:
         log.info("engine backend %s (requested %s)", backend.name, requested)
-    epoch = load_epoch(path, domain_bits=config.domain_bits)
-    matrix = epoch.matrix
-    log.info(
-        "serving epoch %s (block %s) from %s: %d pages, domain_bits %d",
-        epoch.epoch_id, epoch.block_number, path, matrix.num_pages, matrix.domain_bits,
-    )
     if config.gil_switch_interval_us:
         sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
-    engine = Engine(backend, epoch)
+    engine = _engine_on_starting_epoch(backend)
+    if engine is None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"matrix file {path} does not exist (MORPHO_MATRIX_PATH); make one with "
+                f"`python manage.py make_matrix --pages 8192 --seed 1 --out {path}`"
+            )
+        epoch = load_epoch(path, domain_bits=config.domain_bits)
+        _log_serving(epoch, path)
+        engine = Engine(backend, epoch)
     # Batching follows the active policy records live, in every process (the policies app).
     engine_built.send(sender=Engine, engine=engine)
     engine.start()
@@ -154,6 +152,32 @@ def _build_engine():
     # (the epochs app).
     engine_started.send(sender=Engine, engine=engine)
     return engine
+
+
+def _log_serving(epoch, source) -> None:
+    matrix = epoch.matrix
+    log.info("serving epoch %s (block %s) from %s: %d pages, domain_bits %d", epoch.epoch_id,
+             epoch.block_number, source, matrix.num_pages, matrix.domain_bits)
+
+
+def _engine_on_starting_epoch(backend) -> Optional[Engine]:
+    """An Engine on the epoch a starting_epoch receiver names (the party's active epoch), or None
+    to start from the matrix file: none named, or that epoch cannot be placed on `backend` (the
+    epochs app then holds the engine with the reason, as after a failed switch)."""
+    for receiver, epoch in starting_epoch.send_robust(sender=Engine):
+        if isinstance(epoch, Exception):
+            log.warning("starting epoch: %s failed (%s); starting from the matrix file",
+                        getattr(receiver, "__qualname__", receiver), epoch)
+        elif epoch is not None:
+            try:
+                engine = Engine(backend, epoch)
+            except Exception as exc:  # a placement the devices cannot make, a device error
+                log.warning("epoch %s cannot be served here (%s); starting from the matrix file",
+                            epoch.epoch_id, exc)
+                return None
+            _log_serving(epoch, epoch.matrix.source)
+            return engine
+    return None
 
 
 atexit.register(shutdown_engine)

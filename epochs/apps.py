@@ -3,7 +3,7 @@ from django.apps import AppConfig
 
 from engine import dashboard
 from engine.serving import register_control
-from engine.signals import engine_started
+from engine.signals import engine_started, starting_epoch
 
 
 class EpochsConfig(AppConfig):
@@ -16,7 +16,9 @@ class EpochsConfig(AppConfig):
         from epochs import sync
         from epochs.metrics import dashboard_figures, register_collector
 
-        # Every engine this process starts serves the database's epoch and row updates first.
+        # Every engine this process starts serves the database's epoch and row updates first:
+        # it is built on the active epoch's file, then brought to its pending row updates.
+        starting_epoch.connect(sync.starting_epoch, dispatch_uid="epochs.starting_epoch")
         engine_started.connect(sync.adopt, dispatch_uid="epochs.adopt")
         register_collector()
         dashboard.add_figures(dashboard_figures)

@@ -57,8 +57,20 @@ def register_collector() -> None:
     register_once("epochs", EpochCollector)
 
 
+def served_state() -> dict | None:
+    """The state this process's engine answers from (epoch, row updates, digest: what every
+    answer's `state` carries, and what differs where the parties diverge), or None."""
+    engine = peek_engine()
+    if engine is None:
+        return None
+    try:
+        return engine.state.describe()
+    except EngineBusy:  # the engine server is away; /health says why
+        return None
+
+
 def dashboard_figures() -> dict:
-    """The dashboard's active epoch record and latest pending row updates."""
+    """The dashboard's active epoch record, latest pending row updates and served state."""
     record = Epoch.objects.active()
     updates = RowUpdate.objects.filter(state=UpdateState.PENDING).order_by("-pk")[:RECENT_UPDATES]
     return {
@@ -69,4 +81,5 @@ def dashboard_figures() -> dict:
         },
         "recent_updates": [{"id": u.pk, "epoch_id": u.epoch_id, "row": u.row,
                             "created": u.created.isoformat()} for u in updates],
+        "served_state": served_state(),
     }

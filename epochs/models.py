@@ -9,7 +9,9 @@ from django.db import models
 
 from engine import holder
 from engine.config import engine_settings
-from epochs.matrix_files import MatrixPathError, check_matrix_file, file_identity
+from epochs.matrix_files import (
+    MatrixPathError, check_matrix_file, check_new_matrix, file_identity,
+)
 from gpu_engine.engine import EngineBusy, SwitchMode
 from gpu_engine.placement import Placement
 from gpu_engine.matrix import (
@@ -132,6 +134,8 @@ class Epoch(models.Model):
         else:
             try:
                 resolved, size = check_matrix_file(path)
+                if self._new_path(resolved):
+                    check_new_matrix(resolved, size)
             except MatrixPathError as exc:
                 errors["matrix_path"] = str(exc)
             else:
@@ -159,6 +163,13 @@ class Epoch(models.Model):
                 errors["domain_bits"] = str(exc)
         if errors:
             raise ValidationError(errors)
+
+    def _new_path(self, path) -> bool:
+        """Whether this record is new or is being given another file than the one it has."""
+        if self.pk is None:
+            return True
+        recorded = Epoch.objects.filter(pk=self.pk).values_list("matrix_path", flat=True).first()
+        return recorded != str(path)
 
     def _record_identity(self, path, size: int) -> str | None:
         """Record the file's size and SHA-256 once; afterwards the file must keep that size."""

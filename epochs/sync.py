@@ -35,7 +35,7 @@ from epochs.models import (
 from gpu_engine.backends import BackendUnavailable
 from gpu_engine.engine import SwitchMode
 from gpu_engine.placement import Placement, PlacementError
-from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, MatrixChanged
+from gpu_engine.matrix import ROW_BYTES, ROWS_PER_PAGE, MatrixChanged, ServedEpoch
 from morpho_pir.protocol import parse_hex
 from gpu_engine.remote import RemoteError
 
@@ -284,6 +284,26 @@ def record_served_epoch(engine) -> Epoch | None:
     log.info("recorded the served epoch %s (%s) as the active epoch", record.epoch_id,
              record.matrix_path)
     return record
+
+
+def starting_epoch(**kwargs) -> ServedEpoch | None:
+    """engine.signals.starting_epoch's receiver: the party's active epoch, loaded, so that an
+    engine (re)started after a switch serves it at once instead of loading the matrix file of
+    MORPHO_MATRIX_PATH first (the demo matrix under `make run`) and then switching. None where the
+    database has no active epoch or cannot say (the file is served, and adopt() follows)."""
+    try:
+        record = Epoch.objects.active()
+    except (DatabaseError, RuntimeError):
+        return None  # not migrated yet, or no database access (tests): adopt() says so
+    if record is None:
+        return None
+    try:
+        return record.load()
+    except (OSError, ValueError) as exc:  # missing, changed, outside the matrix folder
+        # started from the file instead: sync() then holds the engine, saying why
+        log.warning("epoch %s, the active epoch, cannot be loaded (%s); starting from the matrix "
+                    "file", record.epoch_id, _reason(exc))
+        return None
 
 
 def adopt(engine, **kwargs) -> None:

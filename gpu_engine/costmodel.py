@@ -26,7 +26,7 @@ class CostFit:
 class LineSums:
     """The sums a least-squares line needs, kept as launches come and go (O(1) per launch: the
     fit is read on every scheduling decision, and refitting 128 points in Python took 45 to 90 µs
-    of device idle per launch: docs/benchmarks/policy_NOTES.md)."""
+    of device idle per launch: docs/PERFORMANCE.md)."""
 
     n: int = 0
     b: float = 0.0
@@ -108,7 +108,7 @@ REFERENCE_BATCH = 32
 
 class FormatCosts:
     """A CostModel per key format: a launch of v1 keys costs several times one of v2 keys (6x over
-    the fragments layout on an H100, docs/benchmarks/NOTES-cuda.md), so one line through both
+    the fragments layout on an H100, docs/SCANS.md), so one line through both
     would plan every batch with a mixture of the two. A launch of several formats (they queue
     together) is counted in each format's model: its time is what a launch of those keys took."""
 

@@ -344,6 +344,8 @@ def write_epoch_metadata(
         "block_number": block_number,
         "state_root": "0x" + state_root.hex(),
         "seeds": list(seeds),
+        "page_size_bytes": PAGE_BYTES,
+        "num_pages": -(-size // PAGE_BYTES),
         "size_bytes": size,
         "sha256": digest,
     }, indent=2) + "\n")

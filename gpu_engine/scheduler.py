@@ -361,7 +361,7 @@ def plan_slo(policy: LanePolicy, cost: CostFit, arrival_rate: float) -> SloPlan:
     just behind a launch waits that launch out, hence hold + 2 t(b) <= budget, with t(b) taken
     two residuals of the fit high: a launch that runs long while the device idled for the hold
     costs the whole queue.
-    (Longer holds measured worse p95 than launching at once: docs/benchmarks/policy_NOTES.md.)"""
+    (Longer holds measured worse p95 than launching at once: docs/PERFORMANCE.md.)"""
     budget = policy.p95_target_ms / 1000 * (1 - policy.safety_margin)
     batch = batch_keeping_up(cost, arrival_rate, policy.max_batch)
     slack = budget - 2 * (cost.predict(batch) + 2 * cost.rmse_s)

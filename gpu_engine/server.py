@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -153,6 +154,10 @@ class EngineServer:
             wake.close(0)
             router.close(0)
             return
+        if self.url.startswith("ipc://"):
+            # ZeroMQ makes the socket under the process's umask (0755 by the usual 022, 0777
+            # under 0): only this user and its group may submit queries or control operations.
+            os.chmod(self.url[len("ipc://"):], 0o660)
         self._bound.set()
         log.info("engine server listening on %s", self.url)
         poller = zmq.Poller()

@@ -1,15 +1,18 @@
 """`make run`: a demo matrix and parties A and B, each an engine server, gunicorn and bulk workers.
 
 Each party is its own operator: its own SQLite database, Celery file broker and engine server
-under the state folder (MORPHO_VAR_DIR, default var/). The engine server owns the matrix and the
+under the state folder (MORPHO_VAR_DIR, default var/), which only this user may enter; the demo
+matrix lies in var/matrices/, a folder of matrix files alone, the only one epochs are taken from. The engine server owns the matrix and the
 device; the web processes and the bulk worker reach it over an ipc:// socket. The party's port is
 served by its front end (morphoweb/frontend.py), which reads each request whole before it passes
 it to gunicorn on a Unix socket, so slow clients cannot hold gunicorn's threads. An engine server
-that dies is started again; any other process that dies stops everything.
+that dies is started again; any other process that dies stops everything, and so does the death
+of the process that started this one (`make`, killed alone or with its terminal).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -24,6 +27,7 @@ from morphoweb.partyprocs import NotHealthy, health, wait_healthy
 BASE_DIR = Path(__file__).resolve().parent.parent
 RESTART_DELAY_S = 1.0  # pause before an engine server that died is started again
 IPC_PATH_MAX = 100  # bytes: a Unix socket path must fit sockaddr_un (108 with the NUL)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies (Linux)
 
 
 class Child:
@@ -84,7 +88,8 @@ def _engine_url(var_dir: Path, name: str) -> str:
     return f"ipc://{_socket_path(var_dir, f'engine-{name}.sock')}"
 
 
-def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
+def party_env(name: str, matrix: Path, var_dir: Path) -> dict:
+    """The environment of party `name`'s processes (`make epoch` gives its commands the same)."""
     env = dict(os.environ)
     env.setdefault("MORPHO_ENGINE_BACKEND", "auto")
     env.update(
@@ -93,6 +98,7 @@ def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
         DATABASE_URL=f"sqlite:///{var_dir / f'party-{name}.sqlite3'}",
         CELERY_FILESYSTEM_BROKER_DIR=str(var_dir / f"celery-broker-{name}"),
         MORPHO_ENGINE_URL=_engine_url(var_dir, name),
+        MORPHO_PARTY_NAME=name.upper(),  # in the admin's header, the dashboard and /
         MORPHO_GUNICORN_CONTROL_SOCKET=str(var_dir / f"gunicorn-{name}.ctl"),
         # The front end is the one proxy before gunicorn: the throttle counts requests per
         # address from the last entry of X-Forwarded-For, the one the front end writes.
@@ -101,13 +107,65 @@ def _party_env(name: str, matrix: Path, var_dir: Path) -> dict:
     return env
 
 
+def _served(health_body: dict) -> str:
+    """What a party serves, from its /health: the active epoch of its database, which a restart
+    after `make epoch` loads instead of the demo matrix."""
+    if "epoch_id" not in health_body:
+        return "serving nothing yet"
+    device = health_body.get("device") or health_body.get("backend")
+    return (f"serves epoch {health_body['epoch_id']} (block {health_body.get('block_number')}, "
+            f"{health_body.get('num_pages')} pages) on {device}")
+
+
+def _var_arg(var_dir: Path) -> str:
+    """` VAR=...` for the make commands the banner prints, unless the state folder is var/:
+    `make superuser` and `make epoch` then find the parties' databases where they are."""
+    return "" if var_dir == (BASE_DIR / "var").resolve() else f" VAR={var_dir}"
+
+
+def demo_pages() -> int:
+    """Pages of the generated demo matrix: DEMO_PAGES, else 8192 (32 MiB)."""
+    return int(os.environ.get("DEMO_PAGES") or 8192)
+
+
+def state_folder() -> Path:
+    """The parties' state folder: MORPHO_VAR_DIR (`make run VAR=`), else var/."""
+    return Path(os.environ.get("MORPHO_VAR_DIR") or BASE_DIR / "var").resolve()
+
+
+def demo_matrix(var_dir: Path, pages: int) -> Path:
+    """The matrix file the parties start from where their databases have no active epoch."""
+    return Path(os.environ.get("MORPHO_MATRIX_PATH")
+                or var_dir / "matrices" / f"demo-{pages}p.bin")
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _stop_with_parent() -> int:
+    """Have the kernel send SIGTERM when the parent (`make`) dies, and return the parent's pid.
+
+    Killing `make` alone (`kill <pid>`, a tmux or screen session closed around it) signals make,
+    not this process: without this, the parties would run on, orphaned, holding their ports. Where
+    prctl is missing (not Linux), the supervision loop notices the parent's pid change instead."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    return parent
+
+
+def _orphaned(parent: int) -> bool:
+    """True once the process that started this one has gone (this one was handed to another)."""
+    return os.getppid() != parent
+
+
 def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_workers: int,
            threads: int) -> list[Child]:
-    env = _party_env(name, matrix, var_dir)
+    env = party_env(name, matrix, var_dir)
     _manage(["migrate", "--no-input", "-v0"], env)
     py = sys.executable
     web_socket = _socket_path(var_dir, f"web-{name}.sock")
@@ -131,7 +189,7 @@ def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_wor
 def main(argv=None) -> int:
     cores = os.cpu_count() or 2
     parser = argparse.ArgumentParser(description="Run PIR parties A and B locally.")
-    parser.add_argument("--pages", type=int, default=int(os.environ.get("DEMO_PAGES", 8192)),
+    parser.add_argument("--pages", type=int, default=demo_pages(),
                         help="pages of the generated demo matrix (default 8192 = 32 MiB)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port-a", type=int, default=int(os.environ.get("PORT_A") or 8001))
@@ -144,6 +202,9 @@ def main(argv=None) -> int:
     # A SIGTERM (a supervisor, `kill`) or SIGHUP (the terminal closed) stops everything like Ctrl-C.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
+    parent = _stop_with_parent()
+    if _orphaned(parent):  # the parent died before the kernel was asked to say so
+        return 1
 
     ports = {"a": args.port_a, "b": args.port_b}
     busy = [f"{port} (party {name.upper()})" for name, port in ports.items()
@@ -154,9 +215,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"port {', '.join(busy)} on {args.host} is in use (another `make run`?): "
                          f"stop it, or choose others with `make run PORT_A=... PORT_B=...`")
 
-    var_dir = Path(os.environ.get("MORPHO_VAR_DIR") or BASE_DIR / "var").resolve()
+    # Databases, sockets and the broker's messages are this user's alone: the folder is 0700 and
+    # every file the parties make is 0600, so no other local user reaches gunicorn around the front
+    # end or reads the admin's password hash.
+    os.umask(0o077)
+    var_dir = state_folder()
     var_dir.mkdir(parents=True, exist_ok=True)
-    matrix = Path(os.environ.get("MORPHO_MATRIX_PATH") or var_dir / f"demo-{args.pages}p.bin")
+    var_dir.chmod(0o700)
+    matrix = demo_matrix(var_dir, args.pages)
     if not matrix.exists():
         print(f"generating the demo matrix {matrix} ({args.pages} pages)", flush=True)
         _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out", str(matrix)],
@@ -168,6 +234,7 @@ def main(argv=None) -> int:
             party = _party(name, args.host, port, matrix, var_dir, args.web_workers, args.threads)
             children += [child.start() for child in party]
         urls = {name: f"http://{args.host}:{port}" for name, port in ports.items()}
+        served = {}
         for name, url in urls.items():
             party = {c.name: c.proc for c in children if c.name.endswith(f"-{name}")}
             try:
@@ -175,24 +242,31 @@ def main(argv=None) -> int:
             except NotHealthy as exc:
                 raise SystemExit(f"{exc}; see above") from None
             status, body = health(url)
+            served[name] = _served(body)
             if status != 200:  # up, but answering no query until the operator fixes it
                 print(f"party {name.upper()} ({url}) answers 503: {body.get('failure')}",
                       file=sys.stderr, flush=True)
         print(
-            f"\nparty A: {urls['a']}  (GET /health, /epoch; POST /query/page/gpu[/batch])\n"
-            f"party B: {urls['b']}\n"
+            f"\nparty A: {urls['a']}  {served['a']}  (GET /health, /epoch; POST /query/page/gpu[/batch])\n"
+            f"party B: {urls['b']}  {served['b']}\n"
             f"each: a front end on its port, gunicorn on {var_dir}/web-<party>.sock with "
             f"{args.web_workers} web processes x {args.threads} threads, an engine server "
             f"({var_dir}/engine-<party>.sock), bulk workers\n"
-            f"matrix:  {matrix}\n\n"
+            f"demo matrix: {matrix} (served until another epoch is activated; "
+            f"`make epoch MATRIX=FILE{_var_arg(var_dir)}` switches both parties)\n\n"
             f"try:  .venv/bin/python -m queries.client --server-a {urls['a']} "
             f"--server-b {urls['b']} --row 1234 --row 99 --batch\n\n"
-            f"admin:  `make superuser` creates a user and token on both, then {urls['a']}/admin/\n"
+            f"admin:  `make superuser{_var_arg(var_dir)}` creates a user and token on both, then "
+            f"{urls['a']}/admin/\n"
             f"Ctrl-C stops everything.\n",
             flush=True,
         )
         while True:
             time.sleep(0.5)
+            if _orphaned(parent):
+                print("the process that started `make run` has gone; stopping both parties",
+                      file=sys.stderr, flush=True)
+                return 0
             for child in children:
                 if child.alive():
                     continue

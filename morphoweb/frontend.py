@@ -1,7 +1,7 @@
 """The front end of `make run`: an asyncio reverse proxy that reads each request whole first.
 
 gunicorn gives each connection a thread from the moment it sends its first byte, so a few clients
-that trickle their headers hold every thread (issue 14). Here a slow client costs a socket and a
+that trickle their headers would hold every thread. Here a slow client costs a socket and a
 coroutine: the head must arrive within MORPHO_FRONTEND_HEADER_TIMEOUT, the body (by its
 Content-Length, spooled to a temporary file past 1 MiB) at a minimum rate, and only then is a
 connection to gunicorn opened and the request sent at once, with the client's address in

@@ -1,8 +1,18 @@
 """OpenAPI (drf-spectacular) additions of the project: the error responses every operation can
-give, with their JSON body (the query endpoints' own bodies: queries/api/openapi.py)."""
+give, with their JSON body (the query endpoints' own bodies: queries/api/openapi.py), and
+/api/schema served from bytes built once per process."""
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
+from django.http import HttpResponse
+from drf_spectacular.views import SpectacularAPIView
+
 from queries.api.binary import OCTET_STREAM
+
+log = logging.getLogger(__name__)
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -51,3 +61,53 @@ def document_errors(result, generator, request, public):
             for code in codes:
                 responses.setdefault(code, {"description": ERRORS[code], "content": body})
     return result
+
+
+class SchemaView(SpectacularAPIView):
+    """`GET /api/schema`: the schema of the whole API, in YAML or JSON as negotiated.
+
+    Building it walks every view (about 0.15 s of CPU), and drf-spectacular's generator is not
+    safe in two threads at once (its lazy class loading answered 500s under concurrent
+    requests). So each process builds it once, under a lock (at start: morphoweb/wsgi.py), and
+    serves the same bytes to every request, counted by the anonymous request rate like the
+    other public endpoints.
+    """
+
+    _lock = threading.Lock()
+    _schema: dict | None = None
+    _rendered: dict = {}  # renderer class -> bytes
+
+    @classmethod
+    def build(cls) -> dict:
+        """The schema, generated on the first call in this process only."""
+        with cls._lock:
+            if cls._schema is None:
+                started = time.monotonic()
+                generator = cls.generator_class(urlconf=cls.urlconf, patterns=cls.patterns)
+                cls._schema = generator.get_schema(request=None, public=cls.serve_public)
+                log.info("built the OpenAPI schema in %.2f s", time.monotonic() - started)
+            return cls._schema
+
+    @classmethod
+    def prebuild(cls) -> None:
+        """Build the schema and render it in every format now, before requests arrive."""
+        for renderer_class in cls.renderer_classes:
+            cls._bytes(renderer_class)
+
+    @classmethod
+    def _bytes(cls, renderer_class) -> bytes:
+        rendered = cls._rendered.get(renderer_class)
+        if rendered is None:
+            schema = cls.build()
+            rendered = renderer_class().render(schema, renderer_class.media_type, {})
+            with cls._lock:
+                rendered = cls._rendered.setdefault(renderer_class, rendered)
+        return rendered
+
+    def _get_schema_response(self, request):
+        renderer = request.accepted_renderer
+        response = HttpResponse(self._bytes(type(renderer)),
+                                content_type=request.accepted_media_type)
+        response["Content-Disposition"] = (
+            f'inline; filename="{self._get_filename(request, None)}"')
+        return response

@@ -3,23 +3,32 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
+
+import ipaddress
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from morphoweb.envcheck import host_problem, parse_rate, unknown_names
 from morpho_pir.protocol import MAX_BATCH_QUERIES
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Every environment name a setting reads: any other MORPHO_*/DJANGO_* name is a misspelling
+# (warned about, refused in production) at the end of this module.
+_READ: set[str] = set()
 
 
 def _env(name: str, default: str) -> str:
+    _READ.add(name)
     value = os.environ.get(name)
     return default if value is None or value == "" else value
 
 
 def _env_bool(name: str, default: bool) -> bool:
+    _READ.add(name)
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -34,6 +43,7 @@ def _env_bool(name: str, default: bool) -> bool:
 def _env_int(
     name: str, default: int | None, lo: int | None = None, hi: int | None = None
 ) -> int | None:
+    _READ.add(name)
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -47,6 +57,7 @@ def _env_int(
 
 
 def _env_float(name: str, default: float, lo: float | None = None) -> float:
+    _READ.add(name)
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -63,6 +74,14 @@ def _env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in _env(name, default).split(",") if item.strip()]
 
 
+def _env_rate(name: str, default: str) -> str | None:
+    """A request rate, "N/second|minute|hour|day" with N >= 1, normalised; None for "off"."""
+    try:
+        return parse_rate(name, _env(name, default))
+    except ValueError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
 # Directory for the embedded defaults (SQLite database, Celery's file broker, demo matrix).
 VAR_DIR = Path(_env("MORPHO_VAR_DIR", str(BASE_DIR / "var")))
 
@@ -74,6 +93,9 @@ SECRET_KEY = _env("SECRET_KEY", "morphoweb-insecure-local-default-change-me")
 DEBUG = _env_bool("DEBUG", False)
 # Host names this server answers for (comma-separated list).
 ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]")
+for _host in ALLOWED_HOSTS:
+    if host_problem(_host):
+        raise ImproperlyConfigured(f"ALLOWED_HOSTS: expected {host_problem(_host)}, got {_host!r}")
 
 INSTALLED_APPS = [
     # First: its createsuperuser, changepassword and drf_create_token (morphoweb/management)
@@ -115,7 +137,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "django_prometheus.middleware.PrometheusAfterMiddleware",
+    # django-prometheus's, with the method label bounded (engine/prometheus.py).
+    "engine.prometheus.BoundedMethodMiddleware",
 ]
 
 ROOT_URLCONF = "morphoweb.urls"
@@ -133,6 +156,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "morphoweb.context_processors.party",
             ],
         },
     },
@@ -145,7 +169,7 @@ DATABASE_URL = _env("DATABASE_URL", f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
 if DATABASE_URL.startswith("sqlite:"):
     # SQLite does not create the folder of its file; the default lives in var/, which a fresh
     # clone does not have.
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database is no one else's
 DATABASES = {
     "default": dj_database_url.parse(
         DATABASE_URL,
@@ -212,12 +236,9 @@ REST_FRAMEWORK = {
     # Anonymous requests (the public PIR endpoints) are limited per client address, counted
     # atomically (queries/api/throttling.py); signed-in operators are not.
     "DEFAULT_THROTTLE_CLASSES": ["queries.api.throttling.AnonQueryThrottle"],
-    # Requests per client address ("N/second|minute|hour"), in Redis when CACHE_URL names one,
-    # else per process; "off" lifts the limit (load generators on one address need that).
-    "DEFAULT_THROTTLE_RATES": {
-        "anon": None if _env("MORPHO_QUERY_THROTTLE", "200/second").lower() == "off"
-        else _env("MORPHO_QUERY_THROTTLE", "200/second"),
-    },
+    # Requests per client address ("N/second|minute|hour|day", N >= 1), in Redis when CACHE_URL
+    # names one, else per process; "off" lifts the limit (load generators on one address need it).
+    "DEFAULT_THROTTLE_RATES": {"anon": _env_rate("MORPHO_QUERY_THROTTLE", "200/second")},
     # Reverse proxies in front of this server (count). 0: the client address is the socket's, and
     # a client cannot escape its limit by sending its own X-Forwarded-For.
     "NUM_PROXIES": _env_int("MORPHO_NUM_PROXIES", 0, lo=0),
@@ -246,14 +267,24 @@ if MORPHO_ENV not in MORPHO_ENVS:
         f"MORPHO_ENV: expected {' or '.join(MORPHO_ENVS)}, got {os.environ.get('MORPHO_ENV')!r}"
     )
 
+# Which party this is, as its operators call it ("A", "B", a name): shown in the admin's header,
+# the dashboard and the landing page, so that two parties' tabs side by side are told apart.
+# `make run` sets A and B; empty shows no name. At most 40 printable characters.
+MORPHO_PARTY_NAME = _env("MORPHO_PARTY_NAME", "").strip()
+if len(MORPHO_PARTY_NAME) > 40 or not MORPHO_PARTY_NAME.isprintable():
+    raise ImproperlyConfigured(
+        f"MORPHO_PARTY_NAME: expected at most 40 printable characters, got {MORPHO_PARTY_NAME!r}")
+
 # --- The PIR engine ----------------------------------------------------------------------------
 # Parsed here; read by the code only through engine.config.engine_settings(), one frozen value
 # that checks the engine's settings together (their bounds, the backend's name) at start-up.
 
-# The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json).
-MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrix.bin")))
+# The matrix file this party serves (path; raw pages of 4096 bytes, sidecar <path>.epoch.json),
+# in a folder of its own: not beside the database, broker or sockets of VAR_DIR.
+MORPHO_MATRIX_PATH = Path(_env("MORPHO_MATRIX_PATH", str(VAR_DIR / "matrices" / "matrix.bin")))
 # The only folder epoch matrix files may come from (path; epochs/matrix_files.py). Unset = the
-# folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded.
+# folder of MORPHO_MATRIX_PATH, read when an epoch is recorded or loaded. New epochs are refused
+# while it holds any file the party writes (database, broker folder, engine socket).
 MORPHO_MATRIX_DIR = Path(_env("MORPHO_MATRIX_DIR", "")) if _env("MORPHO_MATRIX_DIR", "") else None
 # Which compute backend answers queries: auto (CUDA when present, else CPU), cpu, or cuda.
 MORPHO_ENGINE_BACKEND = _env("MORPHO_ENGINE_BACKEND", "auto").strip().lower()
@@ -282,7 +313,7 @@ MORPHO_QUERY_TIMEOUT = _env_float("MORPHO_QUERY_TIMEOUT", 60.0, lo=0.001)
 MORPHO_ENGINE_RETRY_AFTER = _env_int("MORPHO_ENGINE_RETRY_AFTER", 5)
 # Python's GIL switch interval in processes that run an engine (µs; 0 = Python's own 5000): the
 # scheduler thread, request threads and answer callbacks take turns sooner. On the H100 at 90% of
-# capacity it cut p95 from 59 to 42 ms and p99 from 94 to 57 ms (docs/benchmarks/policy_NOTES.md).
+# capacity it cut p95 from 59 to 42 ms and p99 from 94 to 57 ms (docs/PERFORMANCE.md).
 MORPHO_GIL_SWITCH_INTERVAL_US = _env_int("MORPHO_GIL_SWITCH_INTERVAL_US", 500)
 # Start the engine when the WSGI application loads, so a bad matrix or backend fails the boot
 # rather than the first query (bool).
@@ -341,7 +372,7 @@ if CELERY_BROKER_URL.startswith("filesystem:"):
         "polling_interval": 0.1,
     }
 # Result backend URL; unset = none (job results are stored in the database by the app itself).
-CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or None
+CELERY_RESULT_BACKEND = _env("CELERY_RESULT_BACKEND", "") or None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # A task is acknowledged only after it ran, so a worker that dies loses nothing.
@@ -364,7 +395,7 @@ MORPHO_BULK_MAX_QUERIES = _env_int("MORPHO_BULK_MAX_QUERIES", 100_000, lo=1)
 MORPHO_BULK_MAX_QUERY_BYTES = _env_int("MORPHO_BULK_MAX_QUERY_BYTES", 16 * 1024, lo=1024)
 # Job submissions per user ("N/second|minute|hour"; "off" lifts the limit), counted like
 # MORPHO_QUERY_THROTTLE (in Redis with CACHE_URL, else per process).
-MORPHO_BULK_SUBMIT_THROTTLE = _env("MORPHO_BULK_SUBMIT_THROTTLE", "30/hour")
+MORPHO_BULK_SUBMIT_THROTTLE = _env_rate("MORPHO_BULK_SUBMIT_THROTTLE", "30/hour") or "off"
 # Jobs one user may have queued or running at once (count); one more gets 429.
 MORPHO_BULK_MAX_ACTIVE_JOBS = _env_int("MORPHO_BULK_MAX_ACTIVE_JOBS", 4, lo=1)
 # Bulk bodies one server process reads and validates at once (count); one more gets 503 with
@@ -383,6 +414,22 @@ MORPHO_BULK_REQUEUE_SECONDS = _env_float("MORPHO_BULK_REQUEUE_SECONDS", 300.0, l
 # How often each worker looks for such chunks (seconds).
 MORPHO_BULK_SWEEP_SECONDS = _env_float("MORPHO_BULK_SWEEP_SECONDS", 5.0, lo=0.1)
 
+# --- Metrics -----------------------------------------------------------------------------------
+
+# Client networks that may read /metrics without signing in (comma-separated addresses or CIDR
+# networks; "*": anyone). Others get 403 unless signed in as staff (an admin session, or a DRF
+# token: Prometheus's `authorization: {type: Token, credentials: ...}`). The client address is
+# the one the request rates count (MORPHO_NUM_PROXIES). Default: loopback and private networks,
+# where a Prometheus of the same host or of docker compose scrapes from.
+_METRICS_ALLOW = _env("MORPHO_METRICS_ALLOW",
+                      "127.0.0.0/8,::1,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7")
+try:
+    MORPHO_METRICS_ALLOW = None if _METRICS_ALLOW.strip() == "*" else [
+        ipaddress.ip_network(item.strip()) for item in _METRICS_ALLOW.split(",") if item.strip()]
+except ValueError as _exc:
+    raise ImproperlyConfigured(f"MORPHO_METRICS_ALLOW: expected * or comma-separated addresses "
+                               f"or networks (10.0.0.0/8), got {_METRICS_ALLOW!r} ({_exc})") from None
+
 # --- Logging -----------------------------------------------------------------------------------
 
 # Log level for morphoweb, queries, policies and gpu_engine (DEBUG, INFO, WARNING, ...).
@@ -393,9 +440,31 @@ LOGGING = {
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"},
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {
+        # A 503 is a refusal the API documents (engine not ready, overloaded), not a bug.
+        "not_refusals": {"()": "django.utils.log.CallbackFilter",
+                         "callback": lambda record: getattr(record, "status_code", None) != 503},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "server_errors": {"class": "logging.StreamHandler", "formatter": "plain",
+                          "filters": ["not_refusals"]},
+    },
     "loggers": {
-        name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
-        for name in ("morphoweb", "queries", "policies", "epochs", "gpu_engine")
+        **{name: {"handlers": ["console"], "level": MORPHO_LOG_LEVEL, "propagate": False}
+           for name in ("morphoweb", "engine", "queries", "policies", "epochs", "gpu_engine")},
+        # Every 500 with its traceback, whatever DEBUG says (Django's own console handler logs
+        # only with DEBUG on, and mails admins no one configured): a 500 is a bug to be read.
+        # ERROR: the 4xx lines of this logger are warnings and stay out.
+        "django.request": {"handlers": ["server_errors"], "level": "ERROR", "propagate": False},
     },
 }
+
+# --- Names no setting reads --------------------------------------------------------------------
+# A misspelled name (MORPHO_QUERY_THROTLE, DJANGO_DEBUG, ALLOWED_HOST) would otherwise leave its
+# setting at the default without a word: warned about here, and refused in production, where a
+# setting silently left at its default can open the party up.
+for _line in unknown_names(os.environ, _READ):
+    if MORPHO_ENV == "production":
+        raise ImproperlyConfigured(f"refusing to start with MORPHO_ENV=production: {_line}")
+    print(f"morphoweb settings: warning: {_line}", file=sys.stderr, flush=True)

@@ -1,9 +1,25 @@
 """Root URL configuration: a landing page, health, the PIR API at the root, the admin, docs, the
 dashboard and metrics."""
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
+from django.utils.functional import lazy
 from django.views.generic import TemplateView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularSwaggerView
+
+from engine.prometheus import MetricsView
+from morphoweb.openapi import SchemaView
+
+
+def _party_title(suffix: str) -> str:
+    name = settings.MORPHO_PARTY_NAME
+    return f"morphoweb party {name} {suffix}" if name else f"morphoweb {suffix}"
+
+
+# Two parties' admins side by side look alike: the header and the tab say which is which (read
+# when a page is drawn).
+admin.site.site_header = lazy(_party_title, str)("administration")
+admin.site.site_title = lazy(_party_title, str)("admin")
 
 urlpatterns = [
     # The PIR API first: Django resolves every request's path once per middleware that asks and
@@ -18,9 +34,9 @@ urlpatterns = [
     path("", include("engine.urls")),  # /health, /dashboard/
     path("admin/", admin.site.urls),
     path("api/", include("epochs.api.urls")),
-    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/schema", SchemaView.as_view(), name="schema"),
     path("api/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    path("", include("django_prometheus.urls")),
+    path("metrics", MetricsView.as_view(), name="prometheus-django-metrics"),
 ]
 
 # Unknown paths, bad Host headers and crashes answer JSON too: API clients parse every body.

@@ -4,6 +4,9 @@ from __future__ import annotations
 import math
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.shortcuts import redirect
+from django.urls import reverse
 from django.utils.html import format_html
 
 from engine.holder import peek_engine
@@ -85,11 +88,26 @@ class BatchingPolicyAdmin(admin.ModelAdmin):
         for policy in chosen:
             if policy.active:
                 continue
+            unfit = policy.fit_errors()
+            if unfit:  # a record written around the model's check
+                self.message_user(request, f"Policy {policy.name} was not activated: "
+                                           f"{' '.join(unfit.values())}", messages.ERROR)
+                continue
             policy.activate()
             # The admin's history (LogEntry): who activated what, when.
             self.log_change(request, policy, f"Activated as the {policy.lane} policy.")
             self.message_user(request, f"Policy {policy.name} is now the {policy.lane} policy; every "
                                        f"engine applies it within a second.", messages.SUCCESS)
+
+    def delete_view(self, request, object_id, extra_context=None):
+        # The delete page of the active policy, reached by its URL (the change form shows no
+        # delete link for it): the admin's message and the change form, not a bare 403.
+        policy = self.get_object(request, unquote(object_id))
+        refusal = policy.delete_refusal() if policy is not None else None
+        if refusal and super().has_delete_permission(request, policy):
+            self.message_user(request, f"Not deleted: {refusal}.", messages.ERROR)
+            return redirect(reverse("admin:policies_batchingpolicy_change", args=[policy.pk]))
+        return super().delete_view(request, object_id, extra_context)
 
     def has_delete_permission(self, request, obj=None) -> bool:
         # The active record of a lane stays; activate another one first.

@@ -40,6 +40,13 @@ def _help(field: str, text: str) -> str:
 
 _DEFAULT = LanePolicy()
 
+# A bulk query waits behind interactive traffic (its lane yields, and is served at least every
+# max_starvation_ms) and behind the launches its worker keeps queued; one not started within
+# queue_timeout_ms fails its chunk, and a chunk that keeps failing fails the job once the task's
+# retries are spent (11 attempts over about 4.5 minutes with a 5 s timeout under interactive
+# load). A minute rides out an interactive burst; the bulk default is ten.
+BULK_MIN_QUEUE_TIMEOUT_MS = 60_000
+
 
 class BatchingPolicy(models.Model):
     """How one lane of every engine batches; the active record of a lane is in force everywhere."""
@@ -75,7 +82,9 @@ class BatchingPolicy(models.Model):
         help_text=_help("max_queue", "Queries the lane may hold; beyond it requests get 503."))
     queue_timeout_ms = models.IntegerField(
         default=_DEFAULT.queue_timeout_ms,
-        help_text=_help("queue_timeout_ms", "A query not started this long after arrival gets 503."))
+        help_text=_help("queue_timeout_ms", "A query not started this long after arrival gets 503 "
+                                            f"(bulk: fails its chunk; at least "
+                                            f"{BULK_MIN_QUEUE_TIMEOUT_MS} ms there)."))
     max_starvation_ms = models.IntegerField(
         default=_DEFAULT.max_starvation_ms,
         help_text=_help("max_starvation_ms", "Longest this lane waits while a higher-priority lane "
@@ -106,8 +115,22 @@ class BatchingPolicy(models.Model):
         # The engine's own check, so the admin, any API and the engine say the same words.
         errors = record_errors(self)
         errors.update(self.lane_errors())
+        errors.update({name: message for name, message in self.fit_errors().items()
+                       if name not in errors})
         if errors:
             raise ValidationError(errors)
+
+    def fit_errors(self) -> dict[str, str]:
+        """Field -> why this policy's settings cannot serve its lane ({} if they can): a policy
+        moved from the interactive lane keeps settings made for answers within seconds."""
+        timeout = self.queue_timeout_ms
+        if self.lane == "bulk" and timeout is not None and timeout < BULK_MIN_QUEUE_TIMEOUT_MS:
+            return {"queue_timeout_ms": (
+                f"a bulk policy needs a queue_timeout_ms of at least {BULK_MIN_QUEUE_TIMEOUT_MS} ms, "
+                f"got {self.queue_timeout_ms}: bulk queries wait behind interactive traffic and "
+                f"the launches queued before them, and one not started in time fails its chunk, "
+                f"then its job once the retries are spent")}
+        return {}
 
     def lane_errors(self, stored: tuple[str, bool] | None = None) -> dict[str, str]:
         """Field -> why this change would leave a lane without its active policy ({} if none).
@@ -151,10 +174,17 @@ class BatchingPolicy(models.Model):
                     active=False, updated_at=timezone.now())
             super().save(*args, **kwargs)
 
-    def delete(self, *args, **kwargs):
+    def delete_refusal(self) -> str | None:
+        """Why this record may not be deleted, or None."""
         if self.active:
-            raise ValidationError(f"{self.name} is the active {self.lane} policy: activate another "
-                                  f"one for the lane before deleting it")
+            return (f"{self.name} is the active {self.lane} policy: activate another one for the "
+                    f"lane before deleting it")
+        return None
+
+    def delete(self, *args, **kwargs):
+        refusal = self.delete_refusal()
+        if refusal:
+            raise ValidationError(refusal)
         return super().delete(*args, **kwargs)
 
     def activate(self) -> None:

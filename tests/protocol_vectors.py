@@ -42,6 +42,42 @@ V2_SHORT_KEY0_HEX = "000102030405060708090a0b0c0d0e0f000082021810101010101010101
 V2_SHORT_KEY1_HEX = "101112131415161718191a1b1c1d1e1f0101820218101010101010101010101010101010"
 
 
+
+def _with_byte(key_hex: str, offset: int, value: int) -> str:
+    return key_hex[:2 * offset] + f"{value:02x}" + key_hex[2 * offset + 2:]
+
+
+# Refusals (docs/PROTOCOL.md section 7) on the d = 8 vector epoch: one query's three keys as hex
+# -> the one error's field, code and words, the same in JSON and in binary (where the message
+# adds the key's body bytes).
+REFUSALS = {
+    "v1 length, format byte 0x80": (
+        [KEY0_HEX, _with_byte(KEY0_HEX, 18, 0x80), KEY0_HEX], "queries[0].keys[1]", "key_format",
+        "format byte (byte 18) is 0x80"),
+    "v1 length, format byte 0x81": (
+        [KEY0_HEX, KEY1_HEX, _with_byte(KEY0_HEX, 18, 0x81)], "queries[0].keys[2]", "key_format",
+        "format byte (byte 18) is 0x81"),
+    "v1 length, format byte 0xff": (
+        [KEY0_HEX, _with_byte(KEY0_HEX, 18, 0xFF), KEY0_HEX], "queries[0].keys[1]", "key_format",
+        "format byte (byte 18) is 0xff"),
+    "v2 length, format byte 0x80": (
+        [V2_KEY0_HEX, _with_byte(V2_KEY0_HEX, 18, 0x80), V2_KEY1_HEX], "queries[0].keys[1]",
+        "key_format", "format byte (byte 18) is 0x80"),
+    "v1, domain_bits byte 0": (
+        [KEY0_HEX, KEY1_HEX, _with_byte(KEY0_HEX, 18, 0)], "queries[0].keys[2]", "key_format",
+        "domain_bits byte is 0, expected 1..32"),
+    "v1 of the epoch's length, domain_bits byte 9": (
+        [KEY0_HEX, _with_byte(KEY0_HEX, 18, 9), KEY0_HEX], "queries[0].keys[1]", "key_format",
+        "key is 179 bytes but its domain_bits byte says 9, which needs 197 bytes"),
+    "v2, domain_bits byte 40": (
+        [V2_KEY0_HEX, _with_byte(V2_KEY0_HEX, 19, 40), V2_KEY0_HEX], "queries[0].keys[1]",
+        "key_format", "v2 key's domain_bits byte (byte 19) is 40, expected 1..32"),
+    "v2, party byte 2": (
+        [V2_KEY0_HEX, V2_KEY1_HEX, _with_byte(V2_KEY0_HEX, 17, 2)], "queries[0].keys[2]",
+        "key_format", "party byte is 2, expected 0 or 1"),
+}
+
+
 def vector_pages() -> np.ndarray:
     """The 200-page matrix whose page i byte j is (131*i + 17*j + 11) mod 256, as bytes."""
     i = np.arange(200)[:, None]

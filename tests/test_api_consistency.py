@@ -1,5 +1,5 @@
 """One API: every error in the same shape and our words, slashes optional, every listing paged,
-and a landing page at / (issue 13 item 7)."""
+and a landing page at /."""
 from __future__ import annotations
 
 import json

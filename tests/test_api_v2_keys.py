@@ -87,7 +87,7 @@ def test_json_request_mixing_formats_is_refused_naming_each_key(api):
     assert "a v1 key, expected v2" in single[0][2]
     batch = _errors(post_json(api, BATCH, {"queries": [{"keys": [v1] * 3},
                                                        {"keys": [v1, V2_KEY0_HEX, v1]}]}))
-    # within a query the keys follow its first key, across queries the request's first key
+    # every key follows the request's first key, within a query and across queries
     assert [(f, c) for f, c, _ in batch] == [("queries[1].keys[1]", "key_format")]
     assert "a v2 key, expected v1" in batch[0][2]
     across = _errors(post_json(api, BATCH, {"queries": [{"keys": [V2_KEY0_HEX] * 3},

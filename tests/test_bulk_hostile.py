@@ -1,5 +1,5 @@
 """Hostile bulk bodies against a real gunicorn: refused with bounded memory while queries are
-still answered at once (issue 18: 64 MiB of `[[],[],...]` used to take 1.2 GB and stall queries
+still answered at once (64 MiB of `[[],[],...]` parsed whole would take 1.2 GB and stall queries
 for 11-15 s)."""
 from __future__ import annotations
 

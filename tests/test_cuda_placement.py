@@ -1,4 +1,4 @@
-"""Placement over CUDA devices (issue 17): sharded and replicated epochs answer byte for byte as the
+"""Placement over CUDA devices: sharded and replicated epochs answer byte for byte as the
 NumPy backend does, for both key formats, with shard boundaries mid-subtree and page counts that
 are not powers of two. On one GPU the two "devices" are two backends of the same GPU; on two or
 more GPUs, one backend each."""

@@ -51,9 +51,13 @@ def test_page_and_data_show_what_metrics_exports(staff, serve_matrix, vector_mat
     assert data["memory"]["resident"] == 200 * 4096
     assert set(data["queue_depth"]) == {"interactive", "bulk"}
 
+    # the digest every answer's `state` carries, the one figure that differs where parties diverge
+    state = APIClient().get("/epoch").json()["state"]
+    assert data["served_state"] == state and state["updates"] == 1
     page = staff.get("/dashboard/").content.decode()
     assert f'<td class="policy-name">{name}</td>' in page
     assert "epoch 5</span> block 1234" in page
+    assert f'<code class="digest" id="state-digest">{state["digest"]}</code>' in page
     assert "https://" not in page and "http://" not in page  # nothing loaded from elsewhere
 
 
@@ -81,3 +85,16 @@ def test_without_an_engine_the_page_says_not_available(staff):
 def test_data_endpoint_needs_staff(db, client):
     response = client.get("/dashboard/data")
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_every_page_names_the_party(staff, settings):
+    """Two parties' tabs side by side: the landing page, the dashboard and the admin say which."""
+    settings.MORPHO_PARTY_NAME = "B"
+    assert '<h1 id="party">morphoweb party B: one of two servers' in staff.get("/").content.decode()
+    assert '<h1 id="party">morphoweb operator dashboard: party B</h1>' in \
+        staff.get("/dashboard/").content.decode()
+    admin = staff.get("/admin/").content.decode()
+    assert '<a href="/admin/">morphoweb party B administration</a>' in admin
+    assert "<title>Site administration | morphoweb party B admin</title>" in admin
+    settings.MORPHO_PARTY_NAME = ""
+    assert "party B" not in staff.get("/admin/").content.decode()

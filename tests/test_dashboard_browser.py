@@ -1,7 +1,8 @@
 """In headless Chromium, against gunicorn serving collected static files as `make run` does: sign
-in to the admin (styled: its stylesheet applied), activate another interactive policy, open the
-dashboard and see it named there and in /metrics, its history drawn at load and a p95 over the
-policy's target in red; no page loads any asset that answers 4xx/5xx (driven over the DevTools
+in to the admin (styled: its stylesheet applied, the party named), activate another interactive
+policy, open the dashboard and see it named there and in /metrics, the party and its state digest,
+its history drawn at load and a p95 over the policy's target in red, grey once traffic stops; no
+page loads any asset that answers 4xx/5xx (driven over the DevTools
 protocol)."""
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class DevTools:
 def server(start_server, vector_matrix_path, tmp_path_factory):
     var = tmp_path_factory.mktemp("browser-var")
     env = server_env(MORPHO_MATRIX_PATH=vector_matrix_path, MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=var,
+                     MORPHO_PARTY_NAME="A",
                      DATABASE_URL=f"sqlite:///{var / 'db.sqlite3'}", STATIC_ROOT=var / "static")
     subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=REPO, env=env, check=True)
     # As `make run` and the Docker image do: gather the static files WhiteNoise serves.
@@ -184,6 +186,8 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
                                                             && loaded(s)).length};
         })()""")
         assert styled["display"] == "flex" and 0 < styled["toggle"] < 50 and styled["sheets"] >= 2, styled
+        assert browser.evaluate("document.querySelector('#site-name').textContent.trim()") == \
+            "morphoweb party A administration"
 
         browser.open(server.url + "/admin/policies/batchingpolicy/")
         assert "Batching policies" in browser.evaluate("document.querySelector('.breadcrumbs').textContent")
@@ -219,6 +223,11 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
                     drawn: p95 ? (p95.getAttribute('d').match(/L/g) || []).length : 0};
         })()""")
         assert at_load["points"] >= 3 and at_load["drawn"] >= 2, at_load
+        assert browser.evaluate("document.getElementById('party').textContent") == \
+            "morphoweb operator dashboard: party A"
+        # the state digest, as every answer of this party carries it
+        digest = http_json(server.url + "/epoch")[2]["state"]["digest"]
+        assert browser.wait_for("document.getElementById('state-digest')?.textContent") == digest
         browser.wait_for(f"""[...document.querySelectorAll('#policies tr')]
             .some(tr => tr.cells[0]?.textContent === 'interactive' && tr.cells[1]?.textContent === '{NEW_POLICY}')""")
         # The picture is taken once polls have drawn the latency and the rate lines.
@@ -255,6 +264,16 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
         if os.environ.get("MORPHO_SCREENSHOT_DIR"):
             shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
             Path(os.environ["MORPHO_SCREENSHOT_DIR"], "dashboard-over-target.png").write_bytes(shot)
+
+        # Traffic stops: the headline says since when, in grey, and no longer flags red.
+        stop.set()
+        traffic.join(10)
+        stale = browser.wait_for("document.querySelector('#p95-now .stale')?.textContent", timeout=30)
+        assert stale.startswith("no queries for ") and "target 0.1 ms" in stale, stale
+        assert browser.evaluate("document.querySelector('#p95-now .over')") is None
+        if os.environ.get("MORPHO_SCREENSHOT_DIR"):
+            shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+            Path(os.environ["MORPHO_SCREENSHOT_DIR"], "dashboard-after-traffic.png").write_bytes(shot)
     finally:
         stop.set()
         traffic.join(10)
@@ -263,6 +282,7 @@ def test_admin_policy_change_shows_on_dashboard_and_metrics(server, browser, tmp
 
 def test_landing_page_and_api_docs_load_every_asset(server, browser):
     browser.open(server.url + "/")
+    assert browser.evaluate("document.title") == "morphoweb party A"
     links = browser.evaluate("[...document.querySelectorAll('#links a')].map(a => a.getAttribute('href'))")
     assert {"/dashboard/", "/admin/", "/api/docs", "/api/schema", "/health", "/epoch"} <= set(links)
     browser.open(server.url + "/api/docs")
@@ -272,4 +292,16 @@ def test_landing_page_and_api_docs_load_every_asset(server, browser):
     sign_in(browser, server.url)
     for page in ("/admin/epochs/epoch/", "/admin/queries/bulkjob/", "/admin/auth/user/add/"):
         browser.open(server.url + page)
+    # The active bulk policy's delete page, by its URL: back on its change form, the admin's own
+    # error message, no JSON.
+    browser.open(server.url + "/admin/policies/batchingpolicy/?lane__exact=bulk&active__exact=1")
+    change = browser.evaluate("new URL(document.querySelector('#result_list tbody a').href).pathname")
+    browser.open(server.url + change.replace("/change/", "/delete/"))
+    assert browser.evaluate("location.pathname") == change
+    message = browser.evaluate("document.querySelector('.messagelist .error')?.textContent")
+    assert message == ("Not deleted: bulk-throughput is the active bulk policy: activate another "
+                       "one for the lane before deleting it."), message
+    if os.environ.get("MORPHO_SCREENSHOT_DIR"):
+        shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+        Path(os.environ["MORPHO_SCREENSHOT_DIR"], "admin-delete-active.png").write_bytes(shot)
     assert not browser.bad_assets, browser.bad_assets

@@ -1,7 +1,10 @@
-"""The Docker image's Python environment, without a Docker daemon: the Dockerfile's own install step
-run into a clean venv (a real install of the CPU image; a resolution, `pip install --dry-run`, of
-the CUDA images, whose toolkit wheels are gigabytes), and where a GPU is present a real install of
-the CUDA image's set whose NVRTC compiles a kernel. Needs PyPI (pip's cache helps)."""
+"""The Docker image without a Docker daemon: the paths its user writes (read from the Dockerfile and
+docker-compose.yml, then the Dockerfile's user step run in a folder here and every path written as
+that user), each party's migration before its containers start, and its Python environment: the
+Dockerfile's own install step run into a clean venv (a real install of the CPU image; a resolution,
+`pip install --dry-run`, of the CUDA images, whose toolkit wheels are gigabytes), and where a GPU
+is present a real install of the CUDA image's set whose NVRTC compiles a kernel. The installs need
+PyPI (pip's cache helps)."""
 from __future__ import annotations
 
 import json
@@ -9,13 +12,14 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import venv
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.test_security_compose import compose
+from tests.test_security_compose import compose, in_profile
 
 DOCKERFILE = REPO / "Dockerfile"
 # Installs from PyPI: minutes on a cold cache, more than the suite's 600 s default allows.
@@ -77,6 +81,130 @@ def test_the_build_arg_follows_compose_semantics():
         assert built and set(built.values()) == {extras}, built
     assert requirement("") == "."
     assert requirement("cuda13") == ".[cuda13]"
+
+
+# --- the image's user and every path it writes ------------------------------------------------
+def image_user() -> tuple[str, int]:
+    """(name, uid) of the user the image runs as."""
+    text = DOCKERFILE.read_text()
+    user = re.findall(r"^USER (\S+)$", text, re.MULTILINE)[-1]
+    uid = re.search(rf"useradd [^&]*--uid (\d+) {user}\b", text.replace("\\\n", " "))
+    assert uid, f"no useradd of {user} with a --uid"
+    return user, int(uid.group(1))
+
+
+def user_step() -> list[str]:
+    """The commands of the RUN instruction that makes the image's user, continuations joined."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    steps = [line[4:] for line in text.splitlines() if line.startswith("RUN ") and "useradd" in line]
+    assert len(steps) == 1, steps
+    return [command.strip() for command in steps[0].split("&&")]
+
+
+def image_env() -> dict:
+    """The Dockerfile's ENV values (`ENV A=1 \\ B=2`)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    return dict(pair.split("=", 1) for line in text.splitlines() if line.startswith("ENV ")
+                for pair in line[4:].split())
+
+
+def image_services(profile: str) -> dict:
+    """The services of `profile` that run the image as its own user (the one-shot `matrix` runs
+    as root: it writes the matrix volume)."""
+    return {name: svc for name, svc in in_profile(compose(), profile).items()
+            if svc.get("image", "").startswith("morphoweb:") and str(svc.get("user", "")) != "0"}
+
+
+def written_paths(service: dict) -> set[str]:
+    """The directories a service of the image writes: its writable volumes' mount points, the
+    state folder, and CuPy's kernel cache where it is set."""
+    env = {**image_env(), **service.get("environment", {})}
+    paths = {env["MORPHO_VAR_DIR"]}
+    if "CUPY_CACHE_DIR" in env:
+        paths.add(env["CUPY_CACHE_DIR"])
+    for volume in service.get("volumes", []):
+        parts = volume.split(":")
+        if len(parts) == 2 or parts[2] != "ro":
+            paths.add(parts[1])
+    return paths
+
+
+def owned_by_user() -> set[str]:
+    """The paths the user step gives to the image's user (`chown USER PATH...`)."""
+    user, _ = image_user()
+    owned = set()
+    for command in user_step():
+        words = command.split()
+        if words[:1] == ["chown"] and user in words:
+            owned.update(words[words.index(user) + 1:])
+    return owned
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_the_image_user_owns_every_path_it_writes(profile):
+    """A named volume mounted on a path of the image takes that path's owner; one mounted where the
+    image has nothing is root's, and the uid 1000 engine then cannot make CuPy's kernel cache."""
+    owned = owned_by_user()
+    services = image_services(profile)
+    assert {"engine-a", "engine-b"} <= set(services) or profile == "cpu"
+    for name, service in services.items():
+        for path in written_paths(service):
+            # the path itself, or the closest folder of it the image makes, is the user's
+            made = [p for p in owned if path == p or path.startswith(p.rstrip("/") + "/")]
+            assert made, f"{name} writes {path}, which the image does not give its user"
+    gpu_engines = [svc for name, svc in services.items() if name in ("engine-a", "engine-b")]
+    for service in gpu_engines:
+        assert service["environment"]["CUPY_CACHE_DIR"].startswith("/cache/")
+        assert "kernelcache:/cache" in service["volumes"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the user step as root, then writes as uid 1000")
+def test_the_user_step_run_here_lets_that_user_write_every_path():
+    """The Dockerfile's user step with its paths under a folder here (useradd left out: the uid is
+    what counts), then each path every service writes, written as the image's uid, as CuPy makes
+    its cache (mkdir -p) and the parties their files."""
+    user, uid = image_user()
+    root = tempfile.mkdtemp(prefix="morpho-image-", dir="/tmp")
+    try:
+        os.chmod(root, 0o755)  # the image's uid walks through it
+        for command in user_step():
+            if command.startswith("useradd"):
+                continue
+            rerooted = re.sub(r"(?<=\s)/", root + "/", command)
+            rerooted = re.sub(rf"^chown {user}\b", f"chown {uid}", rerooted)
+            subprocess.run(["sh", "-c", rerooted], check=True)
+        paths = set()
+        for profile in ("gpu", "cpu"):
+            for service in image_services(profile).values():
+                paths |= written_paths(service)
+        for path in sorted(paths):
+            here = root + path
+            # a mount point the image lacks is made by Docker, as root
+            os.makedirs(os.path.dirname(here), exist_ok=True)
+            if not os.path.exists(here):
+                os.mkdir(here, 0o755)
+            wrote = subprocess.run(["sh", "-c", 'mkdir -p "$1/sub" && : > "$1/sub/probe"', "sh",
+                                    here], user=uid, group=uid, capture_output=True, text=True,
+                                   check=False)
+            assert wrote.returncode == 0, f"uid {uid} cannot write {path}: {wrote.stderr}"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_each_party_migrates_once_before_its_engine_web_and_worker_start():
+    """The engine server reads the policies and epochs as it starts: on a fresh database it logged
+    `no such table` tracebacks while the web server migrated."""
+    for profile in ("gpu", "cpu"):
+        services = in_profile(compose(), profile)
+        for name, service in image_services(profile).items():
+            if name.startswith("migrate-"):
+                continue
+            party = service["environment"]["DATABASE_URL"].rsplit("_", 1)[1]
+            migrate = f"migrate-{party}"
+            assert service["depends_on"][migrate] == {"condition": "service_completed_successfully"}, name
+            assert services[migrate]["environment"]["DATABASE_URL"] == service["environment"]["DATABASE_URL"]
+            assert services[migrate]["command"] == ["python", "manage.py", "migrate", "--no-input"]
+            assert services[migrate]["restart"] == "no"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,10 @@
 """The README and the pages under docs/: every relative link reaches a file, and its anchor a heading."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,14 @@ def test_the_readme_stays_short_and_points_to_every_topic_page():
     for name in ("CLIENT", "OPERATIONS", "DEPLOYMENT", "PERFORMANCE", "DEVELOPMENT"):
         assert f"](docs/{name}.md)" in readme, name
     assert "make run" in readme and "make test" in readme
+
+
+def test_the_docs_site_builds_strict(tmp_path):
+    # mkdocs.yml's strict build fails on a page missing from the nav, a link to no page, an anchor
+    # no heading has; the material theme comes with the test extras
+    pytest.importorskip("material")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "PERFORMANCE" / "index.html").exists()

@@ -26,7 +26,7 @@ def layout(tmp_path, settings, serve_matrix, db):
     outside.mkdir()
     served = write_matrix_file(inside / "epoch1.bin", PAGES, seed=1)
     write_epoch_metadata(served, epoch_id=1)
-    write_matrix_file(inside / "epoch2.bin", PAGES, seed=2)
+    write_epoch_metadata(write_matrix_file(inside / "epoch2.bin", PAGES, seed=2), epoch_id=2)
     secret = outside / "shadow"
     secret.write_bytes(SECRET)
     secret.chmod(0o600)

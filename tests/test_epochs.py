@@ -220,6 +220,7 @@ def test_load_epoch_from_a_process_without_an_engine_is_followed_at_engine_start
 
 def test_switch_to_a_larger_epoch_changes_the_domain_clients_see(served, operator, tmp_path):
     path = write_matrix_file(tmp_path / "big.bin", 4 * PAGES, seed=44)  # 256 pages: domain_bits 8
+    write_epoch_metadata(path, epoch_id=7)
     data = row_bytes(3)
     assert operator.post("/api/row-updates/", {"row": 1000, "data": data.hex()}, format="json").status_code == 201
     record = operator.post("/api/epochs/", {"epoch_id": 7, "matrix_path": str(path)}, format="json").json()

@@ -160,13 +160,15 @@ def test_admin_action_reports_the_refusal_in_words(small_device_party, client):
 def test_failed_stop_the_world_keeps_serving_the_current_epoch_with_its_updates(small_device_party, tmp_path):
     from epochs import sync
     from epochs.models import Epoch
-    from gpu_engine.matrix import load_matrix, write_matrix_file
+    from gpu_engine.matrix import load_matrix, write_epoch_metadata, write_matrix_file
     from engine.holder import get_engine
 
     client, record, _ = small_device_party
     data = bytes([7]) * 256
     sync.push_rows([(5, data)])
-    huge = Epoch(epoch_id=3, matrix_path=str(write_matrix_file(tmp_path / "e3.bin", 64, seed=3)))
+    huge_path = write_matrix_file(tmp_path / "e3.bin", 64, seed=3)
+    write_epoch_metadata(huge_path, epoch_id=3)
+    huge = Epoch(epoch_id=3, matrix_path=str(huge_path))
     huge.full_clean()
     huge.save()
     refused = client.post(f"/api/epochs/{huge.pk}/activate/", {"switch_mode": "stop_the_world"}, format="json")

@@ -4,6 +4,7 @@ copy, so overwriting or truncating the file neither changes answers nor kills th
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import urllib.error
 import numpy as np
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
 from rest_framework.test import APIClient
 
 import gpu_engine.matrix as matrix_module
@@ -100,7 +102,9 @@ def files(tmp_path, serve_matrix, db):
     write_epoch_metadata(served, epoch_id=1)
     serve_matrix(served)
     get_engine()
-    return {"served": served, "next": write_matrix_file(tmp_path / "epoch2.bin", PAGES, seed=2)}
+    following = write_matrix_file(tmp_path / "epoch2.bin", PAGES, seed=2)
+    write_epoch_metadata(following, epoch_id=2)
+    return {"served": served, "next": following}
 
 
 def test_a_record_carries_the_files_size_and_digest(files, operator):
@@ -108,7 +112,62 @@ def test_a_record_carries_the_files_size_and_digest(files, operator):
     body = operator.post("/api/epochs/", {"epoch_id": 2, "matrix_path": str(path)},
                          format="json").json()
     assert body["size_bytes"] == PAGES * PAGE_BYTES
-    assert body["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()  # no sidecar: computed
+    assert body["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()  # the sidecar's
+
+
+def _refusal(operator, path, epoch_id=3) -> str:
+    response = operator.post("/api/epochs/", {"epoch_id": epoch_id, "matrix_path": str(path)},
+                             format="json")
+    assert response.status_code == 400, response.content
+    (error,) = [e for e in response.json()["errors"] if e["field"] == "matrix_path"]
+    return error["message"]
+
+
+def test_a_file_without_a_sidecar_is_no_matrix(files, operator):
+    database = files["served"].parent / "party-a.sqlite3"  # what an epoch once published
+    database.write_bytes(b"SQLite format 3\x00" + bytes(PAGE_BYTES * 2))
+    message = _refusal(operator, database)
+    assert "is not described as a matrix: expected its sidecar" in message
+    assert f"python manage.py describe_matrix {database}" in message
+    assert not Epoch.objects.filter(epoch_id=3).exists()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"size_bytes": PAGES * PAGE_BYTES + 1}, "records size_bytes"),
+    ({"sha256": None}, "records no sha256"),
+    ({"page_size_bytes": 1024}, "records page_size_bytes 1024, expected 4096"),
+    ({"num_pages": PAGES + 1}, f"records num_pages {PAGES + 1}, the file holds {PAGES}"),
+])
+def test_a_sidecar_must_describe_the_file_as_pages(files, operator, change, words):
+    sidecar = metadata_path(files["next"])
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), **change}))
+    assert words in _refusal(operator, files["next"])
+
+
+def test_describe_matrix_writes_the_sidecar_an_epoch_needs(files, operator):
+    metadata_path(files["next"]).unlink()
+    assert "expected its sidecar" in _refusal(operator, files["next"])
+    call_command("describe_matrix", str(files["next"]), stdout=io.StringIO())
+    body = operator.post("/api/epochs/", {"epoch_id": 3, "matrix_path": str(files["next"])},
+                         format="json").json()
+    assert body["sha256"] == hashlib.sha256(files["next"].read_bytes()).hexdigest()
+
+
+def test_a_matrix_directory_that_holds_the_partys_files_takes_no_epochs(files, operator, settings):
+    folder = files["served"].parent
+    databases = settings.DATABASES
+    settings.DATABASES = {**databases, "default": {
+        **settings.DATABASES["default"], "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(folder / "db.sqlite3")}}
+    message = _refusal(operator, files["next"])
+    assert f"the matrix directory {folder} (MORPHO_MATRIX_DIR" in message
+    assert f"holds the database (DATABASE_URL), {folder / 'db.sqlite3'}" in message
+    settings.DATABASES = databases
+    settings.VAR_DIR = folder / "var"  # the state folder below the matrices (above is no harm)
+    assert "holds the state folder (MORPHO_VAR_DIR)" in _refusal(operator, files["next"])
+    settings.VAR_DIR = folder.parent
+    assert operator.post("/api/epochs/", {"epoch_id": 3, "matrix_path": str(files["next"])},
+                         format="json").status_code == 201
 
 
 def test_an_epoch_whose_file_changed_is_not_activated(files, operator):

@@ -1,4 +1,4 @@
-"""One party over several devices (issue 17): sharded and replicated epochs, byte-exact against the
+"""One party over several devices: sharded and replicated epochs, byte-exact against the
 protocol's formula, on simulated CPU devices, so CI covers the placement logic without a GPU."""
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_every_shard_is_covered_once_by_subtrees_inside_it_and_the_domain():
 def test_default_boundaries_are_balanced_and_need_few_launches():
     # the mainnet shape (68.9 GB) over two GPUs: one half each, at most two subtrees a device, the
     # tail as high in the tree as its start allows (one level of keys to derive on the host, not nine)
-    pages = 16_817_159  # docs/benchmarks/NOTES-cuda.md
+    pages = 16_817_159  # the mainnet shape, docs/PERFORMANCE.md
     assert shard_bounds(pages, 25, 2) == [0, 1 << 23, pages]
     trees = subtrees(1 << 23, pages, pages, 25)
     assert [(t.level, t.first, t.stop) for t in trees] == [(2, 1 << 23, 1 << 24), (1, 1 << 24, pages)]

@@ -20,10 +20,11 @@ pytestmark = pytest.mark.processes
 @pytest.fixture(scope="module")
 def party(tmp_path_factory, vector_matrix_path):
     folder = tmp_path_factory.mktemp("d2")
-    first = folder / "e1.bin"
+    first = folder / "matrices" / "e1.bin"  # apart from the party's database and sockets
+    first.parent.mkdir()
     shutil.copy(vector_matrix_path, first)
     shutil.copy(metadata_path(vector_matrix_path), metadata_path(first))
-    second = write_matrix_file(folder / "e2.bin", 300, seed=2)
+    second = write_matrix_file(first.parent / "e2.bin", 300, seed=2)
     write_epoch_metadata(second, epoch_id=2)
     made = Party(first, folder, backend="cpu", web_workers=2, threads=4,
                  extra_env=dict(MORPHO_ENGINE_DEVICES="0,1", CUDA_VISIBLE_DEVICES=""))

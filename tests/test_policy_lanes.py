@@ -30,6 +30,11 @@ def actives() -> dict[str, str]:
 
 DEFAULT_ACTIVES = {"interactive": "interactive-latency", "bulk": "bulk-throughput"}
 
+BULK_TIMEOUT_REFUSED = (
+    "a bulk policy needs a queue_timeout_ms of at least 60000 ms, got 5000: bulk queries wait "
+    "behind interactive traffic and the launches queued before them, and one not started in time "
+    "fails its chunk, then its job once the retries are spent")
+
 
 @pytest.fixture
 def staff(client, django_user_model):
@@ -53,7 +58,9 @@ def test_moving_the_active_policy_to_another_lane_is_refused_saying_what_would_h
                 "Activate another interactive policy first, then move this one.")
     with pytest.raises(ValidationError) as caught:
         slo.full_clean()
-    assert caught.value.message_dict == {"lane": [expected]}
+    # and its interactive queue_timeout could not serve bulk either
+    assert caught.value.message_dict == {"lane": [expected],
+                                         "queue_timeout_ms": [BULK_TIMEOUT_REFUSED]}
     with pytest.raises(ValidationError) as caught:
         slo.save()  # callers that skip full_clean() are refused too
     assert caught.value.message_dict == {"lane": [expected]}
@@ -83,12 +90,24 @@ def test_deactivating_the_active_policy_by_saving_is_refused():
 
 def test_an_inactive_policy_may_move_and_then_be_activated_there():
     spare = BatchingPolicy.objects.get(name="interactive-throughput")
-    spare.lane = "bulk"
+    spare.lane, spare.queue_timeout_ms = "bulk", 600_000
     spare.full_clean()
     spare.save()
     assert actives() == DEFAULT_ACTIVES
     spare.activate()
     assert actives() == {"interactive": "interactive-latency", "bulk": "interactive-throughput"}
+
+
+def test_a_policy_moved_to_bulk_with_an_interactive_queue_timeout_is_refused():
+    """Moved from interactive with its 5 s queue_timeout, a bulk policy failed a job for good
+    after 11 attempts over 4.5 minutes of interactive load, and nothing said why beforehand."""
+    spare = BatchingPolicy.objects.get(name="interactive-throughput")
+    spare.lane = "bulk"
+    with pytest.raises(ValidationError) as caught:
+        spare.full_clean()
+    assert caught.value.message_dict == {"queue_timeout_ms": [BULK_TIMEOUT_REFUSED]}
+    spare.queue_timeout_ms = 60_000
+    spare.full_clean()
 
 
 def test_the_database_refuses_two_active_policies_in_a_lane_even_around_the_model():
@@ -148,7 +167,12 @@ def test_admin_change_form_refuses_moving_the_active_policy(staff):
 
 def test_admin_change_form_moves_an_inactive_policy(staff):
     slo = BatchingPolicy.objects.get(name="interactive-slo")
-    response = staff.post(CHANGELIST + f"{slo.pk}/change/", form_of(slo, lane="bulk"))
+    refused = staff.post(CHANGELIST + f"{slo.pk}/change/", form_of(slo, lane="bulk"))
+    assert refused.status_code == 200 and BULK_TIMEOUT_REFUSED in refused.content.decode()
+    slo.refresh_from_db()
+    assert slo.lane == "interactive"
+    response = staff.post(CHANGELIST + f"{slo.pk}/change/",
+                          form_of(slo, lane="bulk", queue_timeout_ms=600_000))
     assert response.status_code == 302
     slo.refresh_from_db()
     assert slo.lane == "bulk" and not slo.active
@@ -171,15 +195,33 @@ def test_admin_activate_action_keeps_one_per_lane_for_both_lanes_at_once(staff):
     assert actives() == {"interactive": "interactive-slo", "bulk": "bulk-spare"}
 
 
+def test_admin_activate_action_refuses_a_policy_that_cannot_serve_its_lane(staff):
+    raw = BatchingPolicy.objects.create(name="bulk-raw", lane="bulk")  # around the model's check
+    response = staff.post(CHANGELIST, {"action": "activate", "_selected_action": [raw.pk]},
+                          follow=True)
+    assert f"Policy bulk-raw was not activated: {BULK_TIMEOUT_REFUSED}" in response.content.decode()
+    assert actives() == DEFAULT_ACTIVES
+
+
 def test_admin_cannot_delete_the_active_policy_one_by_one_or_in_bulk(staff):
     latency = BatchingPolicy.objects.get(name="interactive-latency")
-    assert staff.get(CHANGELIST + f"{latency.pk}/delete/").status_code == 403
+    # by its URL (no page links it): the admin's own error message on the change form, never
+    # the API's bare JSON 403 inside the admin
+    for method in (staff.get, staff.post):
+        response = method(CHANGELIST + f"{latency.pk}/delete/", follow=True)
+        assert response.status_code == 200
+        assert response.redirect_chain == [(CHANGELIST + f"{latency.pk}/change/", 302)]
+        page = response.content.decode()
+        assert '<ul class="messagelist">' in page and "permission denied" not in page
+        assert ("Not deleted: interactive-latency is the active interactive policy: activate "
+                "another one for the lane before deleting it.") in page
+    assert BatchingPolicy.objects.filter(pk=latency.pk).exists()
     page = staff.get(CHANGELIST).content.decode()
     assert 'value="delete_selected"' not in page
     assert actives() == DEFAULT_ACTIVES
 
 
-# -- words (issue 13 item 8) -------------------------------------------------------------------
+# -- words ----------------------------------------------------------------------------------
 def test_admin_names_the_model_in_plural_and_bounds_as_plain_numbers(staff):
     index = staff.get("/admin/").content.decode()
     assert "Batching policies" in index and "policys" not in index

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from django.conf import settings
 
+from morphoweb.checks import MIN_SECRET_KEY_LENGTH, secret_key_problem
 from morphoweb.frontend import SPOOL_MEMORY_BYTES
 from tests.conftest import REPO
 
@@ -165,7 +166,7 @@ def test_both_parties_with_a_worker_each_health_checks_and_named_volumes(profile
 
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_each_party_is_published_only_through_its_buffering_proxy(profile):
-    """Slow clients (issue 14): the published ports are nginx's, which reads requests whole
+    """Slow clients: the published ports are nginx's, which reads requests whole
     before the web container sees them; the web containers count clients by the address nginx
     appends to X-Forwarded-For."""
     services = in_profile(compose(), profile)
@@ -215,3 +216,22 @@ def test_the_proxy_limits_are_the_services():
     defaults = compose()["x-body-limits"]
     assert defaults == {"MORPHO_MAX_BODY_BYTES": str(settings.MORPHO_MAX_BODY_BYTES),
                         "MORPHO_BULK_MAX_BODY_BYTES": str(settings.MORPHO_BULK_MAX_BODY_BYTES)}
+
+
+def test_env_example_states_the_rules_the_parties_enforce():
+    """What .env.example tells an operator is what the code does: the secret key's length, the
+    command that makes one, and one GPU per party."""
+    text = ENV_EXAMPLE.read_text()
+    said = re.search(r"secret key shorter than\s*#?\s*(\d+) characters", text)
+    assert said and int(said.group(1)) == MIN_SECRET_KEY_LENGTH, said
+    maker = re.search(r"#\s+(python3 -c '.*')$", text, re.MULTILINE).group(1)
+    made = subprocess.run(["sh", "-c", maker], capture_output=True, text=True, check=True).stdout
+    assert secret_key_problem(made.strip()) is None
+    values = env_example()
+    for key in ("PARTY_A_SECRET_KEY", "PARTY_B_SECRET_KEY"):
+        assert secret_key_problem(values[key]) is not None  # a placeholder is refused
+    assert values["MORPHO_GPU_A"] != values["MORPHO_GPU_B"]
+    unset = {k: v for k, v in values.items() if not k.startswith("MORPHO_GPU_")}
+    gpus = {name: svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name, svc in in_profile(compose(unset), "gpu").items() if name.startswith("engine-")}
+    assert gpus["engine-a"] != gpus["engine-b"]  # the file's own defaults too

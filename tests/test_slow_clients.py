@@ -1,4 +1,4 @@
-"""`make run` under a slow-client attack (issue 14, item 2): 256 connections that send a request
+"""`make run` under a slow-client attack: 256 connections that send a request
 line and then trickle header bytes must not keep a legitimate query or /health from an answer.
 
 The parties are started by morphoweb.devserver itself, as `make run` starts them (one gunicorn

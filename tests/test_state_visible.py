@@ -1,4 +1,4 @@
-"""State a user could not see before (issue 13 item 6): the served epoch recorded, 15 minutes of
+"""State a user sees: the served epoch recorded, 15 minutes of
 dashboard history kept server-side, bulk progress launch by launch, a cancelled job's answers."""
 from __future__ import annotations
 

@@ -33,7 +33,9 @@ def party(tmp_path_factory, start_server):
     root = tmp_path_factory.mktemp("party")
     paths = {}
     for epoch_id in (1, 2):
-        paths[epoch_id] = write_matrix_file(root / f"e{epoch_id}.bin", PAGES, seed=epoch_id)
+        # in a folder of matrices alone: no epoch is recorded from one that holds the database
+        paths[epoch_id] = write_matrix_file(root / "matrices" / f"e{epoch_id}.bin", PAGES,
+                                            seed=epoch_id)
         write_epoch_metadata(paths[epoch_id], epoch_id=epoch_id, block_number=epoch_id * 10)
     env = server_env(DATABASE_URL=f"sqlite:///{root / 'db.sqlite3'}", MORPHO_MATRIX_PATH=paths[1],
                      MORPHO_ENGINE_BACKEND="cpu", MORPHO_VAR_DIR=root)

@@ -44,7 +44,7 @@ MMA_TILE_COUNTS = tuple(range(1, 12))  # dpf_scan_mma<T> instantiations: up to 1
 WGMMA_CAPABILITY = (9, 0)  # wgmma ... b1 AND.POPC: sm_90a, the H100 and H200
 # from this many key tiles a launch over the fragments layout goes to dpf_scan_wgmma_frag; fewer
 # (up to 48 keys, where the scan waits on memory) stay on dpf_scan_mma_frag, which the H100 ran
-# nearer the memory floor (21.97 against 24.8 ms for one query at mainnet: NOTES-cuda.md)
+# nearer the memory floor (21.97 against 24.8 ms for one query at mainnet: docs/SCANS.md)
 WGMMA_MIN_TILES = 4
 # dpf_scan_wgmma_frag<T>'s (Hopper's warpgroup products, sm_90a, over the fragments layout): up to
 # 224 keys a group, 2 x 8T accumulators a thread (250 registers at T = 14, no spills)
@@ -78,7 +78,7 @@ V1_FRAG_AFRAG_BYTES = (128 * V1_FRAG_AFRAG_ROW + 4) * 16  # bytes: the A fragmen
 # nodes of level V1_FRAG_TOP_LEVELS (seed and t) for the chunks: V1_FRAG_TOPS_BYTES, which keeps
 # a block under 195 KiB (the SM's shared memory carve-out of 196 KiB, with 60 KiB of L1 left).
 # Measured at mainnet on the H100 against each chunk alone: Q = 8 28.0 ms against 29.1, Q = 32
-# 89.0 against 94.2; 4 chunks x 4 levels and 16 x 2 within the drift (NOTES-cuda.md)
+# 89.0 against 94.2; 4 chunks x 4 levels and 16 x 2 within the drift (docs/SCANS.md)
 V1_FRAG_TOP_CHUNKS = 8
 V1_FRAG_TOP_LEVELS = 3
 # nodes a key the batch keeps: the kernel asserts its -D options give the same, so a variant of
@@ -87,19 +87,19 @@ V1_FRAG_TOP_NODES = V1_FRAG_TOP_CHUNKS << V1_FRAG_TOP_LEVELS
 V1_FRAG_TOPS_BYTES = V1_FRAG_TOP_NODES * V1_FRAG_GROUP_KEYS * 17  # bytes
 # launches of at most this many v1 keys (one or two queries) over the fragments layout multiply on
 # the ALU inside the same kernel (memory binds them; a product carries 16 key rows whatever the
-# batch): at mainnet on the H100 one query took 23.1 ms there against 26.2 on the tensor cores (an
-# earlier read order; 22.6-22.9 ms now, docs/benchmarks/NOTES-cuda.md)
+# batch): at mainnet on the H100 one query takes 22.1 ms there, 26.2 on the tensor cores
+# (docs/SCANS.md)
 V1_FRAG_ALU_KEYS = 2 * KEYS_PER_QUERY  # 6
 V1_FRAG_WAVES = 2  # its blocks a launch over the SMs (WAVES_PER_LAUNCH's part): longer runs, fewer unoverlapped first chunks
 # chunks a block runs through, by its key tiles: short runs keep the 128 slices of a chunk in L2
 # together (few tiles, where the scan waits on memory), long ones save atomics and prologues
-# (many tiles); measured at mainnet on the H100 (docs/benchmarks/NOTES-cuda.md)
+# (many tiles); measured at mainnet on the H100 (docs/SCANS.md)
 MMA_SHORT_RUN_TILES = 3  # up to this many tiles a block: short runs
 MMA_SHORT_RUN_CHUNKS = 8
 MMA_LONG_RUN_CHUNKS = 128
 # keys from which v2 batches go to the tensor cores when the scan is "auto": below it the ALU
 # scan, which reads whole pages, wins. Measured on the H100 and the H200 at 65,536, 2^20 and
-# mainnet pages (docs/benchmarks/NOTES-cuda.md): the ALU scan ahead at 12 keys (4 queries) at all
+# mainnet pages (docs/SCANS.md): the ALU scan ahead at 12 keys (4 queries) at all
 # three, the tensor cores at 18 keys (6 queries) at 65,536 and 2^20 pages and at 24 at mainnet
 # (18 not timed there), so one threshold serves every size
 MMA_MIN_KEYS = 18
@@ -117,7 +117,7 @@ MMA_FRAG_STAGES = 3
 
 # from this many key tiles a block (one block an SM) the tensor-core scan pipelines its chunks:
 # chunk i + 1 transposed while chunk i is multiplied; fewer tiles run two blocks an SM, which
-# the pipeline's buffers would not let fit (measured on the H100: NOTES-cuda.md)
+# the pipeline's buffers would not let fit (measured on the H100: docs/SCANS.md)
 MMA_PIPELINE_TILES = MMA_SHORT_RUN_TILES + 1
 
 

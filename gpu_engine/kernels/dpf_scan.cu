@@ -23,22 +23,10 @@ typedef unsigned char u8;
 // MAX_TOP_LEVELS, and the word offsets of a key record: KREC_ROOT, KREC_FINAL, KREC_ROOT_T,
 // KREC_CW. A key record is krec u32 words (a multiple of 4, also set by the host).
 
-// A rotation is one funnel shift (SHF, ALU pipe). PRG_ROTATE_WITH_IMAD=1 makes it a 32x32->64
-// multiply by 2^n plus an add (low word x << n, high word x >> (32 - n)), moving it to the idle
-// FMA pipe; measured slower on the H100 (a longer dependency chain, and the pair's producers then
-// spill 24 bytes; docs/benchmarks/NOTES-cuda.md).
-#ifndef PRG_ROTATE_WITH_IMAD
-#define PRG_ROTATE_WITH_IMAD 0
-#endif
-
+// A rotation is one funnel shift (SHF, ALU pipe). As a multiply by 2^n and an add on the FMA pipe
+// it measured slower on the H100: a longer dependency chain (docs/SCANS.md, Measured and not kept).
 __device__ __forceinline__ u32 rotl32(u32 x, int n) {
-#if PRG_ROTATE_WITH_IMAD
-    u64 p;
-    asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(x), "r"(1u << n));
-    return (u32)p + (u32)(p >> 32);
-#else
     return __funnelshift_l(x, x, n);
-#endif
 }
 
 #define QUARTER(a, b, c, d)                  \
@@ -133,10 +121,7 @@ __device__ __forceinline__ void store_children(
 
 // Nodes each thread expands side by side. One ChaCha evaluation is a chain of dependent adds,
 // XORs and rotations; at the 4 warps a scheduler that the accumulators leave room for, a second
-// independent evaluation fills the first one's latency. PRG_NODES_PER_STEP=1 expands one at a time.
-#ifndef PRG_NODES_PER_STEP
-#define PRG_NODES_PER_STEP 2
-#endif
+// independent evaluation fills the first one's latency (one at a time measured 5% slower).
 
 // The threads that expand a tree level: the whole block (threadIdx.x of blockDim.x, meeting at
 // __syncthreads), or dpf_scan_v1_frag's producer warps, which meet at their own named barrier
@@ -195,7 +180,6 @@ __device__ __forceinline__ void expand_level(
     const uint4* cw_seed, const u8* cw_t, const uint4* final_cw, LiveKeys keys, Team team) {
     const int total = n_par * keys.live;
     int idx = team.tid;
-#if PRG_NODES_PER_STEP > 1
     for (; idx + team.size < total; idx += 2 * team.size) {
         const int at0 = live_slot<G>(idx, keys), at1 = live_slot<G>(idx + team.size, keys);
         const uint4 s0 = in_seed[at0], s1 = in_seed[at1];
@@ -207,7 +191,6 @@ __device__ __forceinline__ void expand_level(
         store_children<G>(at0, t0, l0, r0, tl0, tr0, out_seed, out_t, cw_seed, cw_t, final_cw);
         store_children<G>(at1, t1, l1, r1, tl1, tr1, out_seed, out_t, cw_seed, cw_t, final_cw);
     }
-#endif
     for (; idx < total; idx += team.size) {
         const int at = live_slot<G>(idx, keys);
         uint4 left, right;
@@ -467,12 +450,6 @@ dpf_scan(const uint4* __restrict__ pages, long long num_pages, int domain_bits, 
 // live for one k-step: their low bits go to bit b of the warp's answer words (64 registers a
 // thread: 2 keys x 8 words x 4 column tiles, two words' halves packed in each), which meet in
 // global memory by XOR atomics once per block.
-// Residues (s) of v1f_multiply's product loop unrolled together: 1, or a variant to time
-// (-DV1F_UNROLL=n; v1f_multiply2, sm_90a's, takes two a turn whatever it is)
-#ifndef V1F_UNROLL
-#define V1F_UNROLL 1
-#endif
-constexpr int kV1fUnroll = V1F_UNROLL;
 #define V1F_L (1 << V1_FRAG_CHUNK_LEVELS)  // leaves a chunk expands at most (the host sizes shared memory for it)
 #define V1F_SLICE_WORDS (MMA_CHUNK_PAGES * MMA_SLICE_WORDS)  // one (chunk, slice) of the fragments layout
 #define V1F_TEAM (V1_FRAG_THREADS / 2)  // threads a team: the producers, the multipliers
@@ -537,7 +514,7 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 // accumulators more than the 128 registers a thread of a 512-thread block has, so on sm_90a the
 // teams trade registers by setmaxnreg: V1F_MULTIPLIER_REGS for the multipliers, the rest to the
 // producers, whose expansion fits 88 without spilling). Measured at mainnet on the H100
-// (NOTES-cuda.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
+// (docs/SCANS.md): Q = 8 32.1-32.6 ms against 34.7-34.8, Q = 32 96.0-97.6 against 102.1-102.8;
 // 160 registers for the multipliers 33.5 and 101.5, 152 spilled. Elsewhere 1 (no setmaxnreg: 2
 // would spill); -DV1F_ROWS_IN_FLIGHT=n for either anywhere (the CPU emulator runs both).
 #ifndef V1F_ROWS_IN_FLIGHT
@@ -547,9 +524,7 @@ __device__ __forceinline__ void v1f_make_afrag(uint4* afrag, const uint4* big, i
 #define V1F_ROWS_IN_FLIGHT 1
 #endif
 #endif
-#ifndef V1F_MULTIPLIER_REGS
 #define V1F_MULTIPLIER_REGS 168
-#endif
 #define V1F_PRODUCER_REGS (2 * 128 - V1F_MULTIPLIER_REGS)  // 65,536 registers: 256 threads a team
 static_assert(V1F_MULTIPLIER_REGS % 8 == 0 && V1F_MULTIPLIER_REGS >= 128 && V1F_MULTIPLIER_REGS <= 232,
               "setmaxnreg: a multiple of 8, no fewer than the 128 a thread starts with, 24 left a producer");
@@ -558,7 +533,7 @@ static_assert(V1F_MULTIPLIER_REGS % 8 == 0 && V1F_MULTIPLIER_REGS >= 128 && V1F_
 // ahead of its loads: one prefetch a lane a row, so a row's loads find it in L2 rather than wait
 // at a warp's one row in flight. Launches of V1F_PREFETCH_MIN_GROUPS key groups or more only.
 // None where the multipliers keep two rows in flight (V1F_ROWS_IN_FLIGHT): measured on the H100
-// (NOTES-cuda.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2 against
+// (docs/SCANS.md), 4 rows ahead then took Q = 8 32.3 ms against 32.0 without, Q = 16 52.2 against
 // 49.6, Q = 32 97.9 against 96.2 at mainnet and 1.073 against 1.035 ms at 65,536 pages (Q = 74).
 // With one row in flight (builds other than sm_90a's) 4 rows ahead paid: 6 groups 12%, 2 groups
 // of evenly split keys 14%. Variants to time: V1F_PREFETCH_ROWS=n, V1F_PREFETCH_MIN_GROUPS=n.
@@ -697,7 +672,7 @@ __device__ __forceinline__ void v1f_multiply(u32 (&acc)[2][2][4][4], const uint4
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         V1fFold fold;
-#pragma unroll kV1fUnroll
+#pragma unroll 1  // one residue a turn: two a turn measured slower (docs/SCANS.md)
         for (int s = 0; s < 16; ++s) {
             const int b = 16 * h + s;
 #if V1F_PREFETCH_ROWS > 0
@@ -759,7 +734,7 @@ __device__ __forceinline__ void v1f_multiply2(u32 (&acc)[2][2][4][4], const uint
 // A lane's residue, 32 (c % 4) + 4 W + r, is the same at every step, but its A words are loaded
 // from shared memory each step (volatile), for one query too: kept in registers for the chunk
 // (8 a key), with the fragments released to the producers as soon as loaded, one query took
-// 22.7-22.8 ms at mainnet on the H100 against 22.1 so (NOTES-cuda.md).
+// 22.7-22.8 ms at mainnet on the H100 against 22.1 so (docs/SCANS.md).
 // v1f_xor_rows is the lane's uint4 of step 0 of the chunk at leaf0; step j is 4 j V1F_SLICE4 on.
 #define V1F_SLICE4 (V1F_SLICE_WORDS / 4)  // uint4s from a slice of a chunk to the next
 #define V1F_MULTIPLIER_BARRIER 4  // bar.sync id: the multipliers' own (their answers' reduction)
@@ -814,7 +789,7 @@ __device__ __forceinline__ void v1f_xor_bit(u32 (&ans)[4][K], const uint4 (&lo)[
 // Each lane also asks L2 for one of the 32 lines of step j + V1F_XOR_PREFETCH (of `next` past
 // step 31): its row, slice 4 j + lane % 4, half (lane / 4) % 2, marked to be evicted last: plain
 // prefetches were pushed out by the lines already read before their loads came (measured at
-// mainnet on the H100, NOTES-cuda.md: further ahead was slower, 23.9 ms at 3 steps and, by the
+// mainnet on the H100, docs/SCANS.md: further ahead was slower, 23.9 ms at 3 steps and, by the
 // bulk engine, 26.3 at 4 and 37.9 at 8, against 22.7 at 2). Variants to time: 0 (none), another
 // distance.
 #ifndef V1F_XOR_PREFETCH
@@ -960,7 +935,7 @@ __device__ __forceinline__ V1fTops v1f_tops(const V1fShared& sh) {
 // V1_FRAG_TOP_LEVELS at [(b 2^V1_FRAG_TOP_LEVELS + j) * G + key]), half and big the scratch. A
 // chunk's first levels have 1 to 4 nodes a key, 12 to 48 items for 12 keys: alone, each level was
 // one ChaCha8 chain with most producers idle at its barrier (the first six levels a third of the
-// producers' time at Q = 8, NOTES-cuda.md); 8 chunks at once make them 96, 192 and 384 items for
+// producers' time at Q = 8, docs/SCANS.md); 8 chunks at once make them 96, 192 and 384 items for
 // the 256 producers (12 keys). The children of
 // node i of a level are nodes 2i and 2i + 1 of the next, so the forest's nodes, chunk by chunk,
 // expand as one tree's level does.
@@ -1008,10 +983,6 @@ __device__ __forceinline__ void v1f_expand_rest(const V1fShared& sh, int c, int 
                      team);
 }
 
-#ifndef V1F_BATCH_TOPS
-#define V1F_BATCH_TOPS 1  // 0: each chunk's tree expanded alone (expand_chunk), to time against
-#endif
-
 // Key group `group`'s keys: the batch's keys split evenly over the groups (their sizes differ by
 // one at most), so the blocks of a run expand about as many trees each and keep pace (with the
 // last group short, 24 keys as 16 + 8, its blocks ran ahead of the others, which then found their
@@ -1042,7 +1013,8 @@ __device__ __forceinline__ void v1f_produce(const V1fShared& sh, long long num_p
     const LiveKeys keys = live_keys(grp.live);
     const Team producers = {(int)threadIdx.x - V1F_TEAM, V1F_TEAM, V1F_PRODUCER_BARRIER};
     // chunks of more levels than the batched ones: their first levels V1_FRAG_TOP_CHUNKS at a time
-    const bool batched = V1F_BATCH_TOPS && c > V1_FRAG_TOP_LEVELS;
+    // (each chunk's alone measured 4-6% slower at mainnet)
+    const bool batched = c > V1_FRAG_TOP_LEVELS;
     for (long long chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         const int n_leaves = (int)min((long long)(1 << c), num_pages - (chunk << c));
         const int i = (int)(chunk - chunk_begin);
@@ -1164,7 +1136,7 @@ dpf_scan_v1_frag(const u32* __restrict__ frags, long long num_pages, int domain_
 // half of each chunk's slices (the block of cluster rank r: 64 r .. 64 r + 63) by the A fragments
 // of both groups, the peer's read from the peer's shared memory. L2 so serves a chunk once a pair
 // of groups instead of once a group: dpf_scan_v1_frag's multipliers at two groups were bound by
-// the B loads, about 5 TB/s from L2 (NOTES-cuda.md). Multiplier warp W multiplies residues 32 cq
+// the B loads, about 5 TB/s from L2 (docs/SCANS.md). Multiplier warp W multiplies residues 32 cq
 // .. 32 cq + 31 (cq = W % 4) of slices 64 r + 32 (W / 4) .. + 31, 8 column tiles of 4 slices a
 // row, each by both tiles of A: 16 products a row, as dpf_scan_v1_frag's warps, with half the
 // loads. The hand-over spans the pair: each block's `ready` mbarrier counts both blocks'
@@ -1201,7 +1173,7 @@ struct V1pProducerHandover {
 // Rows of B words a pair's multiplier warp keeps in flight (1, 2 or 4): row b + V1P_ROWS - 1's
 // loaded before row b's products (a row is 16 registers, the accumulators 64), and registers a
 // multiplier thread takes by setmaxnreg (sm_90a; the producers the rest, as in dpf_scan_v1_frag).
-// Measured on the H100 at mainnet (NOTES-cuda.md): Q = 8 28.0 ms with 4 rows and 184 registers,
+// Measured on the H100 at mainnet (docs/SCANS.md): Q = 8 28.0 ms with 4 rows and 184 registers,
 // 28.7 with 4 and 176, 28.7 with 2 and 176; 2 rows and 168 registers spilled and took 28.4-33.6.
 // Elsewhere (no setmaxnreg: 128 registers a thread) 1 row, which does not spill (2 do). Variants
 // to time: -DV1P_ROWS=n, -DV1P_MULTIPLIER_REGS=n.
@@ -1455,7 +1427,7 @@ __device__ __forceinline__ uint4 leaf_bits_of(const u32* keyrec, int krec, int t
 // are contiguous). Leaf-major, a block takes a tile of LEAF_BITS_TILE keys x LEAF_BITS_TILE leaves
 // (cuda_plan.leaf_bits_grid) and turns it round in shared memory, so it reads each key's leaves and
 // writes each leaf's keys as whole runs: with a thread a (key, leaf) its 16-byte stores fell a key
-// group apart, 1.58 against 0.37 ms for 222 keys at mainnet on the H100 (NOTES-cuda.md). num_keys
+// group apart, 1.58 against 0.37 ms for 222 keys at mainnet on the H100 (docs/SCANS.md). num_keys
 // is a multiple of LEAF_BITS_TILE there (whole key groups of 16T keys).
 extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 dpf_leaf_bits(const u32* __restrict__ keyrec, int krec, int num_keys, int tree_depth, long long num_pages,

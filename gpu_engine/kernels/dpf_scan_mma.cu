@@ -1,4 +1,4 @@
-// The v2-key scan on the tensor cores (docs/PROTOCOL.md section 3.1; docs/benchmarks/NOTES-cuda.md).
+// The v2-key scan on the tensor cores (docs/PROTOCOL.md section 3.1; docs/SCANS.md).
 //
 // Compiled by NVRTC at run time and by nvcc in CI from this same text: no headers.
 //
@@ -38,31 +38,11 @@ static_assert(MMA_THREADS == (MMA_CHUNK_PAGES / 32) * MMA_SLICE_WORDS,
 static_assert(MMA_THREADS / 32 * 4 == 32, "8 warps of 4 n-blocks cover the 32 bits of a word");
 static_assert(LEAF_PAGES == 128, "a leaf is half a k-step");
 
-// Warps 4..7 of a pipelined block multiply before they transpose (1) or after, like the rest (0).
-#ifndef MMA_STAGGER
-#define MMA_STAGGER 1
-#endif
-
-// A block reads 32 bytes of each page; the blocks of the other slices read the rest of it.
-// MMA_L2_PREFETCH (bytes: 0, 64, 128 or 256) asks L2 to fetch that much around each copy, for
-// the neighbours to find; measured no faster at 64 and slower at 128 and 256 (NOTES-cuda.md).
-#ifndef MMA_L2_PREFETCH
-#define MMA_L2_PREFETCH 0
-#endif
-#if MMA_L2_PREFETCH == 0
-#define CP_ASYNC_L2 ""
-#elif MMA_L2_PREFETCH == 64
-#define CP_ASYNC_L2 ".L2::64B"
-#elif MMA_L2_PREFETCH == 128
-#define CP_ASYNC_L2 ".L2::128B"
-#elif MMA_L2_PREFETCH == 256
-#define CP_ASYNC_L2 ".L2::256B"
-#else
-#error "MMA_L2_PREFETCH must be 0, 64, 128 or 256"
-#endif
-
+// A block reads 32 bytes of each page; the blocks of the other slices read the rest of it. An L2
+// prefetch of 64-256 bytes around each copy, for the neighbours to find, measured no faster at 64
+// and slower at 128 and 256 (docs/SCANS.md, Measured and not kept).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global" CP_ASYNC_L2 " [%0], [%1], 16;"
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                  ::"r"(shared_address(dst)), "l"(src) : "memory");
 }
 
@@ -252,10 +232,11 @@ dpf_scan_mma(const u32* __restrict__ pages, long long num_pages, const uint4* __
         }
     } else {
         // Three stages, one barrier a chunk: while chunk i + 2 is copied in, chunk i + 1 is
-        // transposed (ALU pipe) and chunk i multiplied (tensor pipe). With MMA_STAGGER, warps 4..7
-        // (one in each SM sub-partition) multiply first and the others transpose first, so both
-        // pipes have work. Each buffer is rewritten only after the barrier after its last reader.
-        const bool multiply_first = MMA_STAGGER && ((threadIdx.x >> 7) & 1);
+        // transposed (ALU pipe) and chunk i multiplied (tensor pipe). Warps 4..7 (one in each SM
+        // sub-partition) multiply first and the others transpose first, so both pipes have work
+        // (all transposing first measured 3-5% slower). Each buffer is rewritten only after the
+        // barrier after its last reader.
+        const bool multiply_first = (threadIdx.x >> 7) & 1;
         if (n > 0) load_chunk(0);
         if (n > 1) load_chunk(1);
         if (n > 1) cp_async_wait<1>(); else cp_async_wait<0>();
@@ -328,7 +309,7 @@ dpf_scan_mma_frag(const u32* __restrict__ frags, long long num_pages, const uint
 }
 
 // The fragments layout on Hopper's warpgroup products (sm_90a: wgmma .b1 AND + POPC, 1.55x the
-// rate of mma.sync m16n8k256 on the H100, NOTES-cuda.md). The fragments layout is already what a
+// rate of mma.sync m16n8k256 on the H100, docs/SCANS.md). The fragments layout is already what a
 // wgmma shared-memory descriptor reads without swizzle: in one (k-step, half) of a chunk's slice,
 // row r = 8 b + w (bit b of slice word w) holds 128 pages in 16 contiguous bytes, 8 rows a 128-byte
 // core matrix, the two halves 4 KiB apart; the staged selection bits ([leaf][key], 16 bytes a
@@ -404,15 +385,13 @@ WGMMA_AND_POPC(14, 224, WG_S14, WG_C14)
 // Blocks of a thread-block cluster share one copy of a chunk's selection bits: each block copies
 // 1/WGMMA_CLUSTER of them from L2 and the copy lands in every block of the cluster (TMA multicast),
 // so L2 serves a chunk's bits once per cluster instead of once per slice (at 174 keys they were
-// 41% of what a block copies and made L2 the busiest unit: NOTES-cuda.md). 1 is no sharing; 2
-// measured ahead of 1 and 4 on the H100 at 58 queries (NOTES-cuda.md).
-#ifndef WGMMA_CLUSTER
+// 41% of what a block copies and made L2 the busiest unit: docs/SCANS.md). 1 is no sharing; 2
+// measured ahead of 1 and 4 on the H100 at 58 queries (docs/SCANS.md).
 #define WGMMA_CLUSTER 2
-#endif
 // Parts a chunk is staged in: MMA_FRAG_STAGES chunks' buffers hold WGMMA_SPLIT times as many
 // stages of KSTEPS / WGMMA_SPLIT k-steps each, each with its own barriers (the same shared memory,
 // finer turns: a part's stage is refilled as soon as its products are done). Measured on the H100
-// at mainnet, 74 queries: 29.0 ms with 2, 30.7 with 1 (whole chunks), 39.6 with 4 (NOTES-cuda.md).
+// at mainnet, 74 queries: 29.0 ms with 2, 30.7 with 1 (whole chunks), 39.6 with 4 (docs/SCANS.md).
 #ifndef WGMMA_SPLIT
 #define WGMMA_SPLIT 2
 #endif

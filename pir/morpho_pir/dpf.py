@@ -68,6 +68,19 @@ def key_format_of(data) -> int:
     return KEY_FORMAT_V2 if len(data) > 18 and data[18] == V2_MARKER else KEY_FORMAT_V1
 
 
+FORMAT_BYTE = 18  # the byte that names a key's format (docs/PROTOCOL.md section 3.1)
+
+
+def format_byte_problem(data) -> Optional[str]:
+    """Why byte 18 of a key names no key format, or None: 0x80 up name formats and 0x82 (v2) is
+    the only one known; below 0x80 it is a v1 key's domain_bits byte, which the v1 rules check.
+    None too for a key too short to hold byte 18 (its length is what is wrong)."""
+    if len(data) <= FORMAT_BYTE or data[FORMAT_BYTE] < 0x80 or data[FORMAT_BYTE] == V2_MARKER:
+        return None
+    return (f"format byte (byte 18) is {data[FORMAT_BYTE]:#04x}: expected 1..{MAX_DOMAIN_BITS} "
+            f"(a v1 key's domain_bits) or {V2_MARKER:#x} (a v2 key)")
+
+
 def key_length_from_bytes(data, domain_bits: int) -> int:
     """Length of each key of `data` (one key, or keys of one format concatenated) for a domain of
     2**domain_bits pages, in the format the first key's byte 18 names: what a receiver of raw key

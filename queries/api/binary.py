@@ -14,8 +14,8 @@ from rest_framework.response import Response
 from rest_framework.utils.mediatypes import media_type_matches
 
 from morpho_pir.dpf import (
-    KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, KeyBatch, KeyFormatError, key_domain_bits, key_format_of,
-    key_length,
+    FORMAT_BYTE, KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, KeyBatch, KeyFormatError,
+    format_byte_problem, key_domain_bits, key_format_of, key_length,
 )
 from morpho_pir.protocol import KEYS_PER_QUERY, PAGE_BYTES
 from queries.api.serializers import KEY_FORMATS, format_message, key_from_bytes, key_shape
@@ -60,12 +60,24 @@ class QualityNegotiation(DefaultContentNegotiation):
     renderer gets the q of the most specific media range it matches, the highest wins (ties: the
     more specific range, then the renderer order, JSON first). So `application/octet-stream,
     application/json;q=0.5` answers binary and `application/octet-stream;q=0.2, */*` JSON, where
-    DRF alone ignores q. Without q-values this is exactly DRF's choice."""
+    DRF alone ignores q. Without q-values this is exactly DRF's choice.
+
+    `?format=` names one of the view's renderers and then decides, whatever Accept says (a URL
+    that says what it wants needs no header); an empty, unknown or repeated one is a 400.
+    """
 
     def select_renderer(self, request, renderers, format_suffix=None):
+        name = self.settings.URL_FORMAT_OVERRIDE
+        values = request.query_params.getlist(name) if name else []
+        if values:
+            chosen = [r for r in renderers if len(values) == 1 and r.format == values[0]]
+            if not chosen:
+                known = ", ".join(renderer.format for renderer in renderers)
+                got = repr(values) if len(values) > 1 else repr(values[0])
+                raise exceptions.ValidationError({name: [f"expected one of {known}, got {got}"]})
+            return chosen[0], chosen[0].media_type
         tokens = self.get_accept_list(request)  # DRF's own bounded tokenizer
-        if (format_suffix or request.query_params.get(self.settings.URL_FORMAT_OVERRIDE)
-                or not any("q=" in token for token in tokens)):
+        if format_suffix or not any("q=" in token for token in tokens):
             return super().select_renderer(request, renderers, format_suffix)
         ranges = []
         for token in tokens:
@@ -115,10 +127,20 @@ def query_bytes(domain_bits: int, key_format: int = KEY_FORMAT_V1) -> int:
     return KEYS_PER_QUERY * key_length(domain_bits, key_format)
 
 
+def first_key_error(message: str, single: bool) -> serializers.ValidationError:
+    """An error of the body's first key, named as the JSON encoding names it."""
+    keys = {"keys": {0: [serializers.ErrorDetail(message, code="key_format")]}}
+    return serializers.ValidationError(keys if single else {"queries": {0: keys}})
+
+
 def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool = False,
                limit_setting: str = "", key_formats=KEY_FORMATS) -> int:
     """The number of queries in a binary body, or a ValidationError naming the length or count.
-    The keys' format is the first key's (byte 18), one of `key_formats`."""
+    The keys' format is the first key's (byte 18), one of `key_formats`: a byte 18 that names no
+    format is that key's error, since the body cannot be cut into keys without one."""
+    problem = format_byte_problem(raw)
+    if problem:
+        raise first_key_error(f"{problem} (body bytes 0 to {FORMAT_BYTE})", single)
     key_format = key_format_of(raw)
     if key_format not in key_formats:
         raise serializers.ValidationError(
@@ -151,7 +173,8 @@ def check_body(raw: bytes, domain_bits: int, lo: int, hi: int, *, single: bool =
         {"body": [serializers.ErrorDetail(message, code="body_length")]})
 
 
-def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], dict]:
+def parse_query(raw: bytes, index: int, domain_bits: int,
+                key_formats=KEY_FORMATS) -> tuple[list[bytes], dict]:
     """Query `index` of a checked body: its keys, and {key index: [error]} for each bad key.
     Every key is of the body's format, its first key's."""
     key_format = key_format_of(raw)
@@ -161,7 +184,8 @@ def parse_query(raw: bytes, index: int, domain_bits: int) -> tuple[list[bytes], 
     for key in range(KEYS_PER_QUERY):
         start = (index * KEYS_PER_QUERY + key) * length
         try:
-            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits, (key_format,)))
+            keys.append(key_from_bytes(bytes(raw[start:start + length]), domain_bits, key_formats,
+                                       key_format))
         except serializers.ValidationError as exc:
             (detail,) = exc.detail
             errors[key] = [serializers.ErrorDetail(
@@ -182,7 +206,7 @@ def binary_queries(raw: bytes, domain_bits: int, lo: int, hi: int,
         first_failure = exc
     errors: dict = {}
     for index in range(count):
-        _, bad = parse_query(raw, index, domain_bits)
+        _, bad = parse_query(raw, index, domain_bits, key_formats)
         if bad:
             errors[index] = {"keys": bad}
     if not errors:  # the two checks disagree: a bug, but never an answer to keys we doubt

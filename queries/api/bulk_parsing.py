@@ -1,7 +1,7 @@
 """Bulk bodies read as streams: bounded memory per request, whatever the body holds.
 
-A JSON bulk body used to be parsed whole: 64 MiB of `[[],[],...]` became 22 million Python
-lists (1.2 GB, 11-15 s holding the GIL, every other request stalled). Here a JSON body is read
+Parsed whole, 64 MiB of `[[],[],...]` would become 22 million Python lists (1.2 GB, 11-15 s
+holding the GIL, every other request stalled). So a JSON body is read
 64 KiB at a time, and each query, one array element of at most MORPHO_BULK_MAX_QUERY_BYTES, is
 decoded on its own; NDJSON lines have the same cap; validated queries are kept as key bytes in a
 spool that moves to a temporary file past SPOOL_MEMORY_BYTES.
@@ -107,6 +107,10 @@ class JSONStream:
             raise self.error(exc.msg.removesuffix(" at")) from None
         except RecursionError:
             raise self.error("nested too deeply") from None
+        except ValueError as exc:
+            # Python refuses to convert an integer of more than 4,300 digits (sys.int_info):
+            # the body's fault, not the server's.
+            raise self.error(str(exc)) from None
         if end - self.pos > self.cap:
             raise _Incomplete()
         if not self.eof and (end == len(self.buf) or self.buf[end] not in _AFTER_VALUE):

@@ -178,7 +178,7 @@ class BulkBinaryJobSerializer(BulkJobCreateSerializer):
         errors: dict = {}
         bad = 0
         for index in range(count):
-            _keys, detail = parse_query(raw, index, domain_bits)
+            _keys, detail = parse_query(raw, index, domain_bits, (KEY_FORMAT_V1,))
             if detail:
                 bad += 1
                 if len(errors) < MAX_LISTED_ERRORS:

@@ -121,22 +121,6 @@ def epoch_ranges(job: BulkJob) -> str:
     return ",".join(f"{first}-{last}={epoch_id}" for first, last, epoch_id in runs)
 
 
-class FormatNegotiation(QualityNegotiation):
-    """`?format=` names one of the view's renderers or is absent: an empty or unknown one is a
-    400 (DRF would serve the default for an empty one, as if the client had not asked)."""
-
-    def select_renderer(self, request, renderers, format_suffix=None):
-        name = self.settings.URL_FORMAT_OVERRIDE
-        values = request.query_params.getlist(name) if name else []
-        known = [renderer.format for renderer in renderers]
-        if values and (len(values) > 1 or values[0] not in known):
-            got = repr(values) if len(values) > 1 else repr(values[0])
-            raise exceptions.ValidationError(
-                {name: [f"expected one of {', '.join(known)}, got {got}"]}
-            )
-        return super().select_renderer(request, renderers, format_suffix)
-
-
 class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                      viewsets.GenericViewSet):
     """`/bulk/jobs`: a user's jobs. POST submits, GET reads, DELETE cancels, `/results` streams."""
@@ -149,7 +133,7 @@ class BulkJobViewSet(JSONErrorsMixin, mixins.ListModelMixin, mixins.RetrieveMode
     # binary body is read whole, bounded by MORPHO_BULK_MAX_BODY_BYTES.
     parser_classes = [StreamingBulkJSONParser, NDJSONParser, MultiPartParser, OctetStreamParser]
     renderer_classes = [JSONRenderer, NDJSONRenderer]
-    content_negotiation_class = FormatNegotiation
+    content_negotiation_class = QualityNegotiation
 
     def get_queryset(self):
         # Staff see every job (the admin's users); others only their own, so another user's job

@@ -8,8 +8,8 @@ from django.conf import settings
 from rest_framework import serializers
 
 from morpho_pir.dpf import (
-    KEY_FORMAT_V1, KEY_FORMAT_V2, V2_MARKER, DpfKey, KeyBatch, KeyFormatError, format_name,
-    key_domain_bits, key_format_of, key_length,
+    FORMAT_BYTE, KEY_FORMAT_V1, KEY_FORMAT_V2, MAX_DOMAIN_BITS, V2_MARKER, DpfKey, KeyBatch,
+    KeyFormatError, format_byte_problem, format_name, key_domain_bits, key_format_of, key_length,
 )
 from morpho_pir.protocol import KEYS_PER_QUERY, HexError, parse_hex
 
@@ -74,18 +74,57 @@ def format_message(got: int, expected, why: str = NOT_TAKEN) -> str:
             f"{' or '.join(format_name(f) for f in expected)}: {why}")
 
 
-def key_from_bytes(raw: bytes, domain_bits: int, key_formats=KEY_FORMATS) -> bytes:
+def request_format(raw) -> Optional[int]:
+    """The format of a request: the one byte 18 of its first key names (docs/PROTOCOL.md section
+    5.4), or None when that key has no byte 18 or it names no format."""
+    if raw is None or len(raw) <= FORMAT_BYTE or format_byte_problem(raw):
+        return None
+    return key_format_of(raw)
+
+
+def first_key_bytes(value) -> Optional[bytes]:
+    """A JSON request's first key as bytes, or None where it is not a hex string."""
+    try:
+        return parse_hex(value)
+    except HexError:
+        return None
+
+
+def _implied_length(raw: bytes, key_format: int) -> Optional[int]:
+    """The length a key's own domain_bits byte implies, or None when that byte is out of range."""
+    own = key_domain_bits(raw)
+    return key_length(own, key_format) if 1 <= own <= MAX_DOMAIN_BITS else None
+
+
+def key_from_bytes(raw: bytes, domain_bits: int, key_formats=KEY_FORMATS,
+                   requested: Optional[int] = None) -> bytes:
     """One key's bytes checked against the server's domain_bits: the one key check of both
-    encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents.
-    Either key format (byte 18 tells), of those in `key_formats`. Returns the bytes, which
-    travel on to the engine as they are."""
+    encodings (hex in JSON, raw in binary), a ValidationError coded as the API documents, by the
+    rules of docs/PROTOCOL.md section 5.4 in their order. Either key format (byte 18 tells), of
+    those in `key_formats`, and the request's (`requested`, its first key's; None: it has none).
+    Returns the bytes, which travel on to the engine as they are."""
+    if len(raw) <= FORMAT_BYTE:  # no format of its own: measured by the request's
+        key_format = requested or KEY_FORMAT_V1
+        raise serializers.ValidationError(
+            f"key length: expected {key_length(domain_bits, key_format)} bytes "
+            f"({key_shape(domain_bits, key_format)}), got {len(raw)}", code="key_length")
+    problem = format_byte_problem(raw)
+    if problem:
+        raise serializers.ValidationError(problem, code="key_format")
     key_format = key_format_of(raw)
     if key_format not in key_formats:
         raise serializers.ValidationError(format_message(key_format, key_formats), code="key_format")
+    if requested is not None and key_format != requested:
+        raise serializers.ValidationError(format_message(key_format, (requested,), MIXED),
+                                          code="key_format")
     expected_len = key_length(domain_bits, key_format)
     # The length is checked against the server's domain first, so that a key sized for
-    # another domain is reported as such rather than as a bad byte inside it.
-    if len(raw) != expected_len and len(raw) >= 20 and key_domain_bits(raw) != domain_bits:
+    # another domain is reported as such rather than as a bad byte inside it: a key whose
+    # domain_bits byte is not the epoch's, and whose length is not the epoch's key length or is
+    # the one its own byte implies (v2 keys of every d <= 7 are 36 bytes).
+    has_domain_byte = len(raw) > FORMAT_BYTE + (key_format == KEY_FORMAT_V2)
+    if (has_domain_byte and key_domain_bits(raw) != domain_bits
+            and (len(raw) != expected_len or len(raw) == _implied_length(raw, key_format))):
         raise serializers.ValidationError(
             f"domain_bits: expected {domain_bits} (this server's epoch), got "
             f"{key_domain_bits(raw)} (a {'v2 ' if key_format == KEY_FORMAT_V2 else ''}key of "
@@ -157,7 +196,8 @@ class DpfKeyField(serializers.Field):
         except HexError as exc:
             raise serializers.ValidationError(str(exc), code=exc.code) from None
         return key_from_bytes(raw, self.context["domain_bits"],
-                              self.context.get("key_formats", KEY_FORMATS))
+                              self.context.get("key_formats", KEY_FORMATS),
+                              self.context.get("request_format"))
 
     def to_representation(self, value) -> str:
         return to_hex(value if isinstance(value, (bytes, bytearray)) else value.to_bytes())
@@ -172,7 +212,10 @@ class KeyListField(serializers.ListField):
     }
 
     def __init__(self, **kwargs):
-        super().__init__(child=DpfKeyField(), **kwargs)
+        # The bounds are _strict_list's (checked first, with the API's words); given here too,
+        # they are what the OpenAPI schema says (minItems, maxItems).
+        super().__init__(child=DpfKeyField(), min_length=KEYS_PER_QUERY, max_length=KEYS_PER_QUERY,
+                         **kwargs)
 
     def to_internal_value(self, data):
         _strict_list(data, "keys", KEYS_PER_QUERY, KEYS_PER_QUERY)
@@ -206,17 +249,14 @@ class JsonObjectSerializer(serializers.Serializer):
             super().run_validators(value)
 
 
-def mixed_format_errors(queries) -> dict:
-    """{query index: {"keys": {key index: [error]}}} for each key (bytes) of `queries` (lists
-    of keys) whose format is not the first key's: one key format per request."""
-    first = key_format_of(queries[0][0])
-    errors: dict = {}
-    for index, keys in enumerate(queries):
-        for key, raw in enumerate(keys):
-            if key_format_of(raw) != first:
-                errors.setdefault(index, {"keys": {}})["keys"][key] = [serializers.ErrorDetail(
-                    format_message(key_format_of(raw), (first,), MIXED), code="key_format")]
-    return errors
+def _first(items):
+    return items[0] if type(items) is list and items else None
+
+
+def note_request_format(context: dict, first_key) -> None:
+    """Put the request's format (its first key's, or None) where every DpfKeyField reads it."""
+    context["request_format"] = request_format(
+        first_key_bytes(first_key) if isinstance(first_key, str) else None)
 
 
 class PageQuerySerializer(JsonObjectSerializer):
@@ -232,13 +272,9 @@ class PageQuerySerializer(JsonObjectSerializer):
                 size = len(batch.raw) // KEYS_PER_QUERY
                 return {"keys": [batch.raw[i * size:(i + 1) * size] for i in range(KEYS_PER_QUERY)],
                         "key_batch": batch}
+            note_request_format(self.context, _first(data.get("keys")) if type(data) is dict
+                                else None)
         return super().to_internal_value(data)
-
-    def validate(self, attrs):
-        errors = mixed_format_errors([attrs["keys"]])
-        if errors:
-            raise serializers.ValidationError(errors[0])
-        return attrs
 
 
 class QueryListField(serializers.ListField):
@@ -250,7 +286,9 @@ class QueryListField(serializers.ListField):
     }
 
     def __init__(self, **kwargs):
-        super().__init__(child=PageQuerySerializer(), **kwargs)
+        # As KeyListField: for the schema; MORPHO_MAX_BATCH is fixed for a process's life.
+        super().__init__(child=PageQuerySerializer(), min_length=1,
+                         max_length=settings.MORPHO_MAX_BATCH, **kwargs)
 
     def to_internal_value(self, data):
         _strict_list(data, "queries", 1, settings.MORPHO_MAX_BATCH)
@@ -270,15 +308,10 @@ class BatchQuerySerializer(JsonObjectSerializer):
                                          self.context.get("key_formats", KEY_FORMATS))
             if batch is not None:
                 return {"key_batch": batch}
+        first = _first(queries)
+        note_request_format(self.context, _first(first.get("keys")) if type(first) is dict
+                            else None)
         return super().to_internal_value(data)
-
-    def validate(self, attrs):
-        if "key_batch" in attrs:  # checked at once: one format, the first key's
-            return attrs
-        errors = mixed_format_errors([query["keys"] for query in attrs["queries"]])
-        if errors:
-            raise serializers.ValidationError({"queries": errors})
-        return attrs
 
 
 class ServedEpochSerializer(serializers.Serializer):

@@ -10,14 +10,17 @@ from engine import holder
 from epochs import sync
 from epochs.matrix_files import MatrixPathError, confine
 from epochs.models import Epoch, EpochState, PendingUpdates, current_epoch_shape
-from gpu_engine.engine import SwitchMode
+from gpu_engine.engine import EngineBusy, SwitchMode
 from gpu_engine.matrix import metadata_path
 from gpu_engine.placement import Placement
+from morphoweb.dbready import EPOCHS_HINT, ReadyDatabaseMixin
 
 
-class Command(BaseCommand):
+class Command(ReadyDatabaseMixin, BaseCommand):
     help = ("Record a matrix file as a new epoch (metadata from flags, else from its "
-            "<path>.epoch.json sidecar) and, with --activate, switch this party to it.")
+            "<path>.epoch.json sidecar) and, with --activate, switch this party to it (refused, "
+            "with what to do, when the database of DATABASE_URL is missing or not migrated).")
+    database_hint = EPOCHS_HINT
 
     def add_arguments(self, parser):
         parser.add_argument("path", help="matrix file inside the matrix directory (MORPHO_MATRIX_DIR), "
@@ -73,8 +76,9 @@ class Command(BaseCommand):
         if options["activate"]:
             try:
                 sync.activate(record)
-            except sync.EpochSwitchError as exc:
-                # Refused before it served anything: the record goes as well, so the same command,
+            except (sync.EpochSwitchError, EngineBusy) as exc:
+                # Refused before it served anything (the switch failed, or the party's engine
+                # server is not running): the record goes as well, so the same command,
                 # corrected, can run again.
                 Epoch.objects.filter(pk=record.pk, state=EpochState.LOADED).delete()
                 raise CommandError(f"epoch {record.epoch_id} was neither activated nor recorded: "
