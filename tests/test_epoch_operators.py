@@ -11,8 +11,12 @@ import sys
 import time
 from contextlib import closing
 
+import pytest
+
 from tests.conftest import REPO, http_json, server_env
 from tests.test_devserver import children_of, kill_family, small_parties, wait_for_banner
+
+pytestmark = pytest.mark.processes
 
 
 def test_load_epoch_refuses_a_missing_database_without_creating_it(tmp_path):

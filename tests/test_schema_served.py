@@ -9,6 +9,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.conftest import REPO, server_env
 
 
@@ -27,6 +29,7 @@ def migrated(tmp_path, **values) -> dict:
     return env
 
 
+@pytest.mark.processes
 def test_concurrent_readers_get_the_schema_built_once(start_server, vector_matrix_path, tmp_path):
     server = start_server("gunicorn", migrated(tmp_path, MORPHO_MATRIX_PATH=vector_matrix_path,
                                                MORPHO_QUERY_THROTTLE="off"))
@@ -41,6 +44,7 @@ def test_concurrent_readers_get_the_schema_built_once(start_server, vector_matri
     assert server.log().count("built the OpenAPI schema") == 1
 
 
+@pytest.mark.processes
 def test_the_schema_counts_against_the_anonymous_rate(start_server, vector_matrix_path, tmp_path):
     server = start_server("gunicorn", migrated(tmp_path, MORPHO_MATRIX_PATH=vector_matrix_path,
                                                MORPHO_QUERY_THROTTLE="10/minute"))

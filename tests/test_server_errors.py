@@ -31,6 +31,7 @@ def test_a_bulk_json_integer_too_long_for_python_is_a_400(digits, serve_matrix, 
     assert "integer string conversion" in error["message"]
 
 
+@pytest.mark.processes
 def test_every_500_is_logged_with_its_traceback_with_debug_off(start_server, vector_matrix_path,
                                                                 tmp_path):
     env = server_env(MORPHO_MATRIX_PATH=vector_matrix_path, MORPHO_VAR_DIR=tmp_path, DEBUG="false",

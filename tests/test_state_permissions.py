@@ -25,6 +25,8 @@ import pytest
 from tests.conftest import REPO, free_port, server_env
 from tests.test_devserver import children_of
 
+pytestmark = pytest.mark.processes
+
 NOBODY = 65534
 
 
