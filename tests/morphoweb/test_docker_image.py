@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_security_compose import compose, in_profile
+from tests.morphoweb.test_security_compose import compose, in_profile
 
 DOCKERFILE = REPO / "Dockerfile"
 # Installs from PyPI: minutes on a cold cache, more than the suite's 600 s default allows.

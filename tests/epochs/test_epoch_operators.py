@@ -14,7 +14,7 @@ from contextlib import closing
 import pytest
 
 from tests.conftest import REPO, http_json, server_env
-from tests.test_devserver import children_of, kill_family, small_parties, wait_for_banner
+from tests.morphoweb.test_devserver import children_of, kill_family, small_parties, wait_for_banner
 
 pytestmark = pytest.mark.processes
 

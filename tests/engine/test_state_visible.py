@@ -25,7 +25,7 @@ from queries.bulk_runner import answer_queries, parse_chunk
 from queries.models import BulkChunk
 from queries.tasks import progress_writer
 from tests.conftest import VECTOR_EPOCH
-from tests.test_bulk_api import key_pool, queries_of  # noqa: F401 - a fixture and a helper
+from tests.queries.test_bulk_api import key_pool, queries_of  # noqa: F401 - a fixture and a helper
 
 pytestmark = pytest.mark.django_db
 JOBS = "/bulk/jobs"

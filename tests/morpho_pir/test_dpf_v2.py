@@ -13,7 +13,7 @@ from morpho_pir.dpf import (
 )
 from morpho_pir.keygen import gen_key_pairs
 from gpu_engine.matrix import PAGE_BYTES, random_matrix
-from tests.test_dpf import _corrupt
+from tests.morpho_pir.test_dpf import _corrupt
 from tests.protocol_vectors import (
     KEY0_HEX, ROOT0, ROOT1, V2_ANSWER0_PREFIX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256, V2_KEY0_HEX,
     V2_KEY1_HEX, V2_LEAVES, V2_SHORT_KEY0_HEX, V2_SHORT_KEY1_HEX, protocol_answers, vector_matrix,

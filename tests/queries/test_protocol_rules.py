@@ -9,7 +9,7 @@ import pytest
 from morpho_pir.dpf import KEY_FORMAT_V2, gen_keys, key_length
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
 from tests.protocol_vectors import KEY0_HEX, REFUSALS, V2_KEY0_HEX, V2_KEY1_HEX
-from tests.test_wire_format import BATCH, BIN, SINGLE, api, post, post_json  # noqa: F401 - api
+from tests.queries.test_wire_format import BATCH, BIN, SINGLE, api, post, post_json  # noqa: F401 - api
 
 V1, V2 = bytes.fromhex(KEY0_HEX), bytes.fromhex(V2_KEY0_HEX)
 

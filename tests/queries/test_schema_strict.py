@@ -54,7 +54,7 @@ def serving(db, serve_matrix, vector_matrix_path):
     serve_matrix(vector_matrix_path)
     get_engine()
     # The real WSGI handler closes the database connection after each request; inside the
-    # test's transaction that would close it under the test (see tests/test_fuzz.py).
+    # test's transaction that would close it under the test (see tests/queries/test_fuzz.py).
     signals.request_started.disconnect(close_old_connections)
     signals.request_finished.disconnect(close_old_connections)
     yield

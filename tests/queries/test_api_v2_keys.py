@@ -16,7 +16,7 @@ from tests.conftest import VECTOR_EPOCH
 from tests.protocol_vectors import (
     KEY0_HEX, V2_ANSWER0_SHA256, V2_ANSWER1_SHA256, V2_KEY0_HEX, V2_KEY1_HEX, vector_pages,
 )
-from tests.test_wire_format import (  # noqa: F401 - api: the fixture
+from tests.queries.test_wire_format import (  # noqa: F401 - api: the fixture
     BATCH, BIN, D, PAGE, SINGLE, api, post, post_json, with_byte,
 )
 

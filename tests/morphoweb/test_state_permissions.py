@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port, server_env
-from tests.test_devserver import children_of
+from tests.morphoweb.test_devserver import children_of
 
 pytestmark = pytest.mark.processes
 

@@ -416,7 +416,7 @@ def test_the_api_activates_an_epoch_with_a_placement(two_device_party):
 
 
 def test_a_bad_device_list_stops_the_process_with_the_setting_named():
-    from tests.test_settings import check
+    from tests.morphoweb.test_settings import check
 
     result = check(MORPHO_ENGINE_DEVICES="0,zero")
     assert result.returncode != 0

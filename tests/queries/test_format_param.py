@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.protocol_vectors import KEY0_HEX
-from tests.test_wire_format import BIN, SINGLE, api, post  # noqa: F401 - api: the fixture
+from tests.queries.test_wire_format import BIN, SINGLE, api, post  # noqa: F401 - api: the fixture
 
 V1 = bytes.fromhex(KEY0_HEX)
 
