@@ -32,7 +32,7 @@ run: $(STAMP)
 	exec env $(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B)
 
 # One new epoch on both parties of `make run` at once (docs/OPERATIONS.md: Switching epochs):
-# MATRIX= its file, in the state folder; EPOCH_ID= unless the file's sidecar names one; EPOCH_ARGS=
+# MATRIX= its file, in the state folder's matrices/ (var/matrices/); EPOCH_ID= unless the file's sidecar names one; EPOCH_ARGS=
 # more load_epoch options (--stop-the-world, --discard-updates, --placement shard, ...); VAR= as
 # for `make run`. A party that already serves the epoch is left as it is.
 MATRIX ?=

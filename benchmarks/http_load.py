@@ -48,8 +48,9 @@ class Load:
 class _Client:
     """One keep-alive connection; reconnects after the server closed it."""
 
-    def __init__(self, url: str, content_type: str) -> None:
+    def __init__(self, url: str, content_type: str, method: str = "POST") -> None:
         parts = urlsplit(url)
+        self.method = method
         self.host, self.port = parts.hostname, parts.port
         # answers in the encoding the requests are in (JSON, or raw bytes for application/octet-stream)
         self.headers = {"Content-Type": content_type, "Accept": content_type}
@@ -60,7 +61,7 @@ class _Client:
             if self.conn is None:
                 self.conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
             try:
-                self.conn.request("POST", path, body, self.headers)
+                self.conn.request(self.method, path, body or None, self.headers)
                 response = self.conn.getresponse()
                 response.read()
                 return response.status
@@ -80,13 +81,13 @@ def _record(load: Load, lock: threading.Lock, status: int, seconds: float) -> No
 
 
 def _closed_worker(args) -> Load:
-    url, path, bodies, threads, seconds, content_type, limit, seed = args
+    url, path, bodies, threads, seconds, content_type, limit, seed, method = args
     load, lock = Load(seconds), threading.Lock()
     stop_at = time.perf_counter() + seconds
     sent = [0]
 
     def client(index: int) -> None:
-        http_client, rng = _Client(url, content_type), random.Random(seed * 1000 + index)
+        http_client, rng = _Client(url, content_type, method), random.Random(seed * 1000 + index)
         while time.perf_counter() < stop_at:
             with lock:
                 if limit and sent[0] >= limit:
@@ -144,10 +145,12 @@ def _run(worker, jobs: Sequence[tuple], seconds: float) -> Load:
 
 
 def closed_loop(url: str, path: str, bodies: Sequence[bytes], processes: int, threads: int,
-                seconds: float, content_type: str = "application/json", limit: int = 0) -> Load:
-    """Closed-loop clients for `seconds` (or until `limit` requests in all, when > 0)."""
+                seconds: float, content_type: str = "application/json", limit: int = 0,
+                method: str = "POST") -> Load:
+    """Closed-loop clients for `seconds` (or until `limit` requests in all, when > 0); an empty
+    body is sent as none (GET)."""
     per_process = math.ceil(limit / processes) if limit else 0
-    jobs = [(url, path, list(bodies), threads, seconds, content_type, per_process, i)
+    jobs = [(url, path, list(bodies), threads, seconds, content_type, per_process, i, method)
             for i in range(processes)]
     return _run(_closed_worker, jobs, seconds)
 

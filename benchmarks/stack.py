@@ -28,7 +28,7 @@ class Party:
 
     def __init__(self, matrix: Path, folder: Path, backend: str = "cpu", web_workers: int = 2,
                  threads: int = 8, bulk_workers: bool = False, port: Optional[int] = None,
-                 extra_env: Optional[dict] = None) -> None:
+                 extra_env: Optional[dict] = None, unix_socket: Optional[Path] = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.matrix, self.folder = Path(matrix), folder
         self.url = f"http://127.0.0.1:{port or free_port()}"
@@ -52,8 +52,11 @@ class Party:
         started = time.monotonic()
         try:
             self.start_engine()
+            # unix_socket: gunicorn bound there too, as under `make run` behind its front end
+            binds = [self.url.removeprefix("http://")] + ([f"unix:{unix_socket}"] if unix_socket
+                                                          else [])
             self.start("web", [sys.executable, "-m", "gunicorn", "morphoweb.wsgi",
-                               "--bind", self.url.removeprefix("http://")])
+                               *(arg for bind in binds for arg in ("--bind", bind))])
             if bulk_workers:
                 self.start("workers", [sys.executable, "bin/gpu-workers"])
             self.wait_healthy(900)

@@ -1,6 +1,7 @@
 """The operator dashboard (staff only): one page, fed every second by a JSON view of the very
-figures `/metrics` exports from this process's Prometheus registry, plus a few database rows, and
-the last 15 minutes of per-second figures that this process keeps itself. The database rows come
+figures `/metrics` exports (the party's, over all its web processes: engine.metrics.party_registry),
+plus a few database rows, and the last 15 minutes of per-second figures that this process samples
+from them. The database rows come
 from the apps that own them (epochs, queries), which add their figures from their ready()."""
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Callable
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import JsonResponse
 from django.shortcuts import render
-from prometheus_client import REGISTRY
 
 from engine.json_errors import header_error
+from engine.metrics import party_registry
 
 # Metric families the page reads (names as registered; samples carry _info, _bucket, ... suffixes).
 FAMILIES = (
@@ -59,10 +60,11 @@ def _buckets(samples):
     return [[le, count] for le, count in ordered]
 
 
-def metric_figures(registry=REGISTRY) -> dict:
-    """What the page plots, read from the registry `/metrics` exports; None where absent."""
+def metric_figures(registry=None) -> dict:
+    """What the page plots, read from the registry `/metrics` exports (the party's, by default);
+    None where absent."""
     by_family = {}
-    for name, sample in _samples(registry):
+    for name, sample in _samples(registry or party_registry()):
         by_family.setdefault(name, []).append(sample)
 
     def per_lane(family, suffix=""):
@@ -131,7 +133,7 @@ class History:
     thread from the registry `/metrics` exports, so a page opened (or reloaded) now draws the last
     15 minutes at once."""
 
-    def __init__(self, registry=REGISTRY, seconds: int = HISTORY_SECONDS) -> None:
+    def __init__(self, registry=None, seconds: int = HISTORY_SECONDS) -> None:
         self.registry = registry
         self.points: deque = deque(maxlen=seconds)
         self._buckets = None

@@ -1,12 +1,15 @@
-"""Prometheus metrics of the engine (django-prometheus's registry, `/metrics`): its stats and the
-batching policies in force, turned into metric families at scrape time."""
+"""Prometheus metrics of the engine (`/metrics`): its stats and the batching policies in force,
+turned into metric families at scrape time; and the registry that /metrics and the dashboard read,
+the party's figures over all its web processes."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Callable, Dict, Iterable, List, Optional
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -151,17 +154,39 @@ def policies_in_force() -> Dict[str, LanePolicy]:
     return policies
 
 
-_registered: set = set()
+_registered: dict = {}  # name -> the collector registered under it
 _lock = threading.Lock()
+_party: Optional[CollectorRegistry] = None
 
 
 def register_once(name: str, make_collector: Callable[[], object], registry=REGISTRY) -> None:
-    """Export `make_collector()` from this process's registry, once per `name` (an app's ready()
-    may run again in tests)."""
+    """Export `make_collector()` from this process's registry and the party's, once per `name`
+    (an app's ready() may run again in tests)."""
     with _lock:
         if name not in _registered:
-            registry.register(make_collector())
-            _registered.add(name)
+            _registered[name] = collector = make_collector()
+            registry.register(collector)
+            if _party is not None:
+                _party.register(collector)
+
+
+def party_registry() -> CollectorRegistry:
+    """The registry `/metrics` and the dashboard read. Under gunicorn (gunicorn.conf.py sets
+    PROMETHEUS_MULTIPROC_DIR before any web process starts), each web process keeps its
+    counters and histograms in files there, and this registry adds them up over every process,
+    the ones that have ended included, so a counter only grows whichever process is asked; the
+    collectors registered here read the engine server and the database, the party's already.
+    Without that folder (runserver, the tests, a shell): this process's own registry."""
+    global _party
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    with _lock:
+        if _party is None:
+            _party = CollectorRegistry()
+            MultiProcessCollector(_party)
+            for collector in _registered.values():
+                _party.register(collector)
+        return _party
 
 
 def register_collector() -> None:

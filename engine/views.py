@@ -59,3 +59,4 @@ class HealthView(APIView):
             response.data = body
             return response
         return Response(body)
+

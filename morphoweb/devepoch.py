@@ -55,7 +55,8 @@ def _served_epoch(database: Path) -> int | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description="Switch both parties of `make run` to a new epoch: the matrix file must be in "
-                    "the parties' matrix folder (the state folder under `make run`). Other "
+                    "the parties' matrix folder (matrices/ in the state folder under `make run`), with "
+                    "its sidecar. Other "
                     "options (--block-number, --state-root, --seeds, --stop-the-world, "
                     "--discard-updates, --placement) go to each party's load_epoch.")
     parser.add_argument("matrix", help="the epoch's matrix file")

@@ -16,6 +16,10 @@ from morphoweb.spool import Spool
 MAX_REQUEST_LINE_BYTES = 4094  # without its CRLF
 MAX_FIELD_BYTES = 8188  # a header line without its CRLF (gunicorn's 8190 counts it)
 MAX_FIELDS = 100
+# The front end writes four headers of its own (X-Forwarded-For, X-Forwarded-Proto,
+# Content-Length, Connection) in place of any the client sent: a client's head that gunicorn would
+# refuse once they are added is refused here.
+MAX_CLIENT_FIELDS = MAX_FIELDS - 4
 TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 TARGET = re.compile(rb"[\x21-\x7e]+")
 
@@ -89,8 +93,9 @@ def check_line(line: Optional[bytes], index: int) -> None:
     if index > 0 and size > MAX_FIELD_BYTES:
         raise refuse(431, "headers", "headers_too_large",
                      f"expected at most {MAX_FIELD_BYTES} bytes a header, got {got}")
-    if index > MAX_FIELDS:
-        raise refuse(431, "headers", "headers_too_large", f"expected at most {MAX_FIELDS} headers")
+    if index > MAX_CLIENT_FIELDS:
+        raise refuse(431, "headers", "headers_too_large",
+                     f"expected at most {MAX_CLIENT_FIELDS} headers")
 
 
 def declared_length(path: str, headers: list) -> Optional[int]:

@@ -352,6 +352,14 @@ MORPHO_FRONTEND_SEND_TIMEOUT = _env_float("MORPHO_FRONTEND_SEND_TIMEOUT", 60.0, 
 # Silence from gunicorn after which a request gets 504 (seconds): above gunicorn's own worker
 # timeout (gunicorn.conf.py, 120 s), so a request that long is gunicorn's to end.
 MORPHO_FRONTEND_UPSTREAM_TIMEOUT = _env_float("MORPHO_FRONTEND_UPSTREAM_TIMEOUT", 180.0, lo=0.1)
+# Processes sharing the party's port: one proxies a few thousand requests a second, so a quarter
+# of the cores, as many as gunicorn's processes need to be kept busy.
+MORPHO_FRONTEND_PROCESSES = _env_int("MORPHO_FRONTEND_PROCESSES", max(1, (os.cpu_count() or 1) // 4),
+                                     lo=1)
+# Connections the port holds at once, over all its processes: beyond it a new connection closes
+# the one that has waited longest without a request in progress (an idle keep-alive connection,
+# a head still arriving), else gets 503. Each costs a descriptor and a few KiB.
+MORPHO_FRONTEND_MAX_CONNECTIONS = _env_int("MORPHO_FRONTEND_MAX_CONNECTIONS", 10000, lo=1)
 
 # --- Celery ------------------------------------------------------------------------------------
 

@@ -28,6 +28,13 @@ class Upstream(BaseHTTPRequestHandler):
             for i in range(100):
                 self.wfile.write(b"line %d\n" % i)
             return
+        if self.path.startswith("/big/"):  # 512 KiB, more than the front end buffers for a
+            answer = self.path.encode() * (512 * 1024 // len(self.path))  # client that reads none
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return
         if self.path == "/cut":  # promises 100,000 bytes, sends 10, closes
             self.send_response(200)
             self.send_header("Content-Length", "100000")

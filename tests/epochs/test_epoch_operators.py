@@ -61,6 +61,7 @@ def test_make_epoch_switches_both_parties_and_a_restart_serves_that_epoch(tmp_pa
     var = tmp_path / "v"
     ports, env, argv = small_parties(var)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
+    epoch7 = var / "matrices" / "epoch7.bin"  # a folder of matrices alone, as epochs need
     run, log = start(argv, env, tmp_path / "run1.log")
     try:
         banner = wait_for_banner(run, tmp_path / "run1.log")
@@ -69,10 +70,10 @@ def test_make_epoch_switches_both_parties_and_a_restart_serves_that_epoch(tmp_pa
         assert f"`make superuser VAR={var}`" in banner  # where the parties' databases are
         made = subprocess.run(
             [sys.executable, "manage.py", "make_matrix", "--pages", "128", "--seed", "7",
-             "--epoch-id", "7", "--block-number", "77", "--out", str(var / "epoch7.bin")],
+             "--epoch-id", "7", "--block-number", "77", "--out", str(epoch7)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
         assert made.returncode == 0, made.stderr
-        switched = make("epoch", f"MATRIX={var / 'epoch7.bin'}", f"VAR={var}", env=env)
+        switched = make("epoch", f"MATRIX={epoch7}", f"VAR={var}", env=env)
         assert switched.returncode == 0, switched.stdout + switched.stderr
         assert "party A: epoch 7 is active" in switched.stdout
         assert "party B: epoch 7 is active" in switched.stdout
@@ -81,7 +82,7 @@ def test_make_epoch_switches_both_parties_and_a_restart_serves_that_epoch(tmp_pa
         while {http_json(url + "/epoch")[2]["epoch_id"] for url in urls} != {7}:
             assert time.monotonic() < deadline
             time.sleep(0.5)
-        again = make("epoch", f"MATRIX={var / 'epoch7.bin'}", f"VAR={var}", env=env)
+        again = make("epoch", f"MATRIX={epoch7}", f"VAR={var}", env=env)
         assert again.returncode == 0, again.stdout + again.stderr
         assert "party A: already serves epoch 7; left as it is" in again.stdout
         assert "party B: already serves epoch 7; left as it is" in again.stdout
@@ -94,7 +95,7 @@ def test_make_epoch_switches_both_parties_and_a_restart_serves_that_epoch(tmp_pa
     try:
         banner = wait_for_banner(run, tmp_path / "run2.log")
         assert banner.count("serves epoch 7 (block 77, 128 pages) on ") == 2, banner
-        assert f"serving epoch 7 (block 77) from {var / 'epoch7.bin'}: 128 pages" in banner
+        assert f"serving epoch 7 (block 77) from {epoch7}: 128 pages" in banner
         assert "serving epoch 1 " not in banner and "demo-64p.bin:" not in banner
         for url in urls:
             status, _, health = http_json(url + "/health")
@@ -105,23 +106,25 @@ def test_make_epoch_switches_both_parties_and_a_restart_serves_that_epoch(tmp_pa
 
 def test_make_epoch_with_the_parties_stopped_records_nothing_and_says_why(tmp_path):
     var = tmp_path / "v"
-    var.mkdir()
+    (var / "matrices").mkdir(parents=True)
     _, env, _ = small_parties(var)
     for party in "ab":
         migrated = subprocess.run([sys.executable, "manage.py", "migrate", "--no-input", "-v0"],
                                   cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
                                   env={**env, "DATABASE_URL": f"sqlite:///{var}/party-{party}.sqlite3"})
         assert migrated.returncode == 0, migrated.stderr
+    epoch7 = var / "matrices" / "epoch7.bin"
     made = subprocess.run(
-        [sys.executable, "manage.py", "make_matrix", "--pages", "64", "--seed", "7", "--out",
-         str(var / "epoch7.bin")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-        check=False)
+        [sys.executable, "manage.py", "make_matrix", "--pages", "64", "--seed", "7", "--epoch-id",
+         "7", "--out", str(epoch7)], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300, check=False)
     assert made.returncode == 0, made.stderr
-    (var / "epoch7.bin.epoch.json").unlink()  # no sidecar: nothing names the epoch
-    unnamed = make("epoch", f"MATRIX={var / 'epoch7.bin'}", f"VAR={var}", env=env)
+    bare = var / "matrices" / "bare.bin"  # no sidecar: nothing names its epoch
+    bare.write_bytes(epoch7.read_bytes())
+    unnamed = make("epoch", f"MATRIX={bare}", f"VAR={var}", env=env)
     assert unnamed.returncode != 0 and "no epoch id. Both parties must serve the same one: give " \
         "it with EPOCH_ID=N" in unnamed.stderr
-    stopped = make("epoch", f"MATRIX={var / 'epoch7.bin'}", "EPOCH_ID=7", f"VAR={var}", env=env)
+    stopped = make("epoch", f"MATRIX={epoch7}", f"VAR={var}", env=env)
     assert stopped.returncode != 0 and "Traceback" not in stopped.stdout + stopped.stderr
     for party in "AB":
         assert f"party {party}: CommandError: epoch 7 was neither activated nor recorded: " \

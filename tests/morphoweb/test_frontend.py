@@ -28,13 +28,14 @@ BODY_MIN_RATE = 1024 * 1024  # bytes/s: a 1 MiB body has 1 + 1 s
 class FrontEnd:
     """`python -m morphoweb.frontend` in a process, with deadlines of a second."""
 
-    def __init__(self, upstream: str, log_path) -> None:
+    def __init__(self, upstream: str, log_path, **settings) -> None:
         self.port = free_port()
-        env = server_env(MORPHO_FRONTEND_HEADER_TIMEOUT=HEADER_TIMEOUT_S,
-                         MORPHO_FRONTEND_KEEPALIVE_TIMEOUT=KEEPALIVE_TIMEOUT_S,
-                         MORPHO_FRONTEND_MAX_HEADER_BYTES=MAX_HEADER_BYTES,
-                         MORPHO_FRONTEND_BODY_TIMEOUT=BODY_TIMEOUT_S,
-                         MORPHO_FRONTEND_BODY_MIN_RATE=BODY_MIN_RATE)
+        env = server_env(**{"MORPHO_FRONTEND_HEADER_TIMEOUT": HEADER_TIMEOUT_S,
+                            "MORPHO_FRONTEND_KEEPALIVE_TIMEOUT": KEEPALIVE_TIMEOUT_S,
+                            "MORPHO_FRONTEND_MAX_HEADER_BYTES": MAX_HEADER_BYTES,
+                            "MORPHO_FRONTEND_BODY_TIMEOUT": BODY_TIMEOUT_S,
+                            "MORPHO_FRONTEND_BODY_MIN_RATE": BODY_MIN_RATE,
+                            "MORPHO_FRONTEND_PROCESSES": 1, **settings})
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it
         self.proc = subprocess.Popen(
@@ -91,7 +92,7 @@ def test_a_request_reaches_gunicorn_whole_with_the_client_address_on_a_kept_conn
     assert seen["line"] == "POST /query/page/gpu HTTP/1.0"
     assert seen["headers"]["X-Forwarded-For"] == "203.0.113.9, 127.0.0.1"
     assert seen["headers"]["X-Forwarded-Proto"] == "http"
-    assert seen["headers"]["Connection"] == "close"
+    assert seen["headers"]["Connection"] == "keep-alive"
     first_socket = conn.sock
     conn.request("GET", "/health")
     response = conn.getresponse()
@@ -181,17 +182,77 @@ def test_too_large_chunked_and_malformed_requests_get_the_services_json_errors(f
         assert error_of(read_all(front.raw(bad)), 400)["errors"][0]["code"] == "malformed", bad
     assert error_of(read_all(front.raw(b"GET / HTTP/2.0\r\n\r\n")), 505)
     # gunicorn's own limits, which it would refuse in plain text: a request line over 4094
-    # bytes, more than 100 headers.
+    # bytes, more than 96 headers (gunicorn takes 100, the front end adds 4).
     sock = front.raw(b"GET /" + b"a" * 4090 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     error = error_of(read_all(sock), 414)
     assert error["detail"] == "request line: expected at most 4094 bytes, got 4104"
     sock = front.raw(b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     assert error_of(read_all(sock), 414)["detail"] == ("request line: expected at most 4094 "
                                                        "bytes, got more than 8188")
-    sock = front.raw(b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101))
-                     + b"\r\n")
-    assert error_of(read_all(sock), 431)["detail"] == "headers: expected at most 100 headers"
+    for count in (97, 99, 100, 101):  # gunicorn would refuse 97 once the front end adds its 4
+        sock = front.raw(b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(count))
+                         + b"\r\n")
+        assert error_of(read_all(sock), 431)["detail"] == "headers: expected at most 96 headers"
     assert len(Upstream.seen) == upstream_seen  # none of them reached gunicorn
+    conn = front.connection()
+    # 93 + Host, Accept-Encoding and Content-Length: 96 from the client, 99 reach the upstream
+    conn.request("POST", "/echo", body=b"{}", headers={f"X-{i}": "1" for i in range(93)})
+    seen = json.loads(conn.getresponse().read())
+    assert len(seen["headers"]) == 99 and seen["headers"]["Connection"] == "keep-alive"
+
+
+def test_a_client_that_pipelines_and_reads_nothing_has_one_request_upstream(front):
+    """Three requests sent at once, answers of 512 KiB left unread: the second reaches the
+    upstream only once the client has taken the first answer (all but 64 KiB of it)."""
+    upstream_seen = len(Upstream.seen)
+    sock = front.raw(b"".join(b"GET /big/%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(3)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    deadline = time.monotonic() + 10
+    while len(Upstream.seen) == upstream_seen:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.5)  # long enough for the front end to have forwarded more, were it to
+    assert [s["line"] for s in Upstream.seen[upstream_seen:]] == ["GET /big/0 HTTP/1.0"]
+    size = 512 * 1024 // 6 * 6
+    raw = b""
+    while raw.count(b"HTTP/1.1 200 ") < 3 or len(raw.rpartition(b"\r\n\r\n")[2]) < size:
+        chunk = sock.recv(65536)
+        assert chunk, raw[-200:]
+        raw += chunk
+    answers = raw.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    for i, answer in enumerate(answers):  # whole and in order
+        body = answer.partition(b"\r\n\r\n")[2]
+        assert body == b"/big/%d" % i * (size // 6), (i, len(body))
+    assert len(Upstream.seen) == upstream_seen + 3
+
+
+def test_past_its_connection_bound_a_new_connection_closes_the_longest_idle_one(tmp_path):
+    """MORPHO_FRONTEND_MAX_CONNECTIONS: idle connections cannot keep /health out."""
+    with serve_upstream() as upstream:
+        front = FrontEnd(upstream, tmp_path / "front.log", MORPHO_FRONTEND_MAX_CONNECTIONS=20,
+                         MORPHO_FRONTEND_HEADER_TIMEOUT=60)
+        try:
+            idle = [front.raw() for _ in range(20)]
+            time.sleep(0.5)
+            for _ in range(3):  # each pushes out the longest idle one, never a newer one
+                conn = front.connection()
+                started = time.monotonic()
+                conn.request("GET", "/health")
+                assert conn.getresponse().status == 200 and time.monotonic() - started < 1
+                conn.close()
+            closed = []
+            for sock in idle:
+                sock.settimeout(0.5)
+                try:
+                    closed.append(sock.recv(1) == b"")
+                except (TimeoutError, ConnectionResetError):
+                    closed.append(not isinstance(sys.exc_info()[1], TimeoutError))
+            # one to three closed (a /health connection closed by its client may already have
+            # left room for the next), and the oldest ones
+            pushed_out = closed.count(True)
+            assert 1 <= pushed_out <= 3 and closed == sorted(closed, reverse=True), closed
+        finally:
+            front.stop()
 
 
 def test_an_idle_kept_connection_is_closed(front):

@@ -215,3 +215,68 @@ def test_the_request_limit_is_per_client_address_behind_the_front_end(devserver)
     # ... and another client is not held by the first one's limit.
     assert health("127.0.0.3") == 200
 
+
+
+PIPELINING_READERS = 86  # the attack's count: with 3 batches each, 258 batches for 8 threads
+
+
+def batch_count(port: int) -> float:
+    """Batch queries the party has answered, from /metrics (the party's, every web process);
+    -1 while the party is too busy to answer within 10 s."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10,
+                                      source_address=("127.0.0.5", 0))
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError:
+        return -1.0
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith('pir_query_count_total{endpoint="/query/page/gpu/batch"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_readers_that_pipeline_batches_and_read_nothing_get_one_batch_each(devserver):
+    """86 connections each send three 32-query batches at once and read none of the answers
+    (256 KiB each): the front end hands gunicorn one batch per connection, not three, and once
+    those are answered /health is again answered within 1 s while the readers hold their
+    connections. (The first 86 batches are load like 86 clients' that do read: the request limit
+    per address and the engine's queue bound that, not the front end.)"""
+    _, port, _ = devserver
+    body = json.dumps({"queries": [{"keys": [KEY0_HEX, KEY1_HEX, KEY0_HEX]}] * 32}).encode()
+    request = (b"POST /query/page/gpu/batch HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    before = batch_count(port)
+    readers = []
+    try:
+        for _ in range(PIPELINING_READERS):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                            source_address=("127.0.0.4", 0))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+            sock.sendall(request * 3)
+            readers.append(sock)
+        # every first batch answered (and no more), then a quiet moment for any more to arrive
+        deadline = time.monotonic() + 240
+        while batch_count(port) - before < PIPELINING_READERS * 32:
+            assert time.monotonic() < deadline, batch_count(port) - before
+            time.sleep(1)
+        time.sleep(2)
+        for _ in range(5):
+            took, (status, _, _) = timed(lambda: health_from("127.0.0.5", port))
+            assert status == 200 and took <= ANSWER_BOUND_S, (status, took)
+        assert batch_count(port) - before == PIPELINING_READERS * 32
+    finally:
+        for sock in readers:
+            sock.close()
+
+
+def health_from(source: str, port: int):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(source, 0))
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        return response.status, None, response.read()
+    finally:
+        conn.close()
