@@ -21,6 +21,8 @@ from engine.dashboard import metric_figures
 from tests.conftest import http_json
 from tests.protocol_vectors import KEY0_HEX, KEY1_HEX
 
+pytestmark = pytest.mark.processes
+
 SCRAPES = 40
 CLIENTS = 4
 
