@@ -12,7 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 # Extras of pyproject.toml to install: "cuda13" (CuPy and the CUDA 13 toolkit wheels), "cuda12"
 # (the same for CUDA 12, for hosts whose driver predates CUDA 13), or "" (CPU only, no CuPy).
-# tests/test_docker_image.py installs the same requirement string into a clean venv.
+# tests/morphoweb/test_docker_image.py installs the same requirement string into a clean venv.
 ARG MORPHO_EXTRAS=""
 # Dependencies first, so a code change does not reinstall them.
 # The protocol core (pir/) is a distribution of its own that the project requires: installed for good.
@@ -41,7 +41,7 @@ RUN python manage.py collectstatic --no-input -v0
 # volume's mount point, and /cache, where the engine servers keep CuPy's compiled kernels
 # (CUPY_CACHE_DIR=/cache/cupy in docker-compose.yml). A fresh named volume mounted on a path of the
 # image takes that path's owner; on a path the image lacks it would be root's, and the first
-# kernel compile would fail. tests/test_docker_image.py checks these against docker-compose.yml.
+# kernel compile would fail. tests/morphoweb/test_docker_image.py checks these against docker-compose.yml.
 RUN useradd --create-home --uid 1000 morpho \
     && mkdir -p /data /app/var /bulk /cache/cupy \
     && chown morpho /data /app/var /bulk /cache /cache/cupy

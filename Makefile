@@ -62,9 +62,13 @@ superuser: $(STAMP)
 		$(PY) manage.py drf_create_token '$(SUPERUSER)' || exit 1; \
 	done
 
+# The suite over every core (pytest-xdist; TEST_WORKERS=0 runs it in this process), a file to a
+# worker: the servers a module starts once serve all its tests. PYTEST_ARGS picks tests by
+# marker, e.g. -m 'not processes and not kernels' (pyproject.toml lists the markers).
 # pytest's exit status 5 means "no tests collected": not a failure of the suite.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; exit 0; fi; exit $$rc
 
 # End-to-end HTTP timings against parties already running (start them with

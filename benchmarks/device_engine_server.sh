@@ -16,7 +16,7 @@ PAGES=${1:-65536,1048576}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 nproc
 if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py ${EXTRA_TESTS:-} \
+    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu_engine/test_cuda_backend.py ${EXTRA_TESTS:-} \
         2>&1 | tail -15 | tee "$OUT/tests.log"
 fi
 # PROFILE=1: py-spy profiles of the engine server and a web worker in each closed loop, summed up

@@ -15,8 +15,8 @@ mkdir -p "$OUT"
 MAINNET=16817159
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
-    timeout ${TEST_LIMIT:-500} python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_cuda_backend.py \
-        tests/test_kernels_compile.py tests/test_cuda_overlap.py tests/test_cuda_placement.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 | tee "$OUT/tests.log"
+    timeout ${TEST_LIMIT:-500} python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu_engine/test_cuda_backend.py \
+        tests/gpu_engine/test_kernels_compile.py tests/gpu_engine/test_cuda_overlap.py tests/gpu_engine/test_cuda_placement.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tail -25 | tee "$OUT/tests.log"
 fi
 [ "$stage" = tests ] && exit 0
 if [ "$stage" = ncu ]; then  # what binds the tensor-core scan, 96 and 3 keys (docs/SCANS.md)

@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/gpus.csv
 for stage in ${*:-tests engine switch switch-v2 http}; do
     case $stage in
     tests)
-        timeout 240 python3 -m pytest tests/test_cuda_placement.py -q -x -p no:cacheprovider 2>&1 \
+        timeout 240 python3 -m pytest tests/gpu_engine/test_cuda_placement.py -q -x -p no:cacheprovider 2>&1 \
             | tail -n 15 | tee "$OUT/tests.log" || rc=1 ;;
     engine)
         timeout 150 python3 benchmarks/placement.py --backend cuda --devices 0,1 --pages 1048576 \

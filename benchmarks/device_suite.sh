@@ -47,7 +47,7 @@ bench() {  # bench NAME LIMIT ARGS...: the CSV benchmark
 
 case "$stage" in
 smoke)
-    step tests-quick 240 python3 -m pytest tests/test_cuda_backend.py tests/test_kernels_compile.py -q -x \
+    step tests-quick 240 python3 -m pytest tests/gpu_engine/test_cuda_backend.py tests/gpu_engine/test_kernels_compile.py -q -x \
         -p no:cacheprovider -k "not matches_numpy and not dispatch_shapes and not large_shape"
     bench bench-65536 120 --pages 65536 --domain-bits 16 --q 1,2,4,8,16,32 --repeat 5 \
         --dispatch micro_batch=0,streams=1,graph=0 --dispatch micro_batch=0,streams=1,graph=1 \
@@ -56,7 +56,7 @@ smoke)
         --out "$OUT/cuda_mainnet.csv"
     ;;
 full)
-    step tests-all 420 python3 -m pytest tests/test_cuda_backend.py tests/test_kernels_compile.py -q \
+    step tests-all 420 python3 -m pytest tests/gpu_engine/test_cuda_backend.py tests/gpu_engine/test_kernels_compile.py -q \
         -p no:cacheprovider
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for keys in 96 3; do

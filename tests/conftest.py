@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -41,12 +43,51 @@ def gpu_absent_reason():
     return _gpu_reason_cache[0]
 
 
+# pytest-django's fixtures that open the test database to a test (admin_client and the like
+# request `db`, so a test's fixture closure names one of these)
+DB_FIXTURES = frozenset({"db", "transactional_db", "django_db_reset_sequences",
+                         "django_db_serialized_rollback", "live_server"})
+
+
+def touches_database(item) -> bool:
+    """Whether pytest-django lets `item` at the test database (any other test that tries fails)."""
+    return item.get_closest_marker("django_db") is not None or not DB_FIXTURES.isdisjoint(item.fixturenames)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if touches_database(item):
+            item.add_marker(pytest.mark.db)  # the PostgreSQL pass of .ci/run runs `-m db`
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist's file scheduling runs one test of an id: the others would pass unrun
+        repeated = sorted(nodeid for nodeid, count in Counter(i.nodeid for i in items).items() if count > 1)
+        if repeated:
+            raise pytest.UsageError(f"{len(repeated)} test ids name more than one test, which "
+                                    f"pytest-xdist would run once: {repeated[:3]}")
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and gpu_absent_reason():
         skip = pytest.mark.skip(reason=f"gpu test: {gpu_absent_reason()}")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+# --- Waiting for a condition ----------------------------------------------------------------------
+
+
+def wait_until(condition, timeout: float, message: str = "the condition", interval: float = 0.02):
+    """condition()'s first truthy value, polled every `interval` seconds; AssertionError naming
+    `message` and the last value when `timeout` seconds pass first. Tests wait for what they then
+    check rather than sleep a fixed time, which is too short on a loaded machine and too long on
+    an idle one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{message}: still {value!r} after {timeout} s")
+        time.sleep(interval)
 
 
 # --- The 200-page matrix of docs/PROTOCOL.md section 7 -------------------------------------------

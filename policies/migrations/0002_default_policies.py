@@ -2,7 +2,7 @@
 from django.db import migrations
 
 # Kept as written (a migration is history): the two active records hold the values of
-# gpu_engine.scheduler.DEFAULT_POLICIES, which tests/test_policy_lanes.py checks.
+# gpu_engine.scheduler.DEFAULT_POLICIES, which tests/policies/test_policy_lanes.py checks.
 DEFAULTS = [
     # Interactive: answer at once with whatever is queued; under load batches form by themselves
     # while the device is busy. A deep queue or an old query is refused (503) rather than served late.

@@ -1,5 +1,5 @@
 """Lower lanes yield to higher ones: yield_ms, and the default bulk policy yields after 4 ms (the
-value of gpu_engine.scheduler.DEFAULT_POLICIES, which tests/test_policy_lanes.py checks)."""
+value of gpu_engine.scheduler.DEFAULT_POLICIES, which tests/policies/test_policy_lanes.py checks)."""
 
 from django.db import migrations, models
 

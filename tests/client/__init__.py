@@ -1,0 +1,1 @@
+"""Tests of the client package, morpho_client."""
