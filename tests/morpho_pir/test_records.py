@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +13,9 @@ from gpu_engine.records import NoRoom, TableView, build
 from morpho_pir.protocol import PAGE_BYTES, ROW_BYTES, ROWS_PER_PAGE
 from morpho_pir.records import Record, RecordsError, RecordsTable
 from tests import protocol_vectors as vec
+from tests.conftest import REPO
 
-PROTOCOL = (Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text()
+PROTOCOL = (REPO / "docs" / "PROTOCOL.md").read_text()
 
 
 def random_records(n: int, key_bytes: int = 20, value_bytes: int = 32, seed: int = 1):
