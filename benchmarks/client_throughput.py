@@ -42,6 +42,7 @@ from morpho_client.plan import plan_window  # noqa: E402
 from morpho_pir.dpf import format_by_name  # noqa: E402
 from morpho_pir.http import BATCH_PATH, OCTET_STREAM  # noqa: E402
 from morpho_pir.protocol import MAX_BATCH_QUERIES, ROW_BYTES, ROWS_PER_PAGE  # noqa: E402
+from morphoweb.devserver import demo_matrix  # noqa: E402
 from morphoweb.partyprocs import free_port, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def start_parties(pages: int, folder: Path, web_workers: Optional[int]):
         stop_parties(proc)
         print((folder / "devserver.log").read_text(errors="replace")[-4000:], file=sys.stderr)
         raise
-    return proc, urls[0], urls[1], folder / f"demo-{pages}p.bin"
+    return proc, urls[0], urls[1], demo_matrix(folder, pages)
 
 
 def stop_parties(proc: subprocess.Popen) -> None:
