@@ -55,6 +55,14 @@ def touches_database(item) -> bool:
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers
+def pytest_make_parametrize_id(config, val, argname):
+    """Bytes parameters are named by their length: random bytes in a test id would differ between
+    xdist's workers, which then refuse to run the suite (each must collect the same names)."""
+    if isinstance(val, (bytes, bytearray)):
+        return f"{argname}-{len(val)}B"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if touches_database(item):
