@@ -22,8 +22,8 @@ A, B = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
     (["--bulk", "r.txt", "--key-format", "v2"], "--key-format v2 cannot be used with --bulk"),
     (["--bulk", "r.txt", "--encoding", "binary"], "--encoding is for queries: bulk jobs are sent"),
     (["--bulk", "r.txt", "--in-flight", "4"], "--in-flight is for queries"),
-    (["--row", "1", "--rows", "r.txt"], "one of the three"),
-    ([], "one of the three"),
+    (["--row", "1", "--rows", "r.txt"], "one of the five"),
+    ([], "one of the five"),
 ])
 def test_options_that_mean_nothing_together_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit) as exited:

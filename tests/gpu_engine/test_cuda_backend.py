@@ -913,7 +913,7 @@ def test_the_fragments_layout_holds_whole_chunks():
 def test_the_layout_is_checked_when_a_backend_is_made():
     from gpu_engine.backends import create_backend
 
-    with pytest.raises(ValueError, match="unknown matrix layout 'tiles', expected one of pages, fragments"):
+    with pytest.raises(ValueError, match="unknown matrix layout 'tiles', expected one of auto, pages, fragments"):
         create_backend("cpu", layout="tiles")
     assert create_backend("cpu", layout="fragments").key_formats == (KEY_FORMAT_V1, KEY_FORMAT_V2)  # ignored
 

@@ -26,7 +26,7 @@ def check(**env) -> subprocess.CompletedProcess:
     ({"MORPHO_MAX_BATCH": "many"}, "MORPHO_MAX_BATCH: expected an integer, got 'many'"),
     ({"MORPHO_ENGINE_BACKEND": "tpu"}, "MORPHO_ENGINE_BACKEND: expected auto, cpu or cuda, got 'tpu'"),
     ({"MORPHO_V2_SCAN": "fast"}, "MORPHO_V2_SCAN: expected auto, mma or alu, got 'fast'"),
-    ({"MORPHO_MATRIX_LAYOUT": "tiles"}, "MORPHO_MATRIX_LAYOUT: expected pages or fragments, got 'tiles'"),
+    ({"MORPHO_MATRIX_LAYOUT": "tiles"}, "MORPHO_MATRIX_LAYOUT: expected auto, pages or fragments, got 'tiles'"),
     ({"DEBUG": "maybe"}, "DEBUG: expected true/false"),
     ({"MORPHO_QUERY_TIMEOUT": "-1"}, "MORPHO_QUERY_TIMEOUT: expected a number >= 0.001, got -1.0"),
     # A rate DRF cannot read made every request a 500 (/health too); 0 made every one a 429.
