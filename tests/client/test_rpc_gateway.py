@@ -15,8 +15,13 @@ from morpho_client import PirClient
 from morpho_client.rpc import Gateway, make_server
 from tests.conftest import REPO, http_json, server_env
 
+# web3.py raises the interpreter's recursion limit to 100,000 on import; the rest of the suite
+# (the API's refusal of JSON nested too deeply among them) runs at Python's own limit.
+_RECURSION_LIMIT = sys.getrecursionlimit()
 web3 = pytest.importorskip("web3")
 from web3 import Web3  # noqa: E402
+
+sys.setrecursionlimit(_RECURSION_LIMIT)
 
 ACCOUNTS = 1000
 
