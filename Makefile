@@ -66,7 +66,7 @@ superuser: $(STAMP)
 # worker: the servers a module starts once serve all its tests. PYTEST_ARGS picks tests by
 # marker, e.g. -m 'not processes and not kernels' (pyproject.toml lists the markers).
 # pytest's exit status 5 means "no tests collected": not a failure of the suite.
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= auto
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; exit 0; fi; exit $$rc

@@ -80,6 +80,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Puts back the rows the migrations wrote after a transactional test emptied the database.
+
+    A transactional test ends with a flush of every table, content types and permissions too when
+    it asks for a serialized rollback. pytest-django runs such tests last, but xdist's file
+    scheduling does not: a later file on the same worker would find no default policy and no
+    permissions. Django serialized the migrated database before the first test (a test here asks
+    for serialized rollback); that copy is loaded back into the emptied tables."""
+    yield
+    if "transactional_db" not in item.fixturenames and not _marked_transactional(item):
+        return
+    from django.contrib.contenttypes.models import ContentType
+    from django.db import connections
+    from pytest_django.plugin import blocking_manager_key
+
+    with item.config.stash[blocking_manager_key].unblock():
+        for connection in connections.all():
+            contents = getattr(connection, "_test_serialized_contents", None)
+            if contents and not ContentType.objects.using(connection.alias).exists():
+                connection.creation.deserialize_db_from_string(contents)
+
+
+def _marked_transactional(item) -> bool:
+    marker = item.get_closest_marker("django_db")
+    return marker is not None and bool(marker.kwargs.get("transaction"))
+
+
 # --- Waiting for a condition ----------------------------------------------------------------------
 
 
