@@ -1,12 +1,12 @@
 """Plots batch queries/s against Q per GPU and shape, per key format and scan, with floor and targets.
 
     python3 benchmarks/plot_key_formats.py --out docs/benchmarks/batch_qps.png \
-        docs/benchmarks/h100_*_v1.csv docs/benchmarks/h100_*_v2.csv \
-        docs/benchmarks/h200_*_v1.csv docs/benchmarks/h200_*_v2.csv
+        docs/benchmarks/h100_batch.csv docs/benchmarks/h200_batch.csv
 
-Each CSV is a backend_batch.py run; its dispatch line names the series (v1 or v2 keys, the pages
-or the fragments layout, the scan), and files of one series and panel make one line, by Q (where
-two hold the same Q, the later file's figure is drawn). One panel per GPU and shape, with the
+Each CSV is a backend_batch.py run or runs folded by fold.py; a run's dispatch line names the
+series (v1 or v2 keys, the pages or the fragments layout, the scan), and runs of one series and
+panel make one line, by Q (where two hold the same Q, the later run's figure is drawn). Runs
+folded under a `layout` label other than --layout are left out. One panel per GPU and shape, with the
 memory floor (one read of the matrix per batch at the GPU's measured streaming read, docs/SCANS.md)
 and the targets drawn: v2's at the best batch size (a line), v1's at their batch sizes (open
 diamonds).
@@ -20,10 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import pyplot, read_csv  # noqa: E402
+from benchmarks.fold import read_parts  # noqa: E402
+from benchmarks.report import pyplot  # noqa: E402
 
 # measured streaming reads, bytes/s (docs/SCANS.md, Floors): the H100's single-query scan under
-# ncu, the H200's single v1 query at mainnet (keyformats_h200_mainnet_v1.csv)
+# ncu, the H200's single v1 query at mainnet
 READ_BYTES_PER_S = {"H100": 3.08e12, "H200": 4.47e12}
 PAGE_BYTES = 4096
 # the v2-key targets (docs/PERFORMANCE.md), queries/s at the best batch size, per page count
@@ -58,15 +59,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csvs", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--layout", default="fragments", help="the runs of this layout label (default: fragments)")
     args = ap.parse_args()
 
     plt = pyplot()
 
     panels = defaultdict(lambda: defaultdict(dict))  # (gpu, pages) -> label -> {q: queries/s}
     for path in args.csvs:
-        header, rows = read_csv(path)
-        pages = int(header["shape"].split(",")[0].split("=")[1])
-        panels[(gpu_model(header), pages)][label(header)].update({int(r["q"]): float(r["batch_qps"]) for r in rows})
+        for labels, header, rows in read_parts(path):
+            if labels.get("layout", args.layout) != args.layout:
+                continue
+            pages = int(header["shape"].split(",")[0].split("=")[1])
+            panels[(gpu_model(header), pages)][label(header)].update(
+                {int(r["q"]): float(r["batch_qps"]) for r in rows})
     gpus = sorted({gpu for gpu, _ in panels})
     shapes = sorted({pages for _, pages in panels}, reverse=True)
     fig, axes = plt.subplots(len(gpus), len(shapes), figsize=(6 * len(shapes), 4.3 * len(gpus)), squeeze=False)

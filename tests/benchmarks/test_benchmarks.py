@@ -256,3 +256,23 @@ def test_sustained_summarises_the_samples_inside_a_window():
                        (10.1, 1900.0, 700.0, POWER_CAP_REASON | 0x1), (10.2, 1980.0, 650.0, 0), (11.0, 345.0, 80.0, 1)]
     assert sampler.summary(10.0, 10.2) == {"steady_sm_mhz": 1893, "steady_power_w": 680, "steady_power_capped": 0.67}
     assert sampler.summary(20.0, 21.0) == {"steady_sm_mhz": "", "steady_power_w": "", "steady_power_capped": ""}
+
+
+def test_fold_keeps_each_runs_lines_and_labels_its_rows_and_refuses_other_columns(tmp_path):
+    from benchmarks import fold
+
+    a, b, other = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "other.csv"
+    a.write_text("# gpu: one\n# date: 1\nq, qps\n1, 10\n8, 80\n")
+    b.write_text("# gpu: two\n# date: 2\nq, qps\n1, 11\n")
+    other.write_text("# gpu: three\nq, ms\n1, 5\n")
+    out = tmp_path / "folded.csv"
+    assert fold.main(["--out", str(out), "--columns", "machine,keys", f"1,v1={a}", f"2,v2={b}"]) == 0
+    assert out.read_text().splitlines()[:5] == [
+        "# part machine=1 keys=v1: gpu: one", "# part machine=1 keys=v1: date: 1",
+        "# part machine=2 keys=v2: gpu: two", "# part machine=2 keys=v2: date: 2", "machine,keys,q,qps"]
+    parts = fold.read_parts(out)
+    assert [(labels, header["gpu"], [r["qps"] for r in rows]) for labels, header, rows in parts] == [
+        ({"machine": "1", "keys": "v1"}, "one", ["10", "80"]), ({"machine": "2", "keys": "v2"}, "two", ["11"])]
+    assert fold.read_parts(a) == [({}, {"gpu": "one", "date": "1"}, [{"q": "1", "qps": "10"}, {"q": "8", "qps": "80"}])]
+    with pytest.raises(SystemExit, match="differ"):
+        fold.main(["--out", str(out), "--columns", "machine", f"1={a}", f"2={other}"])
