@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's figures on a lent host of two GPUs (nvidia-h100-x2 or nvidia-h200-x2), CSVs under $OUT:
+# The two-GPU figures on a lent host of two GPUs (nvidia-h100-x2 or nvidia-h200-x2), CSVs under $OUT:
 #   bash benchmarks/device_placement.sh STAGE...   (default: tests engine switch switch-v2 http)
 # tests:  the CUDA placement tests (two GPUs, byte-exact against NumPy)
 # engine: one GPU against two, sharded and replicated, at 1,048,576 pages and the mainnet shape
