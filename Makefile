@@ -75,7 +75,7 @@ test: $(STAMP)
 # `make run DEMO_PAGES=65536` in another terminal). The benchmarks: benchmarks/README.md.
 bench-http: $(STAMP)
 	$(PY) benchmarks/http_timings.py --server-a $(SERVER_A) --server-b $(SERVER_B) \
-		--matrix var/demo-$(BENCH_PAGES)p.bin --out docs/benchmarks/http_cpu_$(BENCH_PAGES)p.csv
+		--matrix var/demo-$(BENCH_PAGES)p.bin --out var/bench/http_cpu_$(BENCH_PAGES)p.csv
 
 # One Celery worker per visible GPU (one on the CPU when none), for bulk jobs.
 gpu-workers: $(STAMP)
@@ -83,14 +83,15 @@ gpu-workers: $(STAMP)
 
 # A 10,000-query bulk job against the engine's batch throughput on this machine.
 bench-bulk: $(STAMP)
-	$(PY) benchmarks/bulk.py --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
+	$(PY) benchmarks/bulk.py --pages 1024 --queries 10000 --out var/bench/bulk_cpu_1024p.csv
 
 # Poisson sweep over HTTP, 10% to 95% of the measured capacity, of the four interactive batching
 # modes and the A/A control, each activated live in one gunicorn party that the command starts and
 # stops itself (about 16 minutes with the defaults; matplotlib is installed for the plot).
-POLICY_HTTP_ARGS ?= --csv docs/benchmarks/policy_http_cpu.csv --png docs/benchmarks/policy_http_cpu.png
+POLICY_HTTP_ARGS ?= --csv var/bench/policy_http_cpu.csv --png var/bench/policy_http_cpu.png
 bench-policy-http: $(STAMP)
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install --quiet 'matplotlib>=3.8,<4'
+	mkdir -p var/bench
 	$(PY) benchmarks/policy_http.py $(POLICY_HTTP_ARGS)
 
 clean-var:

@@ -2,7 +2,7 @@
 
     python3 benchmarks/backend_batch.py --backend cuda --pages 65536 --domain-bits 16 \
         --q 1,2,4,8,16,32 --repeat 9 --dispatch micro_batch=0,streams=1,graph=1 \
-        --out docs/benchmarks/cuda_65536.csv
+        --out FILE.csv
 
 Runs with numpy (+ cupy for --backend cuda) only. Every timed batch is checked twice: the
 single-query answers must equal the batch answers byte for byte, and party 0's answers XOR

@@ -1,6 +1,6 @@
 """Bulk job throughput (submit to last answer stored) against the engine's batch throughput (CSV).
 
-    python3 benchmarks/bulk.py --pages 1024 --queries 10000 --out docs/benchmarks/bulk_cpu_1024p.csv
+    python3 benchmarks/bulk.py --pages 1024 --queries 10000 --out var/bench/bulk_cpu_1024p.csv
     python3 benchmarks/bulk.py --backend cuda --pages 65536 --out FILE.csv
     python3 benchmarks/bulk.py --engine-only --backend cuda --pages 1048576 --out FILE.csv
 

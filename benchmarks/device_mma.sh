@@ -54,7 +54,6 @@ if [ "$stage" = layout ]; then  # v2 keys over the pages layout, the fragments l
     exit 0
 fi
 if [ "$stage" = v1frag ]; then  # v1 keys over the fragments layout against the pages layout (v1frag_*.csv)
-    # (v1frag_mainnet_before.csv: the first line's command run from a checkout of the kernel before)
     V1M="--pages $MAINNET --domain-bits 25 --gpu-matrix --key-format v1 --repeat 3 $G1"
     bench v1frag_mainnet $V1M --layout fragments --q 1,8,16,32
     bench v1frag_mainnet_pages $V1M --layout pages --q 1,8,16,32

@@ -9,8 +9,8 @@
 #       A/A control: near capacity the p95 of a few seconds moves by more than the modes differ,
 #       and the control says by how much
 # and, back here, one CSV and plot from both:
-#   python3 benchmarks/loadgen.py --from-csv low.csv,high.csv --csv docs/benchmarks/policy_cuda.csv \
-#       --png docs/benchmarks/policy_cuda.png
+#   python3 benchmarks/loadgen.py --from-csv low.csv,high.csv --csv docs/benchmarks/h100_policy.csv \
+#       --png docs/benchmarks/h100_policy.png
 # numpy + cupy only. Writes under $OUT.
 set -euo pipefail
 export PYTHONUNBUFFERED=1

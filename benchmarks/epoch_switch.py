@@ -1,7 +1,7 @@
 """An atomic epoch switch under load, over one host's devices: every answer checked for its epoch.
 
     python3 benchmarks/epoch_switch.py --backend cuda --devices 0,1 --pages 16817159 \
-        --placement shard --out docs/benchmarks/epoch_switch_mainnet.csv
+        --placement shard --out FILE.csv
 
 An Engine serves epoch 1 (one patterned matrix) placed over --devices; --clients closed-loop
 threads each send one query of two keys, both parties' keys for one target page, so the XOR of

@@ -1,7 +1,7 @@
 """What `make run`'s front end costs: one party's gunicorn served straight and through the front end, in one run.
 
     python3 benchmarks/frontend_cost.py --backend cpu --pages 8192 \
-        --out docs/benchmarks/frontend_cost_cpu_8192p.csv
+        --out FILE.csv
 
 One party (benchmarks/stack.py: engine server, multi-process gunicorn) binds gunicorn to a TCP
 port and to a Unix socket; the front end (`python -m morphoweb.frontend`, as morphoweb.devserver

@@ -3,7 +3,7 @@
     make run DEMO_PAGES=65536      (in another terminal: parties A and B)
     python3 benchmarks/http_timings.py --server-a http://127.0.0.1:8001 \
         --server-b http://127.0.0.1:8002 --matrix var/demo-65536p.bin \
-        --out docs/benchmarks/http_cpu_65536p.csv                    (`make bench-http`)
+        --out var/bench/http_cpu_65536p.csv                          (`make bench-http`)
 
 With --matrix (the file the parties serve) the rows fetched are checked against it, and the same
 keys are also answered by a NumPy backend in this process: the cost without HTTP.

@@ -1,7 +1,7 @@
 """HTTP through the real stack against the engine alone, on one matrix, in one run (the HTTP figures).
 
     python3 benchmarks/http_vs_engine.py --backend cuda --pages 65536,1048576 --bulk \
-        --out docs/benchmarks/http_vs_engine_h100.csv
+        --out FILE.csv
 
 Per matrix: the engine's own capacity (full 32-query batches back to back on the backend, in this
 process); then a party started as an operator starts it (`manage.py serve_engine`, multi-process

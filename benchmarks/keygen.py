@@ -1,6 +1,6 @@
 """Key generation speed: gen_keys (one pair at a time, pure Python) against gen_key_pairs (a batch).
 
-    python benchmarks/keygen.py --out docs/benchmarks/keygen_cpu.csv
+    python benchmarks/keygen.py --out FILE.csv
 
 Each row is one way of making `keys` key pairs of depth `domain_bits` (a 32-query batch of the
 client is 96 pairs), timed `repeats` times; `pairs_per_s` is from the best time, the median is

@@ -3,9 +3,9 @@
     python3 benchmarks/loadgen.py --backend cpu --pages 256 \
         --modes latency,throughput,adaptive,slo,latency-control \
         --duration 16 --rounds 4 --warmup 1 \
-        --csv docs/benchmarks/policy_cpu.csv --png docs/benchmarks/policy_cpu.png
+        --csv FILE.csv --png FILE.png
     python3 benchmarks/loadgen.py --from-csv low.csv,high.csv \
-        --csv docs/benchmarks/policy_cuda.csv --png docs/benchmarks/policy_cuda.png
+        --csv docs/benchmarks/h100_policy.csv --png docs/benchmarks/h100_policy.png
         (low.csv and high.csv: the two halves of benchmarks/device_policy.sh)
 
 Open loop: arrivals follow a Poisson process whatever the engine does, and each query's latency is

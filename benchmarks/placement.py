@@ -1,7 +1,7 @@
 """One device against several of one host, the same matrix sharded and replicated; answers checked.
 
     python3 benchmarks/placement.py --backend cuda --devices 0,1 --pages 16817159 --q 1,32 \
-        --out docs/benchmarks/placement_h200x2.csv
+        --out FILE.csv
 
 For each placement (`one`: the first device alone; `shard` and `replicate` over every device),
 in one run so the ratios compare like with like:

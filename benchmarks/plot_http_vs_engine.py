@@ -1,7 +1,7 @@
 """Plots http_vs_engine.py's CSV: each HTTP figure as a fraction of the engine alone, per matrix.
 
-    python3 benchmarks/plot_http_vs_engine.py --out docs/benchmarks/http_vs_engine_h100.png \
-        docs/benchmarks/http_vs_engine_h100.csv
+    python3 benchmarks/plot_http_vs_engine.py --out docs/benchmarks/h100_http_vs_engine.png \
+        docs/benchmarks/h100_http_vs_engine.csv
 """
 from __future__ import annotations
 

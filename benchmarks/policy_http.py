@@ -1,7 +1,7 @@
 """Poisson sweep over HTTP of the four batching modes and an A/A control, each made live.
 
-    python3 benchmarks/policy_http.py --csv docs/benchmarks/policy_http_cpu.csv \
-        --png docs/benchmarks/policy_http_cpu.png          (`make bench-policy-http`, ~16 minutes)
+    python3 benchmarks/policy_http.py --csv var/bench/policy_http_cpu.csv \
+        --png var/bench/policy_http_cpu.png          (`make bench-policy-http`, ~16 minutes)
 
 Starts its own party in a temporary folder: a 256-page matrix, a SQLite database, gunicorn with
 1 worker x 32 threads, the CPU engine, the query throttle off. Writes five policy records (the

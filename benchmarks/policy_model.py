@@ -1,7 +1,7 @@
 """Virtual-time model of the engine's batching: Poisson arrivals, t(b) = a + c*b, the real decide().
 
     python3 benchmarks/policy_model.py --cost-ms 1.4,0.33 --arrivals 40000 \
-        --csv docs/benchmarks/policy_model_h100.csv --png docs/benchmarks/policy_model_h100.png
+        --csv FILE.csv --png FILE.png
 
 What the real sweeps (loadgen.py) cannot give: the p95 each mode would have on a device whose
 launch cost is exactly the fitted line, with no other process, no GIL, no timer slack, and tens of

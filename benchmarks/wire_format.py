@@ -1,6 +1,6 @@
 """Bytes on the wire and web-process CPU per query, JSON (hex) against binary, on this machine.
 
-    python benchmarks/wire_format.py            # under a minute; writes docs/benchmarks/wire_format_cpu.csv
+    python benchmarks/wire_format.py            # under a minute; writes var/bench/wire_format_cpu.csv
     python benchmarks/wire_format.py --batches 10 --singles 30 --out /tmp/wire.csv
 
 The Django WSGI application runs in this process with the CPU engine over a small seeded matrix
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                         help="32-query batch requests per encoding pair")
     parser.add_argument("--singles", type=int, default=300,
                         help="single-query requests per encoding pair")
-    parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/wire_format_cpu.csv")
+    parser.add_argument("--out", type=Path, default=REPO / "var/bench/wire_format_cpu.csv")
     args = parser.parse_args(argv)
     started = time.monotonic()
     machine_line = machine()

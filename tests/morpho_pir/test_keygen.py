@@ -72,8 +72,8 @@ def test_fresh_roots_differ_and_bad_input_is_refused():
 
 @pytest.mark.parametrize("d", [16, 25])
 def test_a_96_key_batch_makes_over_1000_pairs_per_second(d):
-    # About 13,000 pairs/s was measured here (docs/benchmarks/keygen_cpu.csv); the floor of the
-    # issue is 1,000, so a loaded CI machine still passes with the best of five batches.
+    # About 13,000 pairs/s on a 2-CPU VM (`python benchmarks/keygen.py`); the floor is 1,000, so a
+    # loaded CI machine still passes with the best of five batches.
     targets = list(range(96))
     best = float("inf")
     for _ in range(5):
