@@ -1175,8 +1175,8 @@ struct V1pProducerHandover {
 // multiplier thread takes by setmaxnreg (sm_90a; the producers the rest, as in dpf_scan_v1_frag).
 // Measured on the H100 at mainnet (docs/SCANS.md): Q = 8 28.0 ms with 4 rows and 184 registers,
 // 28.7 with 4 and 176, 28.7 with 2 and 176; 2 rows and 168 registers spilled and took 28.4-33.6.
-// Elsewhere (no setmaxnreg: 128 registers a thread) 1 row, which does not spill (2 do). Variants
-// to time: -DV1P_ROWS=n, -DV1P_MULTIPLIER_REGS=n.
+// Elsewhere (no setmaxnreg: 128 registers a thread) 1 row, which does not spill (2 do). Variant
+// to time: -DV1P_ROWS=n (the CPU emulator runs each).
 #ifndef V1P_ROWS
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define V1P_ROWS 4
@@ -1184,9 +1184,7 @@ struct V1pProducerHandover {
 #define V1P_ROWS 1
 #endif
 #endif
-#ifndef V1P_MULTIPLIER_REGS
 #define V1P_MULTIPLIER_REGS 184
-#endif
 static_assert(V1P_ROWS == 1 || V1P_ROWS == 2 || V1P_ROWS == 4, "rows in flight divide 16, and 8 (128 registers) spill");
 static_assert(V1P_MULTIPLIER_REGS % 8 == 0 && V1P_MULTIPLIER_REGS >= 128 && V1P_MULTIPLIER_REGS <= 232,
               "setmaxnreg: a multiple of 8, no fewer than the 128 a thread starts with, 24 left a producer");

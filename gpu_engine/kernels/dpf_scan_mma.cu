@@ -392,9 +392,7 @@ WGMMA_AND_POPC(14, 224, WG_S14, WG_C14)
 // stages of KSTEPS / WGMMA_SPLIT k-steps each, each with its own barriers (the same shared memory,
 // finer turns: a part's stage is refilled as soon as its products are done). Measured on the H100
 // at mainnet, 74 queries: 29.0 ms with 2, 30.7 with 1 (whole chunks), 39.6 with 4 (docs/SCANS.md).
-#ifndef WGMMA_SPLIT
 #define WGMMA_SPLIT 2
-#endif
 static_assert(KSTEPS % WGMMA_SPLIT == 0 && (CHUNK_LEAVES / WGMMA_SPLIT) % WGMMA_CLUSTER == 0,
               "a chunk's parts hold whole k-steps, their leaves split evenly across a cluster");
 static_assert(CHUNK_LEAVES % WGMMA_CLUSTER == 0 && (PAGE_WORDS / MMA_SLICE_WORDS) % WGMMA_CLUSTER == 0 && 32 % WGMMA_CLUSTER == 0,

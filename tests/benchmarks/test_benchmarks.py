@@ -151,12 +151,12 @@ def test_variant_rows_read_back_as_one_field_a_variant():
     from benchmarks.variant_times import COLUMNS, csv_row
 
     rows = [csv_row("default", 8, [28.0, 27.5, 28.5], [28.2, 28.3, 28.1], [28.5, 28.6, 28.4], True),
-            csv_row("V1P_ROWS=2,V1P_MULTIPLIER_REGS=176", 32, [93.0], [93.5], [94.0], False)]
+            csv_row("V1P_ROWS=2,V1F_XOR_PREFETCH=3", 32, [93.0], [93.5], [94.0], False)]
     header, *read = list(csv.reader([COLUMNS, *rows]))
     assert [dict(zip(header, row)) for row in read] == [
         {"variant": "default", "q": "8", "scan_ms_median": "28.000", "scan_ms_min": "27.500",
          "gpu_ms_median": "28.200", "wall_ms_median": "28.500", "qps_wall": "280.7", "same_answers": "True"},
-        {"variant": "V1P_ROWS=2,V1P_MULTIPLIER_REGS=176", "q": "32", "scan_ms_median": "93.000",
+        {"variant": "V1P_ROWS=2,V1F_XOR_PREFETCH=3", "q": "32", "scan_ms_median": "93.000",
          "scan_ms_min": "93.000", "gpu_ms_median": "93.500", "wall_ms_median": "94.000", "qps_wall": "340.4",
          "same_answers": "False"}]
 
