@@ -18,7 +18,7 @@ from typing import Optional
 from engine.config import engine_settings
 from engine.errors import EngineStartFailed
 from engine.signals import engine_built, engine_started, starting_epoch
-from gpu_engine import backends
+from gpu_engine.backends import factory
 from gpu_engine.engine import Engine
 from gpu_engine.matrix import load_epoch
 from gpu_engine.placement import create_device_group
@@ -125,7 +125,7 @@ def _build_engine():
         backend = create_device_group(requested, config.devices, v2_scan=config.v2_scan,
                                       layout=config.matrix_layout)
     else:  # looked up here: tests put a device in its place
-        backend = backends.create_backend(requested, v2_scan=config.v2_scan, layout=config.matrix_layout)
+        backend = factory.create_backend(requested, v2_scan=config.v2_scan, layout=config.matrix_layout)
     if backend.fallback_reason:
         log.warning(
             "engine backend %s (requested %s; fell back because: %s)",

@@ -16,6 +16,8 @@ from gpu_engine.backends.base import (
     ProgressFn,
     ResidentMatrix,
 )
+from gpu_engine.backends.cpu import NumpyBackend, default_workers
+from gpu_engine.backends.factory import create_backend
 from gpu_engine.choices import LabelledChoice
 from morpho_pir.dpf import KeyBatch, subtree_keys_many
 from gpu_engine.matrix import MatrixShape, PageMatrix
@@ -491,9 +493,6 @@ def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "a
     """One backend per device id as a DeviceGroup: GPUs cuda:ID for CUDA; for the CPU backend,
     as many simulated devices (the host's scan threads shared among them), so the placement
     logic runs, and is tested, where there is no GPU."""
-    from gpu_engine.backends import create_backend
-    from gpu_engine.backends.cpu import NumpyBackend, default_workers
-
     if not ids:
         raise ValueError("a device group needs at least one device id")
     first = create_backend(backend_name, device=ids[0], v2_scan=v2_scan, layout=layout)

@@ -13,7 +13,7 @@ try:
 except ImportError as exc:  # create_backend turns this into BackendUnavailable
     raise ImportError(f"the CUDA backend needs CuPy ({exc})") from exc
 
-from gpu_engine.backends import cuda_plan
+import gpu_engine.backends.cuda_plan as cuda_plan
 from gpu_engine.backends.base import (
     Backend,
     BackendUnavailable,
