@@ -12,6 +12,7 @@ import numpy as np
 from gpu_engine.backends.base import (
     Backend,
     DispatchShape,
+    KeysRefused,
     PendingAnswer,
     ProgressFn,
     ResidentMatrix,
@@ -208,6 +209,8 @@ class PlacedResident(ResidentMatrix):
             raise DeviceFailed(self.failure)
         try:
             return action()
+        except KeysRefused:  # a device's check of the caller's keys: no fault of the device
+            raise
         except Exception as exc:
             self.failure = self.failure or f"device {self.names[device]} failed: {exc}"
             log.error("%s; this epoch's devices answer nothing more", self.failure)
@@ -325,9 +328,8 @@ class ReplicatedResident(PlacedResident):
     def start_parts(self, parts: Sequence[KeyBatch], dispatch: DispatchShape = DispatchShape()
                     ) -> List[PendingAnswer]:
         """A batch's launches (one per key format) all on one replica: a device then holds at
-        most BATCHES_PER_DEVICE batches, as CUDA's buffers per batch shape allow."""
-        for keys in parts:
-            self.check_keys(keys)
+        most BATCHES_PER_DEVICE batches, as CUDA's buffers per batch shape allow. The replica's
+        own check (check_keys) refuses keys it cannot answer."""
         with self._lock:
             device = self._pick()
             batch = _OnReplica(device, self.clocks[device].started(), len(parts))

@@ -5,6 +5,7 @@ from gpu_engine.backends.base import (  # noqa: F401 - the package's public name
     Backend,
     BackendUnavailable,
     DispatchShape,
+    KeysRefused,
     ResidentMatrix,
 )
 from gpu_engine.backends.factory import create_backend  # noqa: F401 - scripts import it from here
