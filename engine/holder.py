@@ -18,8 +18,9 @@ from typing import Optional
 from engine.config import engine_settings
 from engine.errors import EngineStartFailed
 from engine.signals import engine_built, engine_started, starting_epoch
-from gpu_engine import backends
+from gpu_engine.backends import factory
 from gpu_engine.engine import Engine
+from gpu_engine.interface import QueryEngine
 from gpu_engine.matrix import load_epoch
 from gpu_engine.placement import create_device_group
 from gpu_engine.remote import RemoteEngine
@@ -51,7 +52,7 @@ def is_remote() -> bool:
     return engine_settings().remote and not _serving
 
 
-def get_engine():
+def get_engine() -> QueryEngine:
     """This process's engine (local or remote); raises EngineStartFailed when one cannot be built."""
     global _engine, _engine_pid, _failure
     if is_remote():
@@ -91,7 +92,7 @@ def _remote_engine():
         return _engine
 
 
-def peek_engine():
+def peek_engine() -> Optional[QueryEngine]:
     """The engine (local or remote) if this process has one, else None; never builds one."""
     engine = _engine
     return engine if engine is not None and _engine_pid == os.getpid() else None
@@ -125,7 +126,7 @@ def _build_engine():
         backend = create_device_group(requested, config.devices, v2_scan=config.v2_scan,
                                       layout=config.matrix_layout)
     else:  # looked up here: tests put a device in its place
-        backend = backends.create_backend(requested, v2_scan=config.v2_scan, layout=config.matrix_layout)
+        backend = factory.create_backend(requested, v2_scan=config.v2_scan, layout=config.matrix_layout)
     if backend.fallback_reason:
         log.warning(
             "engine backend %s (requested %s; fell back because: %s)",

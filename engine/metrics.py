@@ -19,6 +19,7 @@ from prometheus_client.core import (
 
 from engine.holder import peek_engine
 from gpu_engine.engine import EngineBusy
+from gpu_engine.interface import QueryEngine
 from gpu_engine.scheduler import LanePolicy
 
 
@@ -33,7 +34,8 @@ def _histogram(family: HistogramMetricFamily, labels, snapshot: dict) -> None:
 class EngineCollector:
     """Reads this process's engine snapshot and live policies on each scrape; builds no engine."""
 
-    def __init__(self, engine_fn: Callable[[], Optional[object]], policies_fn: Callable[[], dict]) -> None:
+    def __init__(self, engine_fn: Callable[[], Optional[QueryEngine]],
+                 policies_fn: Callable[[], dict]) -> None:
         self._engine_fn = engine_fn
         self._policies_fn = policies_fn
 
@@ -51,7 +53,7 @@ class EngineCollector:
             return
         up = GaugeMetricFamily("pir_engine_up", "1 while this process's engine (in process, or the "
                                "engine server it submits to) takes queries, else 0.")
-        up.add_metric([], 1 if engine.running and not getattr(engine, "held", None) else 0)
+        up.add_metric([], 1 if engine.running and not engine.held else 0)
         yield up
         try:
             snap = engine.snapshot()

@@ -160,9 +160,9 @@ def _fit_fields(fit) -> dict:
 
 
 def key_formats_of(engine) -> Tuple[int, ...]:
-    """The key formats `engine` answers (docs/PROTOCOL.md section 3): an Engine's key_formats;
-    v1 alone for one that does not say (a RemoteEngine, until its wire carries v2 keys and it
-    sets key_formats). The web tier takes and advertises these."""
+    """The key formats `engine` answers (docs/PROTOCOL.md section 3): its key_formats (a
+    QueryEngine's, gpu_engine.interface); v1 alone for an engine that names none. The web tier
+    takes and advertises these."""
     return tuple(getattr(engine, "key_formats", (KEY_FORMAT_V1,)))
 
 
@@ -313,7 +313,10 @@ class Engine:
 
     def submit_keys(self, keys: KeyBatch, query_keys: Sequence[int],
                     lane: str = "interactive") -> "Future[BatchAnswer]":
-        """`submit` for keys already packed (the engine server's path): query i has query_keys[i]."""
+        """`submit` for keys already packed and checked (the web tier's serializers, the engine
+        server's socket): query i has query_keys[i]. The engine checks only their fit to the epoch
+        it serves now, which may differ from the one they were checked against (a ValueError
+        naming both); its resident matrix checks what reaches it as a batch starts."""
         if lane not in self._queues:
             raise ValueError(f"unknown lane {lane!r}, expected one of {', '.join(LANES)}")
         query_keys = tuple(query_keys)

@@ -12,10 +12,13 @@ import numpy as np
 from gpu_engine.backends.base import (
     Backend,
     DispatchShape,
+    KeysRefused,
     PendingAnswer,
     ProgressFn,
     ResidentMatrix,
 )
+from gpu_engine.backends.cpu import NumpyBackend, default_workers
+from gpu_engine.backends.factory import create_backend
 from gpu_engine.choices import LabelledChoice
 from morpho_pir.dpf import KeyBatch, subtree_keys_many
 from gpu_engine.matrix import MatrixShape, PageMatrix
@@ -206,6 +209,8 @@ class PlacedResident(ResidentMatrix):
             raise DeviceFailed(self.failure)
         try:
             return action()
+        except KeysRefused:  # a device's check of the caller's keys: no fault of the device
+            raise
         except Exception as exc:
             self.failure = self.failure or f"device {self.names[device]} failed: {exc}"
             log.error("%s; this epoch's devices answer nothing more", self.failure)
@@ -323,9 +328,8 @@ class ReplicatedResident(PlacedResident):
     def start_parts(self, parts: Sequence[KeyBatch], dispatch: DispatchShape = DispatchShape()
                     ) -> List[PendingAnswer]:
         """A batch's launches (one per key format) all on one replica: a device then holds at
-        most BATCHES_PER_DEVICE batches, as CUDA's buffers per batch shape allow."""
-        for keys in parts:
-            self.check_keys(keys)
+        most BATCHES_PER_DEVICE batches, as CUDA's buffers per batch shape allow. The replica's
+        own check (check_keys) refuses keys it cannot answer."""
         with self._lock:
             device = self._pick()
             batch = _OnReplica(device, self.clocks[device].started(), len(parts))
@@ -491,9 +495,6 @@ def create_device_group(backend_name: str, ids: Sequence[int], v2_scan: str = "a
     """One backend per device id as a DeviceGroup: GPUs cuda:ID for CUDA; for the CPU backend,
     as many simulated devices (the host's scan threads shared among them), so the placement
     logic runs, and is tested, where there is no GPU."""
-    from gpu_engine.backends import create_backend
-    from gpu_engine.backends.cpu import NumpyBackend, default_workers
-
     if not ids:
         raise ValueError("a device group needs at least one device id")
     first = create_backend(backend_name, device=ids[0], v2_scan=v2_scan, layout=layout)

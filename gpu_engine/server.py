@@ -204,7 +204,9 @@ class EngineServer:
             return _error_body(EngineBusy("the engine server is warming up (compiling kernels, "
                                           "capturing graphs)", retry_after=2))
         try:
-            # keys sized by their own format (byte 18 of the first: v1 or v2)
+            # What arrives on the socket is checked here, once: the header against the key bytes'
+            # length, keys sized by their own format (byte 18 of the first: v1 or v2), then the
+            # keys' bytes as they are parsed; the engine checks their fit to its epoch.
             lane, domain_bits, query_keys = wire.unpack_query(
                 header, len(raw), functools.partial(key_length_from_bytes, raw))
             keys = KeyBatch.from_bytes(raw, domain_bits)

@@ -19,6 +19,11 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no CuPy, no GPU, not enough device memory)."""
 
 
+class KeysRefused(ValueError):
+    """A key batch a resident matrix cannot answer (another domain, a format it does not scan,
+    arrays its kernels would misread): the caller's error, not the device's."""
+
+
 @dataclass(frozen=True)
 class DispatchShape:
     """How one batch of keys is cut into launches; chosen by the batching policy, not the backend."""
@@ -99,16 +104,17 @@ class ResidentMatrix(ABC):
         """Free the device memory; the object must not be used afterwards."""
 
     def check_keys(self, keys: KeyBatch) -> None:
-        """Reject a batch this matrix cannot answer, before anything is launched.
+        """Reject a batch this matrix cannot answer, before anything is launched: KeysRefused.
 
-        The engine checks keys against its epoch at submit (Engine.submit_keys) and the web tier
-        before that; this check is the device's own, for callers that hand keys straight to a
-        resident matrix (tests, benchmarks) and for keys queued before a switch to an epoch of
-        another domain. CUDA makes it in cuda_plan.check_key_batch, with the kernels' array checks."""
+        A resident matrix makes this check once, as it starts a batch (answer, start): keys reach
+        it from the engine, which checked their fit to its epoch at submit, but also straight from
+        tests and benchmarks, and from the engine's queue across a switch to an epoch of another
+        domain. A replicated matrix (gpu_engine.placement) leaves it to the replica that runs the
+        batch. CUDA's adds the kernels' array checks (cuda_plan.check_key_batch) and its formats."""
         if len(keys) == 0:
-            raise ValueError("empty key batch")
+            raise KeysRefused("empty key batch")
         if keys.domain_bits != self.domain_bits:
-            raise ValueError(
+            raise KeysRefused(
                 f"keys have domain_bits {keys.domain_bits}, matrix has {self.domain_bits}"
             )
 

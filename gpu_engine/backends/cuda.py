@@ -13,11 +13,12 @@ try:
 except ImportError as exc:  # create_backend turns this into BackendUnavailable
     raise ImportError(f"the CUDA backend needs CuPy ({exc})") from exc
 
-from gpu_engine.backends import cuda_plan
+import gpu_engine.backends.cuda_plan as cuda_plan
 from gpu_engine.backends.base import (
     Backend,
     BackendUnavailable,
     DispatchShape,
+    KeysRefused,
     PendingAnswer,
     ProgressFn,
     ResidentMatrix,
@@ -183,14 +184,14 @@ class CudaResident(ResidentMatrix):
                                 wgmma=self._backend.wgmma, v1_pairs=self._backend.v1_pairs)
 
     def check_keys(self, keys: KeyBatch) -> None:
-        super().check_keys(keys)
-        self._check_format(keys)
-
-    def _check_format(self, keys: KeyBatch) -> None:
+        try:
+            cuda_plan.check_key_batch(keys, self.domain_bits)  # the base checks, then the arrays'
+        except ValueError as exc:
+            raise KeysRefused(str(exc)) from None
         if keys.key_format not in self._backend.key_formats:
-            raise ValueError(f"a matrix in the {self.layout} layout answers "
-                             f"{' and '.join(format_name(f) for f in self._backend.key_formats)} keys only, "
-                             f"got {format_name(keys.key_format)} keys")
+            raise KeysRefused(f"a matrix in the {self.layout} layout answers "
+                              f"{' and '.join(format_name(f) for f in self._backend.key_formats)} "
+                              f"keys only, got {format_name(keys.key_format)} keys")
 
     def _state(self, num_keys: int, dispatch: DispatchShape,
                key_format: int) -> Tuple[tuple, _DispatchState]:
@@ -227,8 +228,7 @@ class CudaResident(ResidentMatrix):
 
     def start(self, keys: KeyBatch, dispatch: DispatchShape = DispatchShape()) -> "_Started":
         """Queue the batch on its streams and return without waiting for the device."""
-        cuda_plan.check_key_batch(keys, self.domain_bits)  # check_keys' checks, then the arrays'
-        self._check_format(keys)
+        self.check_keys(keys)
         records = cuda_plan.pack_key_records(keys.root_seed, keys.root_t, keys.cw_seed, keys.cw_t, keys.final_cw)
         with self._lock, self._backend.on_device():
             pages = self._live()

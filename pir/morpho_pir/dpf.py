@@ -350,11 +350,13 @@ class KeyBatch:
         )
 
     @classmethod
-    def from_bytes(cls, data, domain_bits: int) -> "KeyBatch":
+    def from_bytes(cls, data, domain_bits: int, trusted: bool = False) -> "KeyBatch":
         """Keys for a domain of 2**domain_bits pages concatenated in the byte format, parsed in
         one pass; the first key's byte 18 says the format, which every key must share.
 
-        Checks what DpfKey.from_bytes checks; KeyFormatError names the first bad key."""
+        Checks what DpfKey.from_bytes checks; KeyFormatError names the first bad key. trusted:
+        keys a boundary checked one by one already (DpfKey.check, of one format and domain),
+        parsed without those checks."""
         fmt = key_format_of(data)
         head, n = _header(fmt), tree_depth(domain_bits, fmt)
         size = key_length(domain_bits, fmt)
@@ -365,18 +367,8 @@ class KeyBatch:
         k = raw.size // size
         rows = raw.reshape(k, size)
         levels = rows[:, head:head + _LEVEL * n].reshape(k, n, _LEVEL)
-        if fmt == KEY_FORMAT_V2 and (rows[:, 18] != V2_MARKER).any():
-            bad = int(np.argmax(rows[:, 18] != V2_MARKER))
-            raise KeyFormatError(f"key {bad} has byte 18 {rows[bad, 18]}, expected {V2_MARKER:#x} "
-                                 f"as key 0 (a v2 key): one key format per request")
-        if (rows[:, head - 1] != domain_bits).any():
-            bad = int(np.argmax(rows[:, head - 1] != domain_bits))
-            raise KeyFormatError(f"key {bad} has domain_bits {rows[bad, head - 1]}, "
-                                 f"expected {domain_bits}")
-        bits = np.concatenate([rows[:, 16:18], levels[:, :, 16:18].reshape(k, -1)], axis=1)
-        if (bits > 1).any():
-            bad = int(np.argmax((bits > 1).any(axis=1)))
-            raise KeyFormatError(f"key {bad} has a root_t, party or t_cw byte other than 0 or 1")
+        if not trusted:
+            cls._check_rows(rows, levels, fmt, head, domain_bits)
 
         def words(block: np.ndarray, shape) -> np.ndarray:
             return np.ascontiguousarray(block).view("<u4").astype(np.uint32).reshape(shape)
@@ -392,6 +384,24 @@ class KeyBatch:
             raw=bytes(data),
             key_format=fmt,
         )
+
+    @staticmethod
+    def _check_rows(rows: np.ndarray, levels: np.ndarray, fmt: int, head: int,
+                    domain_bits: int) -> None:
+        """from_bytes' checks of (K, key_length) key rows, all keys at once."""
+        k = rows.shape[0]
+        if fmt == KEY_FORMAT_V2 and (rows[:, 18] != V2_MARKER).any():
+            bad = int(np.argmax(rows[:, 18] != V2_MARKER))
+            raise KeyFormatError(f"key {bad} has byte 18 {rows[bad, 18]}, expected {V2_MARKER:#x} "
+                                 f"as key 0 (a v2 key): one key format per request")
+        if (rows[:, head - 1] != domain_bits).any():
+            bad = int(np.argmax(rows[:, head - 1] != domain_bits))
+            raise KeyFormatError(f"key {bad} has domain_bits {rows[bad, head - 1]}, "
+                                 f"expected {domain_bits}")
+        bits = np.concatenate([rows[:, 16:18], levels[:, :, 16:18].reshape(k, -1)], axis=1)
+        if (bits > 1).any():
+            bad = int(np.argmax((bits > 1).any(axis=1)))
+            raise KeyFormatError(f"key {bad} has a root_t, party or t_cw byte other than 0 or 1")
 
     def keys(self, start: int, stop: int) -> "KeyBatch":
         """Keys start..stop-1 of this batch, as a batch of their own."""

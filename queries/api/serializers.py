@@ -177,6 +177,14 @@ def keys_checked_at_once(queries, domain_bits: int, key_formats=KEY_FORMATS) -> 
     return batch if batch.key_format == key_format else None
 
 
+def checked_batch(keys) -> KeyBatch:
+    """The request's keys as one KeyBatch, the form the engine takes, from keys key_from_bytes
+    passed one by one (of the request's format and this server's domain): parsed, not checked
+    again."""
+    raw = b"".join(keys)
+    return KeyBatch.from_bytes(raw, key_domain_bits(raw), trusted=True)
+
+
 class DpfKeyField(serializers.Field):
     """One DPF key as hex (with or without 0x), checked against the server's domain_bits; its
     validated value is the key's bytes."""
@@ -274,6 +282,8 @@ class PageQuerySerializer(JsonObjectSerializer):
                         "key_batch": batch}
             note_request_format(self.context, _first(data.get("keys")) if type(data) is dict
                                 else None)
+            value = super().to_internal_value(data)
+            return {**value, "key_batch": checked_batch(value["keys"])}
         return super().to_internal_value(data)
 
 
@@ -311,7 +321,9 @@ class BatchQuerySerializer(JsonObjectSerializer):
         first = _first(queries)
         note_request_format(self.context, _first(first.get("keys")) if type(first) is dict
                             else None)
-        return super().to_internal_value(data)
+        value = super().to_internal_value(data)
+        keys = [key for query in value["queries"] for key in query["keys"]]
+        return {"key_batch": checked_batch(keys)}
 
 
 class ServedEpochSerializer(serializers.Serializer):

@@ -13,8 +13,8 @@ from rest_framework.views import APIView
 from drf_spectacular.utils import extend_schema
 
 from engine.holder import get_engine
-from morpho_pir.dpf import KeyBatch, key_domain_bits
 from gpu_engine.engine import EngineUnavailable, key_formats_of
+from gpu_engine.interface import QueryEngine
 from morpho_pir.http import RECORDS_HEADER
 from morpho_pir.protocol import query_key_counts
 from queries.api.binary import (
@@ -94,30 +94,21 @@ def check_records_fingerprint(request, epoch) -> None:
          "message": message}]})
 
 
-def serving_engine():
+def serving_engine() -> QueryEngine:
     """This process's engine, or 503 where it is held: it cannot serve its party's active epoch
     and answers no query, so neither its epoch nor a judgement of keys by it would be true."""
     engine = get_engine()
-    held = getattr(engine, "held", None)
+    held = engine.held  # read once: a RemoteEngine's changes with each PONG
     if held:
         raise EngineUnavailable(held, retry_after=5)
     return engine
 
 
-def request_keys(data: dict) -> KeyBatch:
-    """Every key of a validated single or batch request, in order, in either encoding."""
-    if "key_batch" in data:  # a binary body, checked and parsed whole
-        return data["key_batch"]
-    queries = [data["keys"]] if "keys" in data else [query["keys"] for query in data["queries"]]
-    raw = b"".join(key for query in queries for key in query)  # each checked: key_from_bytes
-    return KeyBatch.from_bytes(raw, key_domain_bits(raw))  # one key format: the serializers said so
-
-
-def answer(engine, epoch, data):
-    """Submit a validated request's queries to the engine and wait: the answer, or 503 when it
-    cannot come in time."""
+def answer(engine: QueryEngine, epoch, data):
+    """Submit a validated request's keys (the serializers' one KeyBatch, which the engine takes
+    as checked) and wait: the answer, or 503 when it cannot come in time."""
     timeout = settings.MORPHO_QUERY_TIMEOUT
-    keys = request_keys(data)
+    keys = data["key_batch"]
     try:
         return engine.submit_keys(keys, query_key_counts(len(keys))).result(timeout=timeout)
     except ValueError:

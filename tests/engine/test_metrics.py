@@ -83,6 +83,7 @@ class _Refusing:
     """An engine stand-in whose snapshot holds refusals, for the collector alone."""
 
     running = True
+    held = None
 
     def snapshot(self):
         empty = Histogram((1.0,)).snapshot()

@@ -790,7 +790,7 @@ def test_mma_runs_are_short_for_few_key_tiles_and_fill_the_gpu():
 
 
 def test_the_v2_scan_is_checked_when_a_backend_is_made():
-    from gpu_engine.backends import create_backend
+    from gpu_engine.backends.factory import create_backend
 
     with pytest.raises(ValueError, match="unknown v2 scan 'fast', expected one of auto, mma, alu"):
         create_backend("cpu", v2_scan="fast")
@@ -800,7 +800,7 @@ def test_the_v2_scan_is_checked_when_a_backend_is_made():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scan", ["auto", "mma", "alu"])
 def test_the_backends_v2_scan_reaches_the_matrices_it_loads(scan):
-    from gpu_engine.backends import create_backend
+    from gpu_engine.backends.factory import create_backend
 
     backend = create_backend("cuda", v2_scan=scan)
     resident = backend.load(random_matrix(300, seed=3))
@@ -911,7 +911,7 @@ def test_the_fragments_layout_holds_whole_chunks():
 
 
 def test_the_layout_is_checked_when_a_backend_is_made():
-    from gpu_engine.backends import create_backend
+    from gpu_engine.backends.factory import create_backend
 
     with pytest.raises(ValueError, match="unknown matrix layout 'tiles', expected one of auto, pages, fragments"):
         create_backend("cpu", layout="tiles")
@@ -921,7 +921,7 @@ def test_the_layout_is_checked_when_a_backend_is_made():
 def test_auto_falls_back_to_the_pages_layout_where_the_gpu_cannot_hold_fragments(monkeypatch):
     # an sm_86/89 GPU (99 KiB of shared memory a block) or one before sm_80: CUDA in the pages
     # layout, saying why, rather than the CPU; MORPHO_ENGINE_BACKEND=cuda refuses
-    from gpu_engine import backends
+    from gpu_engine.backends import factory
 
     class Gpu:
         fallback_reason = None
@@ -934,12 +934,12 @@ def test_auto_falls_back_to_the_pages_layout_where_the_gpu_cannot_hold_fragments
             raise BackendUnavailable("the fragments layout is read by the tensor cores")
         return Gpu(layout)
 
-    monkeypatch.setattr(backends, "_cuda_backend", cuda)
-    backend = backends.create_backend("auto", layout="fragments")
+    monkeypatch.setattr(factory, "_cuda_backend", cuda)
+    backend = factory.create_backend("auto", layout="fragments")
     assert (backend.name, backend.layout) == ("cuda", "pages")
     assert backend.fallback_reason == "the fragments layout is read by the tensor cores"
     with pytest.raises(BackendUnavailable, match="read by the tensor cores"):
-        backends.create_backend("cuda", layout="fragments")
+        factory.create_backend("cuda", layout="fragments")
 
 
 # --- the fragments layout (cuda_plan.MATRIX_LAYOUTS) on the GPU ----------------------------------

@@ -49,7 +49,7 @@ def test_auto_picks_the_layout_the_fastest_scans_read_and_says_why(capability, s
 
 
 def test_a_backend_without_a_choice_of_layout_says_it_has_pages():
-    from gpu_engine.backends import create_backend
+    from gpu_engine.backends.factory import create_backend
 
     described = create_backend("cpu").describe()
     assert described["layout"] == "pages"
@@ -89,7 +89,7 @@ def test_a_cuda_backend_serves_its_scans_pass(layout):
 
 @pytest.mark.gpu
 def test_a_cuda_backend_asked_for_auto_takes_the_gpus_layout_and_its_pass():
-    from gpu_engine.backends import create_backend
+    from gpu_engine.backends.factory import create_backend
 
     backend = create_backend("cuda", layout="auto")
     info = backend.describe()

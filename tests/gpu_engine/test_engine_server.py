@@ -151,7 +151,7 @@ def test_refusals_keep_their_kind_across_the_socket(served):
     with pytest.raises(ValueError, match="unknown lane 'nope'"):
         client.submit(query, lane="nope")
     with pytest.raises(ValueError, match="domain_bits 7, the epoch has 6"):
-        client.submit([random_keys_as_dpf(7, 3)])
+        client.submit([random_keys_as_dpf(7, 3)]).result(10)
     # a full queue: the engine's EngineOverloaded, with its retry hint, reaches the caller
     policies.current["interactive"] = LanePolicy(name="tiny", mode="throughput", max_batch=1,
                                                      max_queue=1, window_us=900_000)

@@ -114,7 +114,7 @@ def small_device_party(db, serve_matrix, tmp_path, monkeypatch):
         paths[epoch_id] = write_matrix_file(tmp_path / f"e{epoch_id}.bin", 16, seed=epoch_id)
         write_epoch_metadata(paths[epoch_id], epoch_id=epoch_id)
     device = SmallDevice(capacity=16 * 4096 + 1024)
-    monkeypatch.setattr("gpu_engine.backends.create_backend", lambda name="auto", v2_scan="auto", layout="pages": device)
+    monkeypatch.setattr("gpu_engine.backends.factory.create_backend", lambda name="auto", v2_scan="auto", layout="pages": device)
     serve_matrix(paths[1])
     get_engine()
     record = Epoch(epoch_id=2, matrix_path=str(paths[2]))

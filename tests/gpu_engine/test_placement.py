@@ -213,6 +213,20 @@ def test_a_replicated_epoch_spreads_batches_over_its_devices():
     assert [d["launches"] for d in resident.devices()] == [3, 2]
 
 
+@pytest.mark.parametrize("placement", [Placement.SHARD, Placement.REPLICATE])
+def test_keys_a_group_cannot_answer_are_refused_and_fail_no_device(placement):
+    # a replicated matrix leaves the check to the replica that runs the batch: its refusal is
+    # the caller's error, and the group serves on
+    rng = np.random.default_rng(4)
+    matrix = random_matrix(700, seed=2)
+    resident = group(2).load(matrix, placement=placement)
+    with pytest.raises(ValueError, match=f"keys have domain_bits 11, matrix has {matrix.domain_bits}"):
+        resident.answer(random_keys(3, 11, rng))
+    assert resident.failure is None
+    keys = random_keys(3, matrix.domain_bits, rng)
+    assert np.array_equal(resident.answer(keys), protocol_answers(matrix, keys))
+
+
 def test_a_group_launches_what_each_of_its_devices_serves_in_one_pass():
     # a shard's batch runs on every device, a replica's on any one: the least of them caps a launch
     narrow = UploadingBackend()

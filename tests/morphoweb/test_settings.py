@@ -97,14 +97,14 @@ def test_every_environment_variable_is_documented_in_the_operations_page():
 def test_the_v2_scan_and_layout_settings_reach_the_backend_the_engine_makes(serve_matrix, vector_matrix_path,
                                                                             monkeypatch, scan, layout):
     from engine.holder import get_engine
-    from gpu_engine import backends
+    from gpu_engine.backends import factory
 
-    made, real = [], backends.create_backend
+    made, real = [], factory.create_backend
 
     def spy(name="auto", device=None, v2_scan="auto", layout="pages"):
         made.append((v2_scan, layout))
         return real("cpu", v2_scan=v2_scan, layout=layout)
 
-    monkeypatch.setattr("gpu_engine.backends.create_backend", spy)
+    monkeypatch.setattr("gpu_engine.backends.factory.create_backend", spy)
     serve_matrix(vector_matrix_path, MORPHO_V2_SCAN=scan, MORPHO_MATRIX_LAYOUT=layout)
     assert get_engine() is not None and made == [(scan, layout)]

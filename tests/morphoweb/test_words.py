@@ -9,7 +9,7 @@ from importlib.machinery import SourceFileLoader
 
 import pytest
 
-from gpu_engine.backends import create_backend
+from gpu_engine.backends.factory import create_backend
 from gpu_engine.scheduler import LanePolicy, PolicyError, plain_number
 from tests.conftest import REPO
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from rest_framework import serializers
 
-from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2
+from morpho_pir.dpf import KEY_FORMAT_V1, KEY_FORMAT_V2, KeyBatch
 from morpho_pir.keygen import gen_key_pairs
 from queries.api.serializers import (
     BatchQuerySerializer,
@@ -87,3 +87,23 @@ def test_keys_of_two_formats_or_a_format_not_taken_fall_back():
     assert keys_checked_at_once([{"keys": v2[:2] + v1[:1]}], D) is None
     assert keys_checked_at_once([{"keys": v2}], D, key_formats=(KEY_FORMAT_V1,)) is None
     assert keys_checked_at_once([{"keys": v2}, {"keys": v2}], D).key_format == KEY_FORMAT_V2
+
+
+def test_the_field_by_field_path_hands_the_view_the_same_batch(monkeypatch):
+    # a body the quick check leaves to the field-by-field path still reaches the view as one
+    # KeyBatch, parsed from the keys that path checked
+    from queries.api import serializers as module
+
+    monkeypatch.setattr(module, "keys_checked_at_once", lambda *args, **kwargs: None)
+    queries = [{"keys": _hex_keys(3, s, KEY_FORMAT_V2)} for s in range(2)]
+    expected = b"".join(bytes.fromhex(k[2:] if k.startswith("0x") else k)
+                        for q in queries for k in q["keys"])
+    batch = BatchQuerySerializer(data={"queries": queries}, context={"domain_bits": D})
+    single = PageQuerySerializer(data=queries[0], context={"domain_bits": D})
+    assert batch.is_valid() and single.is_valid()
+    parsed, reference = batch.validated_data["key_batch"], KeyBatch.from_bytes(expected, D)
+    assert parsed.to_bytes() == expected and parsed.key_format == KEY_FORMAT_V2
+    for name in ("root_seed", "root_t", "cw_seed", "cw_t", "final_cw"):
+        assert np.array_equal(getattr(parsed, name), getattr(reference, name)), name
+    assert single.validated_data["key_batch"].to_bytes() == expected[:len(expected) // 2]
+    assert b"".join(single.validated_data["keys"]) == expected[:len(expected) // 2]
