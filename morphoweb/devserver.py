@@ -303,7 +303,7 @@ def main(argv=None) -> int:
             except NotHealthy as exc:
                 raise SystemExit(f"{exc}; see above") from None
             status, body = health(url)
-            served[name] = _served(body) + (f" (GPU {gpus[name]}: CUDA_VISIBLE_DEVICES)"
+            served[name] = _served(body) + (f" (CUDA_VISIBLE_DEVICES={gpus[name]})"
                                             if gpus[name] else "")
             if status != 200:  # up, but answering no query until the operator fixes it
                 print(f"party {name.upper()} ({url}) answers 503: {body.get('failure')}",
