@@ -128,3 +128,31 @@ def test_a_bad_planner_count_is_refused_saying_what_is_allowed():
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--planners: expected a whole number in 0..64" in result.stderr
+
+
+SCRIPT = '''
+import time
+import httpx
+from morpho_client import PirClient
+from tests.client.test_client_planners import expected, party
+print("the script ran", flush=True)  # at top level, no main guard: a re-import would print again
+rows = list(range(0, 1024, 5))
+with PirClient("http://a.test", "http://b.test", transport=httpx.MockTransport(party),
+               in_flight=1, planners=2) as client:
+    assert client.fetch_rows(rows) == expected(rows)
+    planners = client.core._planners_pool
+    while planners.ready < 2:
+        time.sleep(0.05)
+    assert client.fetch_rows(rows) == expected(rows)
+    assert planners.planned > 0
+print("fetched", flush=True)
+'''
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_by_its_planners(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["the script ran", "fetched"]
