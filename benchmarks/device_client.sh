@@ -27,6 +27,9 @@ echo "party A on GPU $GPU_A, party B on GPU $GPU_B; files named ${TAG}_*"
 PLAN=(); [ -n "${PLANNERS:-}" ] && PLAN=(--planners "$PLANNERS")
 python3 benchmarks/keygen.py --domain-bits 16 20 25 --methods vectorised window_v2 window_v1 \
     --keys 3072 --repeats 5 --out "$OUT/keygen_${MODEL}host.csv" 2>&1 | tee /tmp/keygen.log
+# the client alone against stand-in parties on this host's CPU: its own ceiling, and its CPU a row
+timeout 90 python3 benchmarks/client_ceiling.py --rows 32768 --in-flight 32 --repeats 1 \
+    --planners 0,${PLANNERS:-2} --transports wire --out "$OUT/${MODEL}host_client_ceiling.csv" 2>&1 | tail -n 4
 timeout 200 python3 benchmarks/client_throughput.py --pages 65536 --rows ${ROWS_65K:-50000} \
     --in-flight ${IN_FLIGHT_65K:-8,32} --key-formats v2 --reference-seconds 8 \
     --reference-procs 4 --reference-threads 8 --folder /tmp/ct65 "${PLACE[@]}" ${PLAN[@]+"${PLAN[@]}"} \
@@ -36,4 +39,4 @@ timeout 280 python3 benchmarks/client_throughput.py --pages 1048576 --rows ${ROW
     --reference-procs 4 --reference-threads 8 --folder /tmp/ct1m "${PLACE[@]}" ${PLAN[@]+"${PLAN[@]}"} \
     --out "$OUT/${TAG}_1048576_client.csv" --plot "$OUT/${TAG}_1048576_client.png" 2>&1 | tee /tmp/bench1m.log
 tail -n 30 /tmp/ct65/devserver.log /tmp/ct1m/devserver.log > "$OUT/devserver_tail.log" 2>/dev/null
-cat "$OUT"/*_client.csv
+cat "$OUT"/*.csv
