@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.parse
+from typing import Optional
 
 from morpho_client.core import ServerError
 
@@ -52,12 +53,14 @@ class PartyPool:
                                                        limit=MAX_HEAD_BYTES)
         return Connection(reader, writer)
 
-    async def post(self, path: str, body: bytes, content_type: str, accept: str):
-        """(status, headers, body) of one POST; ServerError where the party cannot be reached
-        or does not answer within the timeout."""
+    async def post(self, path: str, body: bytes, content_type: str, accept: str,
+                   headers: Optional[dict] = None):
+        """(status, headers, body) of one POST (`headers` added to its own); ServerError where
+        the party cannot be reached or does not answer within the timeout."""
         url = self.base + path
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         head = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: {content_type}\r\nAccept: {accept}\r\n"
+                f"Content-Type: {content_type}\r\nAccept: {accept}\r\n{extra}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
         async with self._slots:
             for attempt in range(2):
