@@ -24,15 +24,19 @@ venv: $(STAMP)
 # under var/. PORT_A=, PORT_B= and VAR= (the state folder) choose others. DEMO=accounts serves
 # an Ethereum-like state (DEMO_ACCOUNTS, default 10000) as a records epoch, for lookups by key
 # and morpho-rpc. Ctrl-C stops all. The admin's and the API docs' static files are gathered into
-# STATIC_ROOT first; WhiteNoise serves them.
+# STATIC_ROOT first; WhiteNoise serves them. GPU_A= and GPU_B= pin each party to its own GPUs
+# (CUDA_VISIBLE_DEVICES of its processes, e.g. `make run GPU_A=0 GPU_B=1`); unset, both parties
+# see the host's GPUs and each engine takes the first.
 # `exec` makes the supervisor make's own child, so that it stops everything when make is killed.
 PORT_A ?= 8001
 PORT_B ?= 8002
 VAR ?=
+GPU_A ?=
+GPU_B ?=
 run: $(STAMP)
 	$(PY) manage.py collectstatic --no-input -v0
 	exec env $(if $(VAR),MORPHO_VAR_DIR=$(VAR)) $(PY) -m morphoweb.devserver --port-a $(PORT_A) --port-b $(PORT_B) \
-		$(if $(DEMO),--demo $(DEMO))
+		$(if $(DEMO),--demo $(DEMO)) $(if $(GPU_A),--gpu-a $(GPU_A)) $(if $(GPU_B),--gpu-b $(GPU_B))
 
 # One new epoch on both parties of `make run` at once (docs/OPERATIONS.md: Switching epochs):
 # MATRIX= its file, in the state folder's matrices/ (var/matrices/); EPOCH_ID= unless the file's sidecar names one; EPOCH_ARGS=

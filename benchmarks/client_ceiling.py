@@ -6,7 +6,9 @@ Each stand-in party is a process of plain asyncio streams answering /epoch, /hea
 batch queries with zero pages at once, so what is timed is the client alone: key planning, the
 HTTP of its query requests, the XOR. `wire` is the client as shipped (its own keep-alive
 connections, morpho_client.wire); `httpx` sends the same queries through httpx's asyncio pool
-(what a given `transport=` does).
+(what a given `transport=` does). `cpu_us_per_row` is the CPU time of the client's own process
+(its event loop and its threads; not its key-making processes) per row: what binds one core, and
+a figure a shared machine's load disturbs less than rows/s.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import multiprocessing
 import os
 import platform
+import resource
 import shlex
 import socket
 import sys
@@ -35,7 +38,8 @@ from morpho_pir.http import ANSWER_BYTES  # noqa: E402
 from morphoweb.partyprocs import free_port  # noqa: E402
 
 PAGES, DOMAIN_BITS = 65536, 16
-FIELDS = ["transport", "in_flight", "rows", "seconds", "rows_per_s"]
+FIELDS = ["transport", "planners", "in_flight", "rows", "seconds", "rows_per_s",
+          "cpu_us_per_row"]
 
 
 def serve(port: int) -> None:
@@ -77,15 +81,22 @@ def serve(port: int) -> None:
     asyncio.run(main())
 
 
-async def fetch(urls, transport: str, in_flight: int, rows: list) -> float:
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def fetch(urls, transport: str, in_flight: int, planners: int, rows: list):
+    """(seconds, CPU seconds of this process) of one fetch of `rows`, after a first fetch that
+    starts the client's key-making processes."""
     given = httpx.AsyncHTTPTransport() if transport == "httpx" else None
-    async with AsyncPirClient(*urls, key_format="v2", in_flight=in_flight,
+    async with AsyncPirClient(*urls, key_format="v2", in_flight=in_flight, planners=planners,
                               transport=given) as client:
-        await client.epoch()
-        started = time.perf_counter()
+        await client.fetch_rows(rows[:4 * in_flight * 32])
+        started, cpu = time.perf_counter(), cpu_seconds()
         got = await client.fetch_rows(rows)
         assert len(got) == len(rows)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, cpu_seconds() - cpu
 
 
 def main(argv=None) -> int:
@@ -93,6 +104,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--in-flight", default="2,8,32")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each point, alternated")
+    parser.add_argument("--planners", default="0", help="the client's key-making processes, "
+                                                         "a list: 0,1,2")
+    parser.add_argument("--transports", default="wire,httpx")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     ports = free_port(), free_port()
@@ -116,12 +130,17 @@ def main(argv=None) -> int:
     try:
         for in_flight in [int(x) for x in args.in_flight.split(",")]:
             for _ in range(args.repeats):
-                for transport in ("wire", "httpx"):
-                    seconds = asyncio.run(fetch(urls, transport, in_flight, rows))
-                    rate = len(rows) / seconds
-                    print(f"{transport:5} in flight {in_flight:2}: {rate:9,.0f} rows/s", flush=True)
-                    lines.append(dict(transport=transport, in_flight=in_flight, rows=len(rows),
-                                      seconds=f"{seconds:.3f}", rows_per_s=f"{rate:.0f}"))
+                for planners in [int(x) for x in args.planners.split(",")]:
+                    for transport in args.transports.split(","):
+                        seconds, cpu = asyncio.run(fetch(urls, transport, in_flight, planners,
+                                                         rows))
+                        rate, per_row = len(rows) / seconds, cpu / len(rows) * 1e6
+                        print(f"{transport:5} planners {planners} in flight {in_flight:2}: "
+                              f"{rate:9,.0f} rows/s, {per_row:5.1f} us CPU a row", flush=True)
+                        lines.append(dict(transport=transport, planners=planners,
+                                          in_flight=in_flight, rows=len(rows),
+                                          seconds=f"{seconds:.3f}", rows_per_s=f"{rate:.0f}",
+                                          cpu_us_per_row=f"{per_row:.1f}"))
     finally:
         for server in servers:
             server.terminate()

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 from benchmarks.report import cpu_model, pyplot, read_csv, write_csv  # noqa: E402
 from morpho_client import AsyncPirClient, PirClient, PirError  # noqa: E402
 from morpho_client.plan import plan_window  # noqa: E402
+from morpho_client.planners import auto_planners  # noqa: E402
 from morpho_pir.dpf import format_by_name  # noqa: E402
 from morpho_pir.http import BATCH_PATH, OCTET_STREAM  # noqa: E402
 from morpho_pir.protocol import MAX_BATCH_QUERIES, ROW_BYTES, ROWS_PER_PAGE  # noqa: E402
@@ -53,8 +54,9 @@ BODIES_PER_WORKER = 8  # distinct request bodies each reference connection cycle
 
 # -- the parties ------------------------------------------------------------------------------
 
-def start_parties(pages: int, folder: Path, web_workers: Optional[int]):
-    """`python -m morphoweb.devserver` over a fresh state folder; (process, url A, url B)."""
+def start_parties(pages: int, folder: Path, web_workers: Optional[int], gpus=(None, None)):
+    """`python -m morphoweb.devserver` over a fresh state folder, each party on its GPU of
+    `gpus` where given (`make run GPU_A= GPU_B=`); (process, url A, url B)."""
     folder.mkdir(parents=True, exist_ok=True)
     ports = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
@@ -62,6 +64,8 @@ def start_parties(pages: int, folder: Path, web_workers: Optional[int]):
                MORPHO_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
     log = open(folder / "devserver.log", "ab")  # noqa: SIM115 - the child keeps its own copy
     workers = ["--web-workers", str(web_workers)] if web_workers else []
+    for name, gpu in zip("ab", gpus):
+        workers += [f"--gpu-{name}", gpu] if gpu is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "morphoweb.devserver", "--pages", str(pages),
          "--port-a", str(ports[0]), "--port-b", str(ports[1]), *workers],
@@ -169,18 +173,20 @@ def check_rows(matrix: np.memmap, rows: list, got: list) -> None:
         raise AssertionError(f"row {rows[bad]} came back wrong")
 
 
-def time_sync(urls, rows, key_format: str, in_flight: int) -> tuple[float, list]:
-    with PirClient(*urls, key_format=key_format, in_flight=in_flight, planners=None) as client:
+def time_sync(urls, rows, key_format: str, in_flight: int,
+              planners: Optional[int]) -> tuple[float, list]:
+    with PirClient(*urls, key_format=key_format, in_flight=in_flight, planners=planners) as client:
         client.epoch()
         started = time.perf_counter()
         got = client.fetch_rows(rows)
         return time.perf_counter() - started, got
 
 
-def time_async(urls, rows, key_format: str, in_flight: int) -> tuple[float, list]:
+def time_async(urls, rows, key_format: str, in_flight: int,
+               planners: Optional[int]) -> tuple[float, list]:
     async def run():
         async with AsyncPirClient(*urls, key_format=key_format, in_flight=in_flight,
-                                  planners=None) as client:
+                                  planners=planners) as client:
             await client.epoch()
             started = time.perf_counter()
             got = await client.fetch_rows(rows)
@@ -226,6 +232,11 @@ def main(argv=None) -> int:
     parser.add_argument("--reference-threads", type=int, default=8, help="connections each")
     parser.add_argument("--web-workers", type=int, default=None,
                         help="gunicorn processes per party (default: devserver's)")
+    parser.add_argument("--planners", type=int, default=None,
+                        help="the client's key-making processes (default: its own choice)")
+    parser.add_argument("--gpus", default=None, metavar="A,B",
+                        help="party A's and party B's GPU (make run's GPU_A and GPU_B), e.g. 0,1; "
+                             "default: both on the host's first")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/client-throughput"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--plot", type=Path, help="PNG of rows/s against requests in flight")
@@ -234,7 +245,11 @@ def main(argv=None) -> int:
     if args.plot_only:
         plot(args.out, args.plot)
         return 0
-    proc, url_a, url_b, matrix_path = start_parties(args.pages, args.folder, args.web_workers)
+    gpus = tuple(args.gpus.split(",")) if args.gpus else (None, None)
+    if len(gpus) != 2:
+        parser.error(f"--gpus: expected party A's GPU and party B's, e.g. 0,1, got {args.gpus!r}")
+    proc, url_a, url_b, matrix_path = start_parties(args.pages, args.folder, args.web_workers,
+                                                    gpus)
     urls = (url_a, url_b)
     lines = []
     try:
@@ -252,7 +267,7 @@ def main(argv=None) -> int:
                     rows = rng.integers(0, info.num_rows, args.rows).tolist()
                     timer = time_sync if kind == "sync" else time_async
                     try:
-                        seconds, got = timer(urls, rows, key_format, in_flight)
+                        seconds, got = timer(urls, rows, key_format, in_flight, args.planners)
                     except PirError as exc:  # the parties refused past the client's deadline
                         print(f"  {kind:5} in flight {in_flight:2}: failed: {exc}", flush=True)
                         lines.append(dict(pages=args.pages, key_format=key_format, client=kind,
@@ -271,16 +286,21 @@ def main(argv=None) -> int:
                                       reference_rows_per_s=f"{ref:.0f}", ratio=f"{ratio:.3f}"))
     finally:
         stop_parties(proc)
+    planners = args.planners if args.planners is not None else auto_planners()
     backend = health[0].get("backend", "?")
-    device = health[0].get("device") or health[0].get("device_name") or ""
+    device = " and ".join(dict.fromkeys(  # both parties' devices, once where they are one
+        str(h.get("device") or h.get("device_name") or "") for h in health))
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_csv(args.out, [
         f"# machine: {platform.node()}; {cpu_model()}; {os.cpu_count()} CPUs; backend {backend} "
         f"{device}; python {platform.python_version()}; load average {load} at the end",
         f"# shape: {args.pages} pages (domain_bits {info.domain_bits}), both parties of "
-        f"`make run` on this host; reference: {args.reference_procs} processes x "
+        f"`make run` on this host, "
+        + (f"party A on GPU {gpus[0]}, party B on GPU {gpus[1]}" if args.gpus else "both on one GPU")
+        + f"; reference: {args.reference_procs} processes x "
         f"{args.reference_threads} connections per party for {args.reference_seconds:g} s; "
-        f"client: one process, {args.rows} random rows per point, every row checked",
+        f"client: one process and {planners} key-making processes, {args.rows} random rows per "
+        "point, every row checked",
         f"# command: python {shlex.join(sys.argv)}",
         f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
     ], FIELDS, lines)

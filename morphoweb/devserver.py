@@ -93,9 +93,25 @@ def _engine_url(var_dir: Path, name: str) -> str:
     return f"ipc://{_socket_path(var_dir, f'engine-{name}.sock')}"
 
 
-def party_env(name: str, matrix: Path, var_dir: Path) -> dict:
-    """The environment of party `name`'s processes (`make epoch` gives its commands the same)."""
+def check_gpu(setting: str, value: Optional[str]) -> Optional[str]:
+    """A party's GPUs as CUDA_VISIBLE_DEVICES takes them ("1", "2,3"), or None for the host's
+    own setting; SystemExit naming the setting otherwise."""
+    if value is None or value.strip() == "":
+        return None
+    ids = [part.strip() for part in value.split(",")]
+    if not all(part.isdigit() for part in ids):
+        raise SystemExit(f"{setting}={value!r}: expected GPU ids as nvidia-smi numbers them, "
+                         "e.g. 0 or 2,3")
+    return ",".join(ids)
+
+
+def party_env(name: str, matrix: Path, var_dir: Path, gpu: Optional[str] = None) -> dict:
+    """The environment of party `name`'s processes (`make epoch` gives its commands the same).
+    `gpu` pins them to those GPUs (CUDA_VISIBLE_DEVICES): the engine server's device 0 is the
+    first of them, and the bulk workers pin themselves within them."""
     env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     env.setdefault("MORPHO_ENGINE_BACKEND", "auto")
     env.update(
         MORPHO_MATRIX_PATH=str(matrix),
@@ -171,8 +187,8 @@ def _orphaned(parent: int) -> bool:
 
 
 def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_workers: int,
-           threads: int) -> list[Child]:
-    env = party_env(name, matrix, var_dir)
+           threads: int, gpu: Optional[str]) -> list[Child]:
+    env = party_env(name, matrix, var_dir, gpu)
     _manage(["migrate", "--no-input", "-v0"], env)
     py = sys.executable
     web_socket = _socket_path(var_dir, f"web-{name}.sock")
@@ -231,7 +247,14 @@ def main(argv=None) -> int:
                         default=int(os.environ.get("MORPHO_WEB_WORKERS") or max(2, cores // 2)),
                         help="gunicorn processes per party (default: half the cores, at least 2)")
     parser.add_argument("--threads", type=int, default=8, help="gunicorn threads per process")
+    for name in ("a", "b"):
+        parser.add_argument(f"--gpu-{name}", default=os.environ.get(f"GPU_{name.upper()}"),
+                            metavar="IDS",
+                            help=f"party {name.upper()}'s GPUs (CUDA_VISIBLE_DEVICES of its "
+                                 f"processes, e.g. {'0' if name == 'a' else '1'}; default "
+                                 f"$GPU_{name.upper()}, else the host's)")
     args = parser.parse_args(argv)
+    gpus = {"a": check_gpu("GPU_A", args.gpu_a), "b": check_gpu("GPU_B", args.gpu_b)}
     # A SIGTERM (a supervisor, `kill`) or SIGHUP (the terminal closed) stops everything like Ctrl-C.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
@@ -268,7 +291,8 @@ def main(argv=None) -> int:
     children: list[Child] = []
     try:
         for name, port in ports.items():
-            party = _party(name, args.host, port, matrix, var_dir, args.web_workers, args.threads)
+            party = _party(name, args.host, port, matrix, var_dir, args.web_workers, args.threads,
+                           gpus[name])
             children += [child.start() for child in party]
         urls = {name: f"http://{args.host}:{port}" for name, port in ports.items()}
         served = {}
@@ -279,7 +303,8 @@ def main(argv=None) -> int:
             except NotHealthy as exc:
                 raise SystemExit(f"{exc}; see above") from None
             status, body = health(url)
-            served[name] = _served(body)
+            served[name] = _served(body) + (f" (CUDA_VISIBLE_DEVICES={gpus[name]})"
+                                            if gpus[name] else "")
             if status != 200:  # up, but answering no query until the operator fixes it
                 print(f"party {name.upper()} ({url}) answers 503: {body.get('failure')}",
                       file=sys.stderr, flush=True)

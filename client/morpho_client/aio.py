@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import itertools
 import json
-import multiprocessing
-import os
 import time
 from typing import AsyncIterator, Iterable, Optional, Sequence
 
@@ -24,6 +21,7 @@ from morpho_client.core import (ENCODINGS, KEY_FORMATS, Answer, EpochInfo, Epoch
                                 choose_key_format, combine, error_from, json_half)
 from morpho_client.lookup import Lookups
 from morpho_client.plan import Window, plan_window
+from morpho_client.planners import Planners, auto_planners, check_planners
 from morpho_client.wire import PartyPool
 
 # Default seconds a fetch keeps retrying while the parties are out of step (an epoch switch, a
@@ -47,26 +45,24 @@ def in_flight_for(health: dict, batch: int) -> int:
     return max(4, min(MAX_IN_FLIGHT, 2 * -(-pass_queries // batch)))
 
 
-def _auto_planners() -> int:
-    """Key-making processes by default: two where the host has cores to spare (one process
-    reading answers, two making keys), else none (a thread beside the event loop)."""
-    return 2 if (os.cpu_count() or 1) >= 4 else 0
-
-
 class AsyncPirClient(BulkJobs, Lookups):
     """Fetches rows from two non-colluding parties; each sees only pseudorandom keys.
 
     `in_flight` batch requests are kept in flight at each party (None: chosen from the parties'
     /health), the keys of the next window of requests made while the earlier ones are answered.
     Answers are XORed only where both parties name one epoch and served state; while they differ
-    the request is sent again until `switch_deadline` seconds have passed."""
+    the request is sent again until `switch_deadline` seconds have passed.
+
+    `planners` key-making processes (morpho_client.planners) make the keys of a fetch of several
+    windows beside the event loop: None, auto_planners() (two, fewer on a host of under three
+    cores); 0, a thread of this process."""
 
     def __init__(self, server_a: str, server_b: str, timeout: float = 120.0,
                  max_batch: int = MAX_BATCH_QUERIES, encoding: str = "auto",
                  key_format: str = "auto", in_flight: Optional[int] = None,
                  switch_deadline: float = SWITCH_DEADLINE_S,
                  transport: Optional[httpx.AsyncBaseTransport] = None,
-                 planners: Optional[int] = 0) -> None:
+                 planners: Optional[int] = None) -> None:
         if not 1 <= max_batch <= MAX_BATCH_QUERIES:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH_QUERIES}, got {max_batch}")
         check_distinct_servers(server_a, server_b)
@@ -78,8 +74,7 @@ class AsyncPirClient(BulkJobs, Lookups):
             raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
         if in_flight is not None and not 1 <= in_flight <= MAX_IN_FLIGHT:
             raise ValueError(f"in_flight must be in 1..{MAX_IN_FLIGHT}, got {in_flight}")
-        if planners is not None and not 0 <= planners <= 64:
-            raise ValueError(f"planners must be in 0..64, got {planners}")
+        self.planners = check_planners(planners)
         if not switch_deadline >= 0:
             raise ValueError(f"switch_deadline must be 0 or more seconds, got {switch_deadline!r}")
         self.servers = (server_a.rstrip("/"), server_b.rstrip("/"))
@@ -93,11 +88,7 @@ class AsyncPirClient(BulkJobs, Lookups):
         self._advertised: tuple = (("json",), ("json",))  # per party, from its /epoch
         self._key_formats: tuple = (("v1",), ("v1",))  # per party, from its /epoch
         self._used: list = [None, None]  # per party, the encoding of its last query request
-        # Key-making processes (None: _auto_planners()). They are spawned, so they import the
-        # program's main module again: 0 by default, since a script without an
-        # `if __name__ == "__main__":` guard would run itself in each; the command uses None.
-        self.planners = planners
-        self._planners_pool: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self._planners_pool: Optional[Planners] = None  # started by the first long fetch
         self._transport = transport  # httpx's own (None: its connection pool over TCP)
         self._http: Optional[httpx.AsyncClient] = None
         self._wire: list = [None, None]  # each party's query connections (wire.PartyPool)
@@ -316,7 +307,7 @@ class AsyncPirClient(BulkJobs, Lookups):
         def plan_more() -> None:
             """Read the next windows' rows and start planning them, up to the planners' depth."""
             nonlocal exhausted
-            while not exhausted and len(ahead) < max(1, self._planner_depth()):
+            while not exhausted and len(ahead) < self._planner_depth() + 1:
                 taken = np.fromiter(itertools.islice(source, in_flight * step), dtype=np.int64)
                 if taken.size == 0:
                     exhausted = True
@@ -325,12 +316,14 @@ class AsyncPirClient(BulkJobs, Lookups):
                 if bad.any():
                     raise ValueError(f"row {int(taken[np.argmax(bad)])} is outside "
                                      f"[0, {info.num_rows})")
-                if ahead or pending:  # a fetch of several windows: planners pay for themselves
-                    executor = self._planner_pool()
+                # a fetch of several windows: key-making processes pay for themselves
+                planners = self._planner_pool() if ahead or pending else None
+                if planners is not None:
+                    ahead.append(asyncio.wrap_future(planners.submit(
+                        taken, info.num_pages, info.domain_bits, key_format)))
                 else:
-                    executor = None
-                ahead.append(loop.run_in_executor(executor, plan_window, taken, info.num_pages,
-                                                  info.domain_bits, key_format))
+                    ahead.append(loop.run_in_executor(None, plan_window, taken, info.num_pages,
+                                                      info.domain_bits, key_format))
 
         try:
             plan_more()
@@ -351,18 +344,18 @@ class AsyncPirClient(BulkJobs, Lookups):
             await asyncio.gather(*(task for _, task in pending), *ahead, return_exceptions=True)
 
     def _planner_depth(self) -> int:
-        return self.planners if self.planners is not None else _auto_planners()
+        """Key-making processes of a long fetch: windows planned at once beside the one sent."""
+        return self.planners if self.planners is not None else auto_planners()
 
-    def _planner_pool(self) -> Optional[concurrent.futures.Executor]:
+    def _planner_pool(self) -> Optional[Planners]:
         """Processes that make keys beside this one (none: a thread of this process), started
-        on the first fetch of several windows: key generation then takes no time from the
-        event loop's own thread, which reads the answers."""
+        on the first fetch of several windows and kept until close: key generation then takes
+        no time from the event loop's own thread, which reads the answers."""
         count = self._planner_depth()
         if count == 0:
             return None
         if self._planners_pool is None:
-            self._planners_pool = concurrent.futures.ProcessPoolExecutor(
-                count, mp_context=multiprocessing.get_context("spawn"))
+            self._planners_pool = Planners(count)
         return self._planners_pool
 
     async def iter_rows(self, rows: Iterable[int], batch: bool = True
@@ -394,7 +387,7 @@ class AsyncPirClient(BulkJobs, Lookups):
 
     async def aclose(self) -> None:
         if self._planners_pool is not None:
-            self._planners_pool.shutdown(wait=False, cancel_futures=True)
+            self._planners_pool.close()
             self._planners_pool = None
         for pool in self._wire:
             if pool is not None:

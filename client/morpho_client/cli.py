@@ -16,6 +16,7 @@ from morpho_client.bulk import TOKEN_ENV, answered
 from morpho_client.core import ENCODINGS, KEY_FORMATS, PirError
 from morpho_client.lookup import parse_key, read_keys_file
 from morpho_client.plan import read_rows_file
+from morpho_client.planners import MAX_PLANNERS, auto_planners, check_planners
 from morpho_client.sync import PirClient
 
 PROGRESS_MIN_ROWS = 2 * MAX_BATCH_QUERIES  # fewer rows than two requests: no bar
@@ -57,6 +58,14 @@ def parse_in_flight(text: str) -> int:
     if not 1 <= value <= MAX_IN_FLIGHT:
         raise argparse.ArgumentTypeError(f"expected a whole number in 1..{MAX_IN_FLIGHT}, got {text!r}")
     return value
+
+
+def parse_planners(text: str) -> int:
+    try:
+        return check_planners(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number in 0..{MAX_PLANNERS} (0: keys "
+                                         f"made in this process), got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     wire.add_argument("--in-flight", type=parse_in_flight, metavar="N",
                       help=f"batch requests kept in flight at each party (1..{MAX_IN_FLIGHT}; "
                            "default: two launches' worth of the parties' pass size)")
+    wire.add_argument("--planners", type=parse_planners, metavar="N",
+                      help=f"processes that make the keys of a long fetch beside the one that "
+                           f"reads the answers (0..{MAX_PLANNERS}; 0: in this process; default "
+                           f"{auto_planners()} on this host); not with --bulk")
     wire.add_argument("--switch-deadline", type=parse_deadline, default=SWITCH_DEADLINE_S, metavar="S",
                       help="seconds to keep retrying while the parties answer from different "
                            "epochs or states (an epoch switch) or are busy (default "
@@ -145,6 +158,8 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
                      "(docs/PROTOCOL.md section 5.5); fetch with --rows FILE for v2 keys")
     if args.in_flight is not None:
         parser.error("--in-flight is for queries: a bulk job is one request per party")
+    if args.planners is not None:
+        parser.error("--planners is for queries: a bulk job's keys are made as they are sent")
 
 
 def show_progress(args) -> bool:
@@ -268,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
         with PirClient(args.server_a, args.server_b, timeout=args.timeout,
                        encoding=args.encoding, key_format=args.key_format,
                        in_flight=args.in_flight, switch_deadline=args.switch_deadline,
-                       planners=None) as client:
+                       planners=args.planners) as client:
             write = RowWriter(args.out, out)
             if args.key is not None or args.keys is not None:
                 write.noun = "keys"

@@ -184,8 +184,8 @@ class Answer:
 
     def rows(self, rows: np.ndarray) -> list[bytes]:
         """The 256-byte row of each query's page (`rows[i]` is on query i's page)."""
-        at = (np.asarray(rows) % ROWS_PER_PAGE) * ROW_BYTES
-        picked = self.pages[np.arange(len(at))[:, None], at[:, None] + np.arange(ROW_BYTES)]
+        at = np.asarray(rows) % ROWS_PER_PAGE
+        picked = self.pages.reshape(-1, ROWS_PER_PAGE, ROW_BYTES)[np.arange(len(at)), at]
         raw = picked.tobytes()
         return [raw[i:i + ROW_BYTES] for i in range(0, len(raw), ROW_BYTES)]
 

@@ -19,7 +19,7 @@ from morpho_pir.dpf import (
     key_rows,
     tree_depth,
 )
-from morpho_pir.prg import expand
+from morpho_pir.prg import expand_words
 from morpho_pir.protocol import LEAF_PAGES
 
 
@@ -125,30 +125,31 @@ def gen_key_pairs(
             )
     d = tree_depth(domain_bits, key_format)
     leaf = target >> (domain_bits - d)  # v1: the page; v2: its leaf of 128 pages
-    # Rows 0..k-1 are party 0's nodes, rows k..2k-1 party 1's: one expand call per level for both.
+    # Columns 0..k-1 are party 0's nodes, k..2k-1 party 1's, the four seed words as rows: one
+    # expand call per level for both, each step on contiguous rows, nothing transposed.
     seeds = np.ascontiguousarray(roots.transpose(1, 0, 2)).view("<u4").astype(np.uint32)
-    seeds = seeds.reshape(2 * k, 4)
+    seeds = np.ascontiguousarray(seeds.reshape(2 * k, 4).T)
     t = np.concatenate([np.zeros(k, dtype=np.uint8), np.ones(k, dtype=np.uint8)])
     cw_seed = np.empty((k, d, 4), dtype=np.uint32)
     cw_t = np.empty((k, d, 2), dtype=np.uint8)
     for level in range(d):
-        left, right, t_left, t_right = expand(seeds)
+        left, right, t_left, t_right = expand_words(seeds)
         bit = ((leaf >> (d - 1 - level)) & 1).astype(bool)
-        bit2 = np.concatenate([bit, bit])  # the same path bit for both parties' rows
-        keep = np.where(bit2[:, None], right, left)
-        lose = np.where(bit2[:, None], left, right)
+        bit2 = np.concatenate([bit, bit])  # the same path bit for both parties' columns
+        keep = np.where(bit2, right, left)
+        lose = np.where(bit2, left, right)
         keep_t = np.where(bit2, t_right, t_left)
         lose_t = np.where(bit2, t_left, t_right)
-        scw = lose[:k] ^ lose[k:]
+        scw = lose[:, :k] ^ lose[:, k:]
         t_both = t[:k] ^ t[k:]
         t_lose = lose_t[:k] ^ lose_t[k:] ^ t_both ^ 1
         t_keep = keep_t[:k] ^ keep_t[k:] ^ t_both
-        cw_seed[:, level] = scw
+        cw_seed[:, level] = scw.T
         cw_t[:, level, 0] = np.where(bit, t_lose, t_keep)
         cw_t[:, level, 1] = np.where(bit, t_keep, t_lose)
         # Each party moves to its keep child, corrected where its own t is 1.
-        on = np.uint32(0) - t.astype(np.uint32)  # 0 or 0xffffffff per row
-        seeds = keep ^ (np.concatenate([scw, scw]) & on[:, None])
+        on = np.uint32(0) - t.astype(np.uint32)  # 0 or 0xffffffff per column
+        seeds = keep ^ (np.concatenate([scw, scw], axis=1) & on)
         t = keep_t ^ (np.concatenate([t_keep, t_keep]) & t)
     if key_format == KEY_FORMAT_V2:  # the one-hot vector of bit target & 127 (section 3.1)
         j = target & (LEAF_PAGES - 1)
@@ -156,6 +157,6 @@ def gen_key_pairs(
                               np.uint32(1) << (j % 32).astype(np.uint32)[:, None], np.uint32(0))
     else:
         difference = np.uint32(0xFFFFFFFF)
-    final_cw = seeds[:k] ^ seeds[k:] ^ difference.astype(np.uint32)
+    final_cw = np.ascontiguousarray((seeds[:, :k] ^ seeds[:, k:]).T) ^ difference.astype(np.uint32)
     return KeyPairs(domain_bits=domain_bits, root_seeds=roots, cw_seed=cw_seed, cw_t=cw_t,
                     final_cw=final_cw, key_format=key_format)

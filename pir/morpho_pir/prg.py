@@ -35,14 +35,14 @@ def _permute(state: np.ndarray, rounds: int) -> np.ndarray:
     """state (16, M) u32 -> final state plus initial state, as (16, M) u32."""
     if rounds % 2:
         raise ValueError(f"rounds must be even, got {rounds}")
-    x = [row.copy() for row in state]
+    out = state.copy()
+    x = list(out)  # views of its rows: the rounds work in place, with no copy to gather after
     tmp = np.empty_like(x[0])
     for _ in range(rounds // 2):
         for a, b, c, d in _COLUMN_ROUNDS:
             _quarter_round(x, a, b, c, d, tmp)
         for a, b, c, d in _DIAGONAL_ROUNDS:
             _quarter_round(x, a, b, c, d, tmp)
-    out = np.stack(x)
     out += state
     return out
 
@@ -63,6 +63,25 @@ def chacha_block(
     return _permute(state, rounds).T.copy()
 
 
+def expand_words(seeds: np.ndarray):
+    """expand() with the words first: seeds (4, M) u32 -> (left (4, M), right (4, M), t_left
+    (M,), t_right (M,)); a caller that keeps this layout level after level (gen_key_pairs)
+    transposes nothing."""
+    m = seeds.shape[1]
+    state = np.empty((16, 2 * m), dtype=np.uint32)
+    state[0:4] = np.array(CHACHA_CONSTANTS, dtype=np.uint32)[:, None]
+    state[4:8, :m] = seeds
+    state[4:8, m:] = seeds
+    state[8:12] = state[4:8]
+    state[12, :m] = 0
+    state[12, m:] = 1
+    state[13:16] = 0
+    out = _permute(state, PRG_ROUNDS)
+    t_left = (out[0, m:] & 1).astype(np.uint8)
+    t_right = (out[1, m:] & 1).astype(np.uint8)
+    return out[0:4, :m], out[4:8, :m], t_left, t_right
+
+
 def expand(seeds: np.ndarray):
     """PRG expansion of M seeds (M, 4) u32 -> (left (M,4), right (M,4), t_left (M,), t_right (M,)).
 
@@ -71,19 +90,5 @@ def expand(seeds: np.ndarray):
     seeds = np.ascontiguousarray(seeds, dtype=np.uint32)
     if seeds.ndim != 2 or seeds.shape[1] != 4:
         raise ValueError(f"seeds must have shape (M, 4), got {seeds.shape}")
-    m = seeds.shape[0]
-    state = np.empty((16, 2 * m), dtype=np.uint32)
-    state[0:4] = np.array(CHACHA_CONSTANTS, dtype=np.uint32)[:, None]
-    key = seeds.T
-    state[4:8, :m] = key
-    state[4:8, m:] = key
-    state[8:12] = state[4:8]
-    state[12, :m] = 0
-    state[12, m:] = 1
-    state[13:16] = 0
-    out = _permute(state, PRG_ROUNDS)
-    left = out[0:4, :m].T.copy()
-    right = out[4:8, :m].T.copy()
-    t_left = (out[0, m:] & 1).astype(np.uint8)
-    t_right = (out[1, m:] & 1).astype(np.uint8)
-    return left, right, t_left, t_right
+    left, right, t_left, t_right = expand_words(seeds.T)
+    return left.T.copy(), right.T.copy(), t_left, t_right

@@ -1,0 +1,245 @@
+"""Key-making processes beside the client's event loop: windows of keys planned in parallel.
+
+A fetch makes 3 DPF key pairs a row, a core's worth at tens of thousands of rows/s, while its
+event loop reads the answers on one core. `Planners` runs `plan.plan_window` in processes of its
+own (plain subprocesses, not multiprocessing: nothing of the calling program is imported again,
+whatever its start method or main module), each drawing its keys' randomness from its own
+os.urandom. A process reads requests on its stdin until it closes, so it ends with its client,
+or with the program that made it however that program ends.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import queue
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import morpho_pir
+
+from morpho_client.core import PirError
+from morpho_client.plan import plan_window
+
+MAX_PLANNERS = 64
+AUTO_PLANNERS = 2  # enough for the parties of one host: each makes 25,000 rows/s of keys at d = 20
+STOP_WAIT_S = 2.0  # how long close() waits for a process to end on its own before killing it
+_FRAME = struct.Struct("<Q")  # each message: its length, then its pickle
+# The process's program: the client's packages from where this process found them, then serve().
+_BOOT = ("import sys; sys.path[:0] = sys.argv[1:]; "
+         "from morpho_client.planners import serve; serve()")
+
+
+def auto_planners() -> int:
+    """Key-making processes where the caller says None: AUTO_PLANNERS, fewer on a small host
+    (one core is the event loop's), none on one core."""
+    return max(0, min(AUTO_PLANNERS, (os.cpu_count() or 1) - 1))
+
+
+def check_planners(value) -> Optional[int]:
+    """`value` as a planner count (None: auto_planners() when a fetch needs them); ValueError
+    saying what is allowed otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PLANNERS:
+        raise ValueError(f"planners must be a whole number in 0..{MAX_PLANNERS} (0: keys made in "
+                         f"this process; None: {auto_planners()} on this host), got {value!r}")
+    return value
+
+
+class PlannerError(PirError):
+    """A key-making process ended or broke its protocol; the fetch cannot go on with it."""
+
+
+def _send(stream, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_FRAME.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream):
+    """The next message, or None where the other side has closed the pipe."""
+    head = stream.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        return None
+    size = _FRAME.unpack(head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def serve() -> None:
+    """A key-making process: plan_window for each request on stdin, its Window on stdout."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client stops it, by closing its stdin
+    requests = os.fdopen(os.dup(0), "rb")
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything printed goes to stderr, never between two answers
+    _send(answers, ("ready", os.getpid()))
+    while True:
+        request = _receive(requests)
+        if request is None:
+            return
+        try:
+            reply = ("ok", plan_window(*request))
+        except Exception as exc:  # noqa: BLE001 - the client raises it for its caller
+            reply = ("error", exc)
+        try:
+            _send(answers, reply)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            _send(answers, ("error", PlannerError(repr(reply[1]))))
+
+
+class _Process:
+    """One key-making process and the thread that hands it requests, one at a time."""
+
+    def __init__(self, owner: "Planners", index: int) -> None:
+        paths = sorted({str(Path(module.__file__).resolve().parent.parent)
+                        for module in (morpho_pir, sys.modules["morpho_client"])})
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, *paths],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     start_new_session=True)
+        self.owner = owner
+        self.thread = threading.Thread(target=self._run, name=f"pir-planner-{index}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        owner = self.owner
+        try:
+            hello = _receive(self.proc.stdout)
+            if not (isinstance(hello, tuple) and hello[0] == "ready"):
+                owner._lost(self, f"did not start (exit status {self.proc.wait()})")
+                return
+            owner._ready(self)
+            while True:
+                job = owner._jobs.get()
+                if job is None:
+                    return
+                args, future = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    _send(self.proc.stdin, args)
+                    reply = _receive(self.proc.stdout)
+                except (OSError, ValueError):
+                    reply = None
+                if reply is None:
+                    lost = PlannerError(f"key-making process {self.proc.pid} ended "
+                                        f"(exit status {self.proc.poll()}) during a fetch")
+                    future.set_exception(lost)
+                    owner._lost(self, str(lost))
+                    return
+                if reply[0] == "ok":
+                    with owner._lock:
+                        owner.planned += 1
+                    future.set_result(reply[1])
+                else:
+                    future.set_exception(reply[1])
+        except (OSError, ValueError) as exc:  # its pipes closed under it: the owner closes
+            owner._lost(self, repr(exc))
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()  # its loop reads end-of-file and returns
+        except OSError:
+            pass
+
+    def reap(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Planners:
+    """`count` key-making processes, started at once and ready a moment later; until the first
+    is ready, windows are planned on a thread of this process so that a fetch never waits for
+    them. submit() gives a concurrent.futures.Future of the Window; close() ends them all."""
+
+    def __init__(self, count: int) -> None:
+        if check_planners(count) is None or count < 1:
+            raise ValueError(f"Planners needs 1..{MAX_PLANNERS} processes, got {count!r}")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live = count
+        self._ready_count = 0
+        self.planned = 0  # windows the processes have planned
+        self._broken: Optional[str] = None
+        self._closed = False
+        self._local = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pir-plan")
+        self.processes = [_Process(self, index) for index in range(count)]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.proc.pid for p in self.processes]
+
+    @property
+    def ready(self) -> int:
+        """Processes that have started and take windows."""
+        return self._ready_count
+
+    def _ready(self, process: _Process) -> None:
+        with self._lock:
+            self._ready_count += 1
+
+    def _lost(self, process: _Process, why: str) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._closed or self._live > 0:
+                return
+            self._broken = why
+        # no process is left to take the queued windows: each fails, saying why
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job[1].set_running_or_notify_cancel():
+                job[1].set_exception(PlannerError(f"no key-making process left: {why}"))
+
+    def submit(self, rows, num_pages: int, domain_bits: int, key_format: int,
+               pages=None) -> concurrent.futures.Future:
+        """plan_window(rows, num_pages, domain_bits, key_format, pages) on a process that is
+        free (or on this process's thread while none has started yet)."""
+        args = (rows, num_pages, domain_bits, key_format, pages)
+        with self._lock:
+            if self._closed:
+                raise PlannerError("the key-making processes are closed")
+            if self._broken is not None:
+                raise PlannerError(f"no key-making process left: {self._broken}")
+            if self._ready_count == 0:
+                return self._local.submit(plan_window, *args)
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._jobs.put((args, future))
+            return future
+
+    def close(self) -> None:
+        """End every process (stdin closed, then killed after STOP_WAIT_S) and its thread;
+        windows not yet planned are cancelled."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[1].cancel()
+        for _ in self.processes:
+            self._jobs.put(None)
+        for process in self.processes:
+            process.stop()
+        for process in self.processes:
+            process.reap(STOP_WAIT_S)
+        for process in self.processes:
+            process.thread.join(STOP_WAIT_S)  # its process gone, its read has ended
+            process.proc.stdout.close()
+        self._local.shutdown(wait=False, cancel_futures=True)
