@@ -318,12 +318,8 @@ class AsyncPirClient(BulkJobs, Lookups):
                                      f"[0, {info.num_rows})")
                 # a fetch of several windows: key-making processes pay for themselves
                 planners = self._planner_pool() if ahead or pending else None
-                if planners is not None:
-                    ahead.append(asyncio.wrap_future(planners.submit(
-                        taken, info.num_pages, info.domain_bits, key_format)))
-                else:
-                    ahead.append(loop.run_in_executor(None, plan_window, taken, info.num_pages,
-                                                      info.domain_bits, key_format))
+                ahead.append(loop.run_in_executor(planners, plan_window, taken, info.num_pages,
+                                                  info.domain_bits, key_format))
 
         try:
             plan_more()

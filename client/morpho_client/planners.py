@@ -24,7 +24,6 @@ from typing import Optional
 import morpho_pir
 
 from morpho_client.core import PirError
-from morpho_client.plan import plan_window
 
 MAX_PLANNERS = 64
 AUTO_PLANNERS = 2  # enough for the parties of one host: each makes 25,000 rows/s of keys at d = 20
@@ -56,8 +55,11 @@ class PlannerError(PirError):
     """A key-making process ended or broke its protocol; the fetch cannot go on with it."""
 
 
-def _send(stream, message) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def _pickle(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _send(stream, data: bytes) -> None:
     stream.write(_FRAME.pack(len(data)) + data)
     stream.flush()
 
@@ -75,24 +77,31 @@ def _receive(stream):
 
 
 def serve() -> None:
-    """A key-making process: plan_window for each request on stdin, its Window on stdout."""
+    """A key-making process: each request on stdin is a call (a function of the client's
+    modules, by name, and its arguments), answered on stdout with what it returned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client stops it, by closing its stdin
     requests = os.fdopen(os.dup(0), "rb")
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr, never between two answers
-    _send(answers, ("ready", os.getpid()))
+    _send(answers, _pickle(("ready", os.getpid())))
     while True:
-        request = _receive(requests)
+        try:
+            request = _receive(requests)
+        except Exception as exc:  # noqa: BLE001 - a call it cannot read (a module it lacks)
+            _send(answers, _pickle(("error", PlannerError(f"a call it could not read: {exc!r}"))))
+            continue
         if request is None:
             return
+        fn, args, kwargs = request
         try:
-            reply = ("ok", plan_window(*request))
+            reply = ("ok", fn(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - the client raises it for its caller
             reply = ("error", exc)
         try:
-            _send(answers, reply)
-        except (pickle.PicklingError, TypeError, AttributeError):
-            _send(answers, ("error", PlannerError(repr(reply[1]))))
+            data = _pickle(reply)
+        except Exception:  # noqa: BLE001 - what cannot be pickled is said in words
+            data = _pickle(("error", PlannerError(f"{reply[0]}: {reply[1]!r:.200}")))
+        _send(answers, data)
 
 
 class _Process:
@@ -157,10 +166,12 @@ class _Process:
             self.proc.wait()
 
 
-class Planners:
-    """`count` key-making processes, started at once and ready a moment later; until the first
-    is ready, windows are planned on a thread of this process so that a fetch never waits for
-    them. submit() gives a concurrent.futures.Future of the Window; close() ends them all."""
+class Planners(concurrent.futures.Executor):
+    """`count` key-making processes, started at once and ready a moment later, as an Executor
+    (loop.run_in_executor takes it): submit(plan_window, rows, ...) runs on a process that is
+    free, or on a thread of this process while none has started yet, so that a fetch never
+    waits for them. The function and its arguments are pickled, so the function is one of a
+    module's (plan.plan_window, a lookup's planner). close() ends them all."""
 
     def __init__(self, count: int) -> None:
         if check_planners(count) is None or count < 1:
@@ -203,20 +214,19 @@ class Planners:
             if job is not None and job[1].set_running_or_notify_cancel():
                 job[1].set_exception(PlannerError(f"no key-making process left: {why}"))
 
-    def submit(self, rows, num_pages: int, domain_bits: int, key_format: int,
-               pages=None) -> concurrent.futures.Future:
-        """plan_window(rows, num_pages, domain_bits, key_format, pages) on a process that is
-        free (or on this process's thread while none has started yet)."""
-        args = (rows, num_pages, domain_bits, key_format, pages)
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        """fn(*args, **kwargs) on a process that is free (or on this process's thread while
+        none has started yet)."""
         with self._lock:
             if self._closed:
                 raise PlannerError("the key-making processes are closed")
             if self._broken is not None:
                 raise PlannerError(f"no key-making process left: {self._broken}")
             if self._ready_count == 0:
-                return self._local.submit(plan_window, *args)
+                return self._local.submit(fn, *args, **kwargs)
             future: concurrent.futures.Future = concurrent.futures.Future()
-            self._jobs.put((args, future))
+            # pickled here, so that what cannot be sent fails in the caller's hands
+            self._jobs.put((_pickle((fn, args, kwargs)), future))
             return future
 
     def close(self) -> None:
@@ -243,3 +253,7 @@ class Planners:
             process.thread.join(STOP_WAIT_S)  # its process gone, its read has ended
             process.proc.stdout.close()
         self._local.shutdown(wait=False, cancel_futures=True)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Executor's name for close(): windows not yet planned are cancelled either way."""
+        self.close()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from morpho_client import AsyncPirClient, PirClient
+from morpho_client.plan import plan_window
 from morpho_client.planners import Planners, auto_planners
 from morpho_pir.dpf import KEY_FORMAT_V2, KeyBatch, eval_pages
 from morpho_pir.http import EPOCH_HEADER, OCTET_STREAM
@@ -102,8 +103,8 @@ def test_each_process_draws_its_own_keys():
     try:
         wait_ready(planners, 2)
         rows = np.arange(0, ROWS, 16)
-        windows = [f.result(60) for f in [planners.submit(rows, PAGES, DOMAIN_BITS, KEY_FORMAT_V2)
-                                          for _ in range(6)]]
+        windows = [f.result(60) for f in [planners.submit(plan_window, rows, PAGES, DOMAIN_BITS,
+                                                          KEY_FORMAT_V2) for _ in range(6)]]
     finally:
         planners.close()
     seeds = {w.keys[0][:, :16].tobytes() for w in windows}
