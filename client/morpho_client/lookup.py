@@ -157,11 +157,12 @@ class Lookups:
 
         def plan_more() -> None:
             nonlocal exhausted
-            while not exhausted and len(ahead) < max(1, self._planner_depth()):
+            while not exhausted and len(ahead) < self._planner_depth() + 1:
                 chunk = [table.check_key(key) for key in itertools.islice(source, in_flight * step)]
                 if not chunk:
                     exhausted = True
                     return
+                # a lookup of several windows: key-making processes pay for themselves
                 executor = self._planner_pool() if ahead or pending else None
                 ahead.append((chunk, loop.run_in_executor(executor, plan_lookups, table, chunk,
                                                           info.domain_bits, key_format)))

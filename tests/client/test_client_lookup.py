@@ -17,6 +17,7 @@ from morpho_client.cli import main as cli_main
 from morpho_client.lookup import records_table
 from morpho_client.wire import PartyPool
 from morpho_pir.records import RecordsTable
+from tests.client.test_client_planners import wait_ready
 from tests.conftest import REPO, server_env
 from tests.morpho_pir.test_records import random_records
 
@@ -131,13 +132,19 @@ def test_lookups_keep_requests_in_flight_on_the_clients_own_connections(parties,
 
     async def run():
         async with AsyncPirClient(a, b, in_flight=4, max_batch=16, planners=planners) as client:
+            if planners:  # the processes started by a first lookup of several windows, then used
+                await client.lookup_many(wanted[:160])
+                await asyncio.to_thread(wait_ready, client._planners_pool, planners)
+                before = client._planners_pool.planned
             got = await client.lookup_many(wanted)
+            if planners:
+                assert client._planners_pool.planned - before == 4  # the windows after the first
             fingerprint = records_table(await client.epoch(), client.servers).fingerprint_hex
             return got, fingerprint
     got, fingerprint = asyncio.run(run())
     assert got == [values[i].tobytes() if n % 3 else None for n, i in enumerate(picked)]
     assert watched.most == {a: 4, b: 4}  # 19 requests to each party, 4 at a time
-    assert len(watched.headers) == 2 * 19
+    assert len(watched.headers) == 2 * (19 + (10 if planners else 0))
     assert all(h == {"X-Morpho-Records-Fingerprint": fingerprint} for h in watched.headers)
 
 
