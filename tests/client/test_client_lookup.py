@@ -70,8 +70,12 @@ def test_lookups_return_present_values_and_none_for_absent_keys(parties, encodin
         assert client.lookup(keys[7].tobytes()) == values[7].tobytes()
         assert client.lookup(absent[0]) is None
         record = client.lookup_records([keys[8].tobytes()])[0]
+        batches = list(client.iter_lookups(iter(wanted)))  # request by request, a generator read
     expected = [values[i].tobytes() for i in range(0, 5000, 97)] + [None] * len(absent)
     assert got == expected
+    assert [len(asked) for asked, _ in batches] == [32, 32, 27]  # 52 + 39 keys
+    assert [key for asked, _ in batches for key in asked] == wanted
+    assert [r and r.value for _, found in batches for r in found] == expected
     assert record.type == int(types[8]) and record.value == values[8].tobytes()
 
 
