@@ -28,13 +28,13 @@ PLAN=(); [ -n "${PLANNERS:-}" ] && PLAN=(--planners "$PLANNERS")
 python3 benchmarks/keygen.py --domain-bits 16 20 25 --methods vectorised window_v2 window_v1 \
     --keys 3072 --repeats 5 --out "$OUT/keygen_${MODEL}host.csv" 2>&1 | tee /tmp/keygen.log
 # the client alone against stand-in parties on this host's CPU: its own ceiling, and its CPU a row
-timeout 90 python3 benchmarks/client_ceiling.py --rows 32768 --in-flight 32 --repeats 1 \
+timeout 60 python3 benchmarks/client_ceiling.py --rows 32768 --in-flight 32 --repeats 1 \
     --planners 0,${PLANNERS:-2} --transports wire --out "$OUT/${MODEL}host_client_ceiling.csv" 2>&1 | tail -n 4
-timeout 200 python3 benchmarks/client_throughput.py --pages 65536 --rows ${ROWS_65K:-50000} \
+timeout 180 python3 benchmarks/client_throughput.py --pages 65536 --rows ${ROWS_65K:-50000} \
     --in-flight ${IN_FLIGHT_65K:-8,32} --key-formats v2 --reference-seconds 8 \
     --reference-procs 4 --reference-threads 8 --folder /tmp/ct65 "${PLACE[@]}" ${PLAN[@]+"${PLAN[@]}"} \
     --out "$OUT/${TAG}_65536_client.csv" --plot "$OUT/${TAG}_65536_client.png" 2>&1 | tee /tmp/bench65.log
-timeout 280 python3 benchmarks/client_throughput.py --pages 1048576 --rows ${ROWS_1M:-20000} \
+timeout 270 python3 benchmarks/client_throughput.py --pages 1048576 --rows ${ROWS_1M:-20000} \
     --in-flight ${IN_FLIGHT_1M:-8,32} --key-formats v2,v1 --reference-seconds 8 \
     --reference-procs 4 --reference-threads 8 --folder /tmp/ct1m "${PLACE[@]}" ${PLAN[@]+"${PLAN[@]}"} \
     --out "$OUT/${TAG}_1048576_client.csv" --plot "$OUT/${TAG}_1048576_client.png" 2>&1 | tee /tmp/bench1m.log

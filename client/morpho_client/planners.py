@@ -92,8 +92,8 @@ def serve() -> None:
             continue
         if request is None:
             return
-        fn, args, kwargs = request
         try:
+            fn, args, kwargs = request
             reply = ("ok", fn(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - the client raises it for its caller
             reply = ("error", exc)
