@@ -4,7 +4,7 @@
 # GPU): the parties' 32-query batch reference, lookup_many from one client process, and morpho-rpc
 # driven with plain JSON-RPC batches (web3.py is not installed here), in one run. Run from the repo
 # root on the device with the Django/Celery wheels in WHL (default .whl); about 4 minutes; it
-# leaves the CSV and two logs in $OUT:
+# leaves <gpu>_1048576_lookup.csv (h200_ or h100_) and two logs in $OUT:
 #   bash benchmarks/device_lookup.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -16,11 +16,14 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/pir:$PWD/client PATH=/tmp/site/bin:$PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 nproc
-timeout ${LOOKUP_S:-420} python3 benchmarks/lookup_throughput.py --pages ${PAGES:-1048576} \
+MODEL=$(head -n 1 "$OUT/gpu.txt" | grep -o -i -E 'h100|h200' | head -n 1 | tr 'A-Z' 'a-z')
+PAGES=${PAGES:-1048576}
+CSV="$OUT/${MODEL:-gpu}_${PAGES}_lookup.csv"
+timeout ${LOOKUP_S:-420} python3 benchmarks/lookup_throughput.py --pages "$PAGES" \
     --keys ${KEYS:-30000} --in-flight ${IN_FLIGHT:-auto,32} --reference-seconds 8 \
     --reference-procs 4 --reference-threads 8 --rpc-keys ${RPC_KEYS:-20000} \
     --callers ${CALLERS:-16} --rpc-batch ${RPC_BATCH:-100} --folder /tmp/lt1m \
-    --out "$OUT/h200_${PAGES:-1048576}_lookup.csv" 2>&1 | tee "$OUT/lookup_throughput.log"
+    --out "$CSV" 2>&1 | tee "$OUT/lookup_throughput.log"
 tail -n 40 /tmp/lt1m/devserver.log > "$OUT/devserver_tail.log" 2>/dev/null
 tail -n 20 /tmp/lt1m/morpho-rpc.log >> "$OUT/devserver_tail.log" 2>/dev/null
-cat "$OUT"/h200_*_lookup.csv
+cat "$CSV"
