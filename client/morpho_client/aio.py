@@ -211,21 +211,23 @@ class AsyncPirClient(BulkJobs, Lookups):
             raise ServerError(f"{url}: the response is not JSON") from None
         return json_half(url, headers, reply, slots, batch)
 
-    async def _post(self, side: int, path: str, body: bytes, media: str):
-        """(headers, body) of a query request to party `side`: on the party's own keep-alive
-        connections (wire.PartyPool), or through httpx where a transport was given."""
+    async def _post(self, side: int, path: str, body: bytes, media: str,
+                    headers: Optional[dict] = None):
+        """(headers, body) of a query request to party `side` (`headers` added): on the
+        party's own keep-alive connections (wire.PartyPool), or through httpx where a
+        transport was given."""
         url = self.servers[side] + path
         if self._transport is not None:
-            response = await self.request("POST", url, content=body,
-                                          headers={"Content-Type": media, "Accept": media})
+            response = await self.request("POST", url, content=body, headers={
+                **(headers or {}), "Content-Type": media, "Accept": media})
             return response.headers, response.content
         if self._wire[side] is None:
             self._wire[side] = PartyPool(self.servers[side], self.in_flight or DEFAULT_IN_FLIGHT,
                                          self.timeout)
-        status, headers, payload = await self._wire[side].post(path, body, media, media)
+        status, answered, payload = await self._wire[side].post(path, body, media, media, headers)
         if status >= 400:
-            raise error_from(url, status, payload.decode("utf-8", "replace"), headers)
-        return headers, payload
+            raise error_from(url, status, payload.decode("utf-8", "replace"), answered)
+        return answered, payload
 
     async def ask(self, window: Window, first: int = 0, last: Optional[int] = None,
                   batch: bool = True) -> Answer:

@@ -8,7 +8,11 @@ usual check), and the key's row is picked among their 48 rows by its full key.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import asyncio
+import collections
+import itertools
+import json
+from typing import AsyncIterator, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -21,6 +25,8 @@ from morpho_pir.records import Record, RecordsError, RecordsTable
 from morpho_client.core import (Answer, EpochInfo, Half, PirError, ServerError, combine,
                                 served_state, unhex_page)
 from morpho_client.plan import Window, listed_lines
+
+JSON = "application/json"
 
 
 class NotRecords(PirError):
@@ -85,7 +91,9 @@ def _json_pages(url: str, headers, reply, count: int) -> Half:
 
 
 class Lookups:
-    """lookup(), lookup_many() and lookup_records() of AsyncPirClient."""
+    """lookup(), lookup_many(), lookup_records() and iter_lookups() of AsyncPirClient: the
+    fetches' pipeline (requests kept in flight on the parties' own connections, keys made
+    ahead by the planners), with each query's three pages kept and its key matched in them."""
 
     async def _ask_lookup_party(self, side: int, window: Window, first: int, last: int,
                                 fingerprint: str) -> Half:
@@ -95,18 +103,18 @@ class Lookups:
         headers = {RECORDS_HEADER: fingerprint}
         try:
             if encoding == "binary":
-                response = await self.request(
-                    "POST", url, content=window.body(side, first, last),
-                    headers={**headers, "Content-Type": OCTET_STREAM, "Accept": OCTET_STREAM})
-                return _binary_pages(url, response.headers, response.content, last - first)
+                answered, payload = await self._post(side, BATCH_PATH,
+                                                     window.body(side, first, last),
+                                                     OCTET_STREAM, headers)
+                return _binary_pages(url, answered, payload, last - first)
             body = {"queries": [{"keys": q} for q in window.hex_queries(side, first, last)]}
-            response = await self.request("POST", url, json=body,
-                                          headers={**headers, "Accept": "application/json"})
+            answered, payload = await self._post(side, BATCH_PATH, json.dumps(body).encode(),
+                                                 JSON, headers)
             try:
-                reply = response.json()
+                reply = json.loads(payload)
             except ValueError:
                 raise ServerError(f"{url}: the response is not JSON") from None
-            return _json_pages(url, response.headers, reply, last - first)
+            return _json_pages(url, answered, reply, last - first)
         except ServerError as exc:
             if exc.status == 409:
                 raise PirError(f"{exc}: the party serves another records table than the one the "
@@ -123,31 +131,72 @@ class Lookups:
 
         return await self._retrying(once, window)
 
-    async def lookup_records(self, keys: Sequence[bytes]) -> list[Optional[Record]]:
-        """Each key's Record (its value and type), or None where the table does not hold it.
+    async def iter_lookups(self, keys: Iterable[bytes]
+                           ) -> AsyncIterator[tuple[list[bytes], list[Optional[Record]]]]:
+        """(keys, their Records or None) request by request, in the order asked.
 
         One query per key (its three candidate pages), max_batch to a request, in_flight
-        requests at each party at once; a key found twice is a RecordsError (a corrupt table)."""
-        info = await self.settled_epoch()
+        requests at each party at once; `keys` is read a window (in_flight requests) at a time
+        and each window's keys made on a planner while earlier requests are answered, as
+        iter_answers does. A key found twice is a RecordsError (a corrupt table)."""
+        async for found in self._lookups(await self.settled_epoch(), keys):
+            yield found
+
+    async def _lookups(self, info: EpochInfo, keys: Iterable[bytes]):
         table = records_table(info, self.servers)
-        keys = [table.check_key(bytes(key)) for key in keys]
         self._shape = (info.num_pages, info.domain_bits)
         self.last_key_format = self.key_format_for(info)
         key_format = format_by_name(self.last_key_format)
         in_flight = await self.requests_in_flight()
         step = self.max_batch
+        loop = asyncio.get_running_loop()
+        source = iter(keys)
+        ahead: collections.deque = collections.deque()  # (keys, their window being planned)
+        pending: collections.deque = collections.deque()  # (keys, request in flight), in order
+        exhausted = False
+
+        def plan_more() -> None:
+            nonlocal exhausted
+            while not exhausted and len(ahead) < self._planner_depth() + 1:
+                chunk = [table.check_key(key) for key in itertools.islice(source, in_flight * step)]
+                if not chunk:
+                    exhausted = True
+                    return
+                # a lookup of several windows: key-making processes pay for themselves
+                executor = self._planner_pool() if ahead or pending else None
+                ahead.append((chunk, loop.run_in_executor(executor, plan_lookups, table, chunk,
+                                                          info.domain_bits, key_format)))
+
+        try:
+            plan_more()
+            while ahead:
+                chunk, planned = ahead[0]
+                window = await planned
+                ahead.popleft()
+                plan_more()  # the next windows' keys are made while this one is answered
+                for first in range(0, len(chunk), step):
+                    while len(pending) >= in_flight:
+                        yield await _take_found(table, pending)
+                    last = min(first + step, len(chunk))
+                    pending.append((chunk[first:last], asyncio.ensure_future(
+                        self._ask_lookups(window, first, last, table.fingerprint_hex))))
+            while pending:
+                yield await _take_found(table, pending)
+        finally:
+            for _, task in pending:
+                task.cancel()
+            await asyncio.gather(*(task for _, task in pending),
+                                 *(planned for _, planned in ahead), return_exceptions=True)
+
+    async def lookup_records(self, keys: Sequence[bytes]) -> list[Optional[Record]]:
+        """Each key's Record (its value and type), or None where the table does not hold it;
+        every key's length is checked before any query is sent (iter_lookups)."""
+        info = await self.settled_epoch()
+        table = records_table(info, self.servers)
+        keys = [table.check_key(key) for key in keys]
         found: list[Optional[Record]] = []
-        for start in range(0, len(keys), in_flight * step):
-            chunk = keys[start:start + in_flight * step]
-            window = plan_lookups(table, chunk, info.domain_bits, key_format)
-            firsts = range(0, len(chunk), step)
-            answers = await self._both(*(self._ask_lookups(
-                window, first, min(first + step, len(chunk)), table.fingerprint_hex)
-                for first in firsts))
-            for first, answer in zip(firsts, answers):
-                for index, pages in enumerate(answer.pages):
-                    found.append(table.find(chunk[first + index],
-                                            [page.tobytes() for page in pages]))
+        async for _, records in self._lookups(info, keys):
+            found.extend(records)
         return found
 
     async def lookup_many(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
@@ -158,6 +207,13 @@ class Lookups:
     async def lookup(self, key: bytes) -> Optional[bytes]:
         """The key's value, or None: one query of its three candidate pages."""
         return (await self.lookup_many([key]))[0]
+
+
+async def _take_found(table: RecordsTable, pending: collections.deque):
+    keys, task = pending[0]
+    answer = await task
+    pending.popleft()
+    return keys, table.find_many(keys, answer.pages)
 
 
 def parse_key(text: str) -> bytes:

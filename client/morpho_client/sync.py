@@ -77,6 +77,10 @@ class PirClient:
     def lookup_records(self, keys: Sequence[bytes]) -> list[Optional[Record]]:
         return self._run(self.core.lookup_records(keys))
 
+    def iter_lookups(self, keys: Iterable[bytes]
+                     ) -> Iterator[tuple[list[bytes], list[Optional[Record]]]]:
+        return self._iterate(self.core.iter_lookups(keys))
+
     def iter_answers(self, rows: Iterable[int], batch: bool = True
                      ) -> Iterator[tuple[np.ndarray, list[bytes]]]:
         # request by request: one hop between threads per request, not per row

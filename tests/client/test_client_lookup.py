@@ -7,12 +7,17 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import pytest
 
 from gpu_engine.matrix import write_epoch_metadata, write_matrix_file
 from gpu_engine.records import build
-from morpho_client import AsyncPirClient, NotRecords, PirClient
+from morpho_client import AsyncPirClient, NotRecords, PirClient, PirError
 from morpho_client.cli import main as cli_main
+from morpho_client.lookup import records_table
+from morpho_client.wire import PartyPool
+from morpho_pir.records import RecordsTable
+from tests.client.test_client_planners import wait_ready
 from tests.conftest import REPO, server_env
 from tests.morpho_pir.test_records import random_records
 
@@ -65,8 +70,12 @@ def test_lookups_return_present_values_and_none_for_absent_keys(parties, encodin
         assert client.lookup(keys[7].tobytes()) == values[7].tobytes()
         assert client.lookup(absent[0]) is None
         record = client.lookup_records([keys[8].tobytes()])[0]
+        batches = list(client.iter_lookups(iter(wanted)))  # request by request, a generator read
     expected = [values[i].tobytes() for i in range(0, 5000, 97)] + [None] * len(absent)
     assert got == expected
+    assert [len(asked) for asked, _ in batches] == [32, 32, 27]  # 52 + 39 keys
+    assert [key for asked, _ in batches for key in asked] == wanted
+    assert [r and r.value for _, found in batches for r in found] == expected
     assert record.type == int(types[8]) and record.value == values[8].tobytes()
 
 
@@ -92,6 +101,62 @@ def test_present_and_absent_keys_send_the_same_requests_of_the_same_sizes(partie
     assert sizes == [sizes[0]] * 2 + [6 * sizes[0]] * 2 + [32 * sizes[0]] * 4
     assert {entry[5] for entry in lookups} == {200}
     assert sorted(entry[6] for entry in lookups) == [n * 3 * 4096 for n in (1, 1, 6, 6) + (32,) * 4]
+
+
+class Watched:
+    """PartyPool.post counted: requests in flight at each party, and the headers each carried."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.in_flight, self.most, self.headers = {}, {}, []
+        real = PartyPool.post
+        watched = self
+
+        async def post(pool, path, body, content_type, accept, headers=None):
+            watched.headers.append(dict(headers or {}))
+            watched.in_flight[pool.base] = watched.in_flight.get(pool.base, 0) + 1
+            watched.most[pool.base] = max(watched.most.get(pool.base, 0),
+                                          watched.in_flight[pool.base])
+            try:
+                return await real(pool, path, body, content_type, accept, headers)
+            finally:
+                watched.in_flight[pool.base] -= 1
+
+        monkeypatch.setattr(PartyPool, "post", post)
+
+
+@pytest.mark.parametrize("planners", [0, 2])
+def test_lookups_keep_requests_in_flight_on_the_clients_own_connections(parties, monkeypatch,
+                                                                        planners):
+    (a, b), keys, values, _ = parties
+    watched = Watched(monkeypatch)
+    rng = np.random.default_rng(planners)
+    picked = rng.choice(5000, 300, replace=False).tolist()
+    wanted = [keys[i].tobytes() if n % 3 else bytes([n % 256, 77]) * 10
+              for n, i in enumerate(picked)]
+
+    async def run():
+        async with AsyncPirClient(a, b, in_flight=4, max_batch=16, planners=planners) as client:
+            if planners:  # the processes started by a first lookup of several windows, then used
+                await client.lookup_many(wanted[:160])
+                await asyncio.to_thread(wait_ready, client._planners_pool, planners)
+                before = client._planners_pool.planned
+            got = await client.lookup_many(wanted)
+            if planners:
+                assert client._planners_pool.planned - before == 4  # the windows after the first
+            fingerprint = records_table(await client.epoch(), client.servers).fingerprint_hex
+            return got, fingerprint
+    got, fingerprint = asyncio.run(run())
+    assert got == [values[i].tobytes() if n % 3 else None for n, i in enumerate(picked)]
+    assert watched.most == {a: 4, b: 4}  # 19 requests to each party, 4 at a time
+    assert len(watched.headers) == 2 * (19 + (10 if planners else 0))
+    assert all(h == {"X-Morpho-Records-Fingerprint": fingerprint} for h in watched.headers)
+
+
+def test_a_party_with_other_records_parameters_refuses_the_lookup(parties, monkeypatch):
+    (a, b), keys, _, _ = parties
+    monkeypatch.setattr(RecordsTable, "fingerprint_hex", property(lambda self: "0x" + "ab" * 16))
+    with PirClient(a, b) as client, pytest.raises(PirError, match="another records table"):
+        client.lookup(keys[0].tobytes())
 
 
 def test_a_party_serving_pages_without_records_is_refused(start_server, tmp_path):

@@ -239,3 +239,30 @@ def test_build_records_names_the_bad_line(tmp_path, content, message):
     with pytest.raises(CommandError, match=message.replace("(", r"\(").replace(")", r"\)")):
         call_command("build_records", "--input", str(source), "--out", str(tmp_path / "m.bin"))
     assert not (tmp_path / "m.bin").exists()
+
+
+def test_find_many_reads_each_key_as_find_does_and_refuses_what_find_refuses():
+    keys, values, types = random_records(3000, seed=8)
+    built = build(keys, values, types, seed=8)
+    table = built.table
+    wanted = [keys[i].tobytes() for i in range(0, 3000, 29)] + [bytes([9, i]) * 10 for i in range(20)]
+    pages = np.stack([np.frombuffer(b"".join(pages_of(built.rows, table, key)), np.uint8)
+                      .reshape(3, PAGE_BYTES) for key in wanted])
+    got = table.find_many(wanted, pages)
+    assert got == [table.find(key, pages_of(built.rows, table, key)) for key in wanted]
+    assert got[:104] == [Record(keys[i].tobytes(), values[i].tobytes(), int(types[i]))
+                         for i in range(0, 3000, 29)] and got[104:] == [None] * 20
+    twice = pages.copy()
+    row = table.encode_row(wanted[5], b"\x01" * 32, 2)
+    empty = next(s for s in range(ROWS_PER_PAGE) if not twice[5, 1, s * ROW_BYTES])
+    twice[5, 1, empty * ROW_BYTES:(empty + 1) * ROW_BYTES] = np.frombuffer(row, np.uint8)
+    with pytest.raises(RecordsError, match=f"key 0x{wanted[5].hex()} is in 2 rows"):
+        table.find_many(wanted, twice)
+    dirty = pages.copy()
+    key, page, hole = np.argwhere(dirty.reshape(len(wanted), 3, ROWS_PER_PAGE, ROW_BYTES)
+                                  [:, :, :, 0] == 0)[-1]
+    dirty[key, page, hole * ROW_BYTES + 10] = 1  # a byte of an empty row
+    with pytest.raises(RecordsError, match="empty row .* holds non-zero bytes"):
+        table.find_many(wanted, dirty)
+    with pytest.raises(RecordsError, match="shape"):
+        table.find_many(wanted[:3], pages)
