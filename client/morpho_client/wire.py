@@ -49,8 +49,12 @@ class _Reply(asyncio.BufferedProtocol):
         self.transport = transport
 
     def get_buffer(self, sizehint: int):
-        if self.framing == "length":
+        if self.framing == "length" and self.got < len(self.body):
             return memoryview(self.body)[self.got:]
+        if self.framing == "length":
+            # the answer is whole: asyncio asks for a buffer before it reads the party's close (or
+            # bytes nobody asked for), and an empty one is a fatal error of the transport
+            return memoryview(self.head)
         if self.framing:  # chunked or up to the close: gathered at the end of head
             if len(self.head) - self.filled < 65536:
                 self.head.extend(bytes(max(65536, len(self.head))))
@@ -59,6 +63,9 @@ class _Reply(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.framing == "length":
+            if self.got == len(self.body):  # bytes after a whole answer: not a connection to reuse
+                self._fail(ValueError("bytes after the answer's Content-Length"))
+                return
             self.got += nbytes
             if self.got == len(self.body):
                 self._finish()
