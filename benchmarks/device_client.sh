@@ -8,18 +8,9 @@
 # the repo root on the device with the Django/Celery wheels in WHL (default .whl); about 5 minutes:
 #   bash benchmarks/device_client.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-WHL=${WHL:-.whl}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
-# the protocol core and the client are distributions of this repository, not installed here
-export PYTHONPATH=/tmp/site:$PWD:$PWD/pir:$PWD/client PATH=/tmp/site/bin:$PATH
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc
+source benchmarks/device_env.sh
 COUNT=$(wc -l < "$OUT/gpu.txt")
 GPUS=${GPUS:-$([ "$COUNT" -ge 2 ] && echo 0,1 || echo 0)}
-MODEL=$(head -n 1 "$OUT/gpu.txt" | grep -o -i -E 'h100|h200|a100|l40s?' | head -n 1 | tr 'A-Z' 'a-z')
-MODEL=${MODEL:-gpu}
 GPU_A=${GPUS%%,*}; GPU_B=${GPUS#*,}   # one id: both parties on it
 TAG=$MODEL; [ "$GPU_A" != "$GPU_B" ] && TAG=${MODEL}x2   # a GPU for each party
 PLACE=(--gpus "$GPU_A,$GPU_B")

@@ -7,18 +7,10 @@
 # leaves <gpu>_1048576_lookup.csv (h200_ or h100_) and two logs in $OUT:
 #   bash benchmarks/device_lookup.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-WHL=${WHL:-.whl}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
-# the protocol core and the client are distributions of this repository, not installed here:
+source benchmarks/device_env.sh
 # morpho-rpc is started as `python3 -m morpho_client.rpc`, its console script's own entry point
-export PYTHONPATH=/tmp/site:$PWD:$PWD/pir:$PWD/client PATH=/tmp/site/bin:$PATH
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-nproc
-MODEL=$(head -n 1 "$OUT/gpu.txt" | grep -o -i -E 'h100|h200' | head -n 1 | tr 'A-Z' 'a-z')
 PAGES=${PAGES:-1048576}
-CSV="$OUT/${MODEL:-gpu}_${PAGES}_lookup.csv"
+CSV="$OUT/${MODEL}_${PAGES}_lookup.csv"
 timeout ${LOOKUP_S:-420} python3 benchmarks/lookup_throughput.py --pages "$PAGES" \
     --keys ${KEYS:-30000} --in-flight ${IN_FLIGHT:-auto,32} --reference-seconds 8 \
     --reference-procs 4 --reference-threads 8 --rpc-keys ${RPC_KEYS:-20000} \
