@@ -259,6 +259,9 @@ class PartyPool:
                 except ValueError as exc:
                     conn.close()
                     raise ServerError(f"{url}: not an HTTP/1.1 answer ({exc})") from None
+                except BaseException:  # cancelled: its answer may still come, on no one's request
+                    conn.close()
+                    raise
                 if keep:
                     self._idle.append(conn)
                 else:

@@ -106,3 +106,30 @@ def test_an_answer_cut_short_is_an_error_naming_the_url():
             pool.close()
             server.close()
     asyncio.run(run())
+
+
+def test_a_request_cancelled_mid_answer_closes_its_connection():
+    closed = asyncio.Event()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read()  # no answer: waits until the client closes the connection
+        closed.set()
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        pool = PartyPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", 1, timeout=30)
+        try:
+            request = asyncio.ensure_future(pool.post("/q", b"", "a/b", "a/b"))
+            await asyncio.sleep(0.2)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            # its answer could still come on it: the connection is closed, not left open
+            await asyncio.wait_for(closed.wait(), 5)
+        finally:
+            pool.close()
+            server.close()
+    asyncio.run(run())
+
