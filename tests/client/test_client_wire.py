@@ -133,3 +133,27 @@ def test_a_request_cancelled_mid_answer_closes_its_connection():
             server.close()
     asyncio.run(run())
 
+
+def test_a_new_connection_the_party_closed_at_once_fails_without_waiting():
+    async def handle(reader, writer):
+        writer.close()  # accepted and closed before any request, as a party at its limit may
+
+    class SlowToHandOver(PartyPool):
+        async def _connect(self):
+            conn = await super()._connect()
+            await asyncio.sleep(0.2)  # the party's close arrives before the request is sent
+            return conn
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = SlowToHandOver(url, 1, timeout=10)
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ServerError, match=f"{url}/q: the connection broke"):
+                await pool.post("/q", b"", "a/b", "a/b")
+            assert asyncio.get_running_loop().time() - started < 5  # not the whole timeout
+        finally:
+            pool.close()
+            server.close()
+    asyncio.run(run())
