@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -107,7 +108,7 @@ def serve() -> None:
 class _Process:
     """One key-making process and the thread that hands it requests, one at a time."""
 
-    def __init__(self, owner: "Planners", index: int) -> None:
+    def __init__(self, owner: "_Pool", index: int) -> None:
         paths = sorted({str(Path(module.__file__).resolve().parent.parent)
                         for module in (morpho_pir, sys.modules["morpho_client"])})
         self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, *paths],
@@ -166,16 +167,11 @@ class _Process:
             self.proc.wait()
 
 
-class Planners(concurrent.futures.Executor):
-    """`count` key-making processes, started at once and ready a moment later, as an Executor
-    (loop.run_in_executor takes it): submit(plan_window, rows, ...) runs on a process that is
-    free, or on a thread of this process while none has started yet, so that a fetch never
-    waits for them. The function and its arguments are pickled, so the function is one of a
-    module's (plan.plan_window, a lookup's planner). close() ends them all."""
+class _Pool:
+    """The processes, their threads and the queue of windows: what the threads hold, so that a
+    Planners nobody holds is collected, and its finalizer closes this."""
 
     def __init__(self, count: int) -> None:
-        if check_planners(count) is None or count < 1:
-            raise ValueError(f"Planners needs 1..{MAX_PLANNERS} processes, got {count!r}")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live = count
@@ -184,16 +180,13 @@ class Planners(concurrent.futures.Executor):
         self._broken: Optional[str] = None
         self._closed = False
         self._local = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pir-plan")
-        self.processes = [_Process(self, index) for index in range(count)]
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.proc.pid for p in self.processes]
-
-    @property
-    def ready(self) -> int:
-        """Processes that have started and take windows."""
-        return self._ready_count
+        self.processes: list[_Process] = []
+        try:
+            for index in range(count):
+                self.processes.append(_Process(self, index))
+        except BaseException:  # a process that could not start: those that did are ended
+            self.close()
+            raise
 
     def _ready(self, process: _Process) -> None:
         with self._lock:
@@ -214,9 +207,7 @@ class Planners(concurrent.futures.Executor):
             if job is not None and job[1].set_running_or_notify_cancel():
                 job[1].set_exception(PlannerError(f"no key-making process left: {why}"))
 
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-        """fn(*args, **kwargs) on a process that is free (or on this process's thread while
-        none has started yet)."""
+    def submit(self, fn, args, kwargs) -> concurrent.futures.Future:
         with self._lock:
             if self._closed:
                 raise PlannerError("the key-making processes are closed")
@@ -230,8 +221,6 @@ class Planners(concurrent.futures.Executor):
             return future
 
     def close(self) -> None:
-        """End every process (stdin closed, then killed after STOP_WAIT_S) and its thread;
-        windows not yet planned are cancelled."""
         with self._lock:
             if self._closed:
                 return
@@ -250,9 +239,49 @@ class Planners(concurrent.futures.Executor):
         for process in self.processes:
             process.reap(STOP_WAIT_S)
         for process in self.processes:
-            process.thread.join(STOP_WAIT_S)  # its process gone, its read has ended
+            if process.thread is not threading.current_thread():  # a finalizer may run on it
+                process.thread.join(STOP_WAIT_S)  # its process gone, its read has ended
             process.proc.stdout.close()
         self._local.shutdown(wait=False, cancel_futures=True)
+
+
+class Planners(concurrent.futures.Executor):
+    """`count` key-making processes, started at once and ready a moment later, as an Executor
+    (loop.run_in_executor takes it): submit(plan_window, rows, ...) runs on a process that is
+    free, or on a thread of this process while none has started yet, so that a fetch never
+    waits for them. The function and its arguments are pickled, so the function is one of a
+    module's (plan.plan_window, a lookup's planner). close() ends them all, as does the
+    collection of a Planners nobody closed, and the program's exit."""
+
+    def __init__(self, count: int) -> None:
+        if check_planners(count) is None or count < 1:
+            raise ValueError(f"Planners needs 1..{MAX_PLANNERS} processes, got {count!r}")
+        self._pool = _Pool(count)
+        self._close = weakref.finalize(self, self._pool.close)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.proc.pid for p in self._pool.processes]
+
+    @property
+    def ready(self) -> int:
+        """Processes that have started and take windows."""
+        return self._pool._ready_count
+
+    @property
+    def planned(self) -> int:
+        """Windows the processes have planned."""
+        return self._pool.planned
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        """fn(*args, **kwargs) on a process that is free (or on this process's thread while
+        none has started yet)."""
+        return self._pool.submit(fn, args, kwargs)
+
+    def close(self) -> None:
+        """End every process (stdin closed, then killed after STOP_WAIT_S) and its thread;
+        windows not yet planned are cancelled."""
+        self._close()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Executor's name for close(): windows not yet planned are cancelled either way."""

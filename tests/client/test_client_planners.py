@@ -3,6 +3,7 @@ process draws its own keys, none outlives its client, and a bad count is refused
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -97,6 +98,40 @@ def test_the_async_client_closes_its_processes_too():
     assert got == expected(rows)
     assert not any(alive(pid) for pid in pids)
 
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended and been reaped (a zombie still counts as alive)."""
+    deadline = time.monotonic() + 20
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_processes_end_with_a_client_dropped_without_close():
+    rows = list(range(0, ROWS, 3))
+
+    async def run():
+        client = AsyncPirClient("http://a.test", "http://b.test", **options(planners=2))
+        assert await client.fetch_rows(rows) == expected(rows)
+        planners = client._planners_pool
+        await asyncio.to_thread(wait_ready, planners, 2)
+        return planners.pids  # the client, never closed, goes with this frame
+    pids = asyncio.run(run())
+    gc.collect()
+    assert all(gone(pid) for pid in pids)
+
+
+def test_planners_dropped_without_close_end_their_processes():
+    planners = Planners(1)
+    wait_ready(planners, 1)
+    assert planners.submit(plan_window, np.arange(16), PAGES, DOMAIN_BITS).result(60).keys
+    pid = planners.pids[0]
+    del planners
+    gc.collect()
+    assert gone(pid)
 
 def test_each_process_draws_its_own_keys():
     planners = Planners(2)
