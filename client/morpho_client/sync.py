@@ -27,7 +27,12 @@ class PirClient:
         self._thread.start()
 
     def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:  # Ctrl-C as it waits: the call ends on the loop too, not later
+            future.cancel()
+            raise
 
     def _iterate(self, agen) -> Iterator:
         try:
