@@ -65,8 +65,8 @@ def _send(stream, data: bytes) -> None:
     stream.flush()
 
 
-def _receive(stream):
-    """The next message, or None where the other side has closed the pipe."""
+def _read(stream) -> Optional[bytes]:
+    """The next message's pickle, or None where the other side has closed the pipe."""
     head = stream.read(_FRAME.size)
     if len(head) < _FRAME.size:
         return None
@@ -74,7 +74,13 @@ def _receive(stream):
     data = stream.read(size)
     if len(data) < size:
         return None
-    return pickle.loads(data)
+    return data
+
+
+def _receive(stream):
+    """The next message, or None where the other side has closed the pipe."""
+    data = _read(stream)
+    return None if data is None else pickle.loads(data)
 
 
 def serve() -> None:
@@ -121,7 +127,10 @@ class _Process:
     def _run(self) -> None:
         owner = self.owner
         try:
-            hello = _receive(self.proc.stdout)
+            try:
+                hello = _receive(self.proc.stdout)
+            except Exception:  # noqa: BLE001 - bytes that are no pickle: not a process of ours
+                hello = None
             if not (isinstance(hello, tuple) and hello[0] == "ready"):
                 owner._lost(self, f"did not start (exit status {self.proc.wait()})")
                 return
@@ -135,15 +144,22 @@ class _Process:
                     continue
                 try:
                     _send(self.proc.stdin, args)
-                    reply = _receive(self.proc.stdout)
+                    data = _read(self.proc.stdout)
                 except (OSError, ValueError):
-                    reply = None
-                if reply is None:
+                    data = None
+                if data is None:
                     lost = PlannerError(f"key-making process {self.proc.pid} ended "
                                         f"(exit status {self.proc.poll()}) during a fetch")
                     future.set_exception(lost)
                     owner._lost(self, str(lost))
                     return
+                try:
+                    reply = pickle.loads(data)
+                except Exception as exc:  # noqa: BLE001 - read whole, so the next call is in step
+                    # (an exception whose class pickles only some of its arguments, HexError's)
+                    future.set_exception(PlannerError(f"an answer of key-making process "
+                                                      f"{self.proc.pid} could not be read: {exc!r}"))
+                    continue
                 if reply[0] == "ok":
                     with owner._lock:
                         owner.planned += 1

@@ -15,10 +15,10 @@ import pytest
 
 from morpho_client import AsyncPirClient, PirClient
 from morpho_client.plan import plan_window
-from morpho_client.planners import Planners, auto_planners
+from morpho_client.planners import PlannerError, Planners, auto_planners
 from morpho_pir.dpf import KEY_FORMAT_V2, KeyBatch, eval_pages
 from morpho_pir.http import EPOCH_HEADER, OCTET_STREAM
-from morpho_pir.protocol import KEYS_PER_QUERY
+from morpho_pir.protocol import KEYS_PER_QUERY, parse_hex
 from tests.conftest import REPO
 
 PAGES, DOMAIN_BITS = 64, 6
@@ -153,6 +153,21 @@ def test_each_process_draws_its_own_keys():
         assert (chosen == want).all()
         assert (window.pages[np.arange(len(window)), window.slots] == rows // 16).all()
 
+
+
+def test_an_answer_that_cannot_be_unpickled_fails_its_call_alone():
+    planners = Planners(1)
+    try:
+        wait_ready(planners, 1)
+        # HexError(message, code) pickles as HexError(message): loading it here raises TypeError
+        refused = planners.submit(parse_hex, "0xzz")
+        with pytest.raises(PlannerError, match="could not be read"):
+            refused.result(30)
+        rows = np.arange(16)
+        assert len(planners.submit(plan_window, rows, PAGES, DOMAIN_BITS).result(30)) == 16
+        assert planners.planned == 1  # on the same process, which goes on
+    finally:
+        planners.close()
 
 def test_a_bad_planner_count_is_refused_saying_what_is_allowed():
     for bad in (-1, 65, 1.5, True, "2"):
