@@ -289,6 +289,11 @@ class Planners(concurrent.futures.Executor):
         """Windows the processes have planned."""
         return self._pool.planned
 
+    @property
+    def broken(self) -> bool:
+        """Whether every process has ended: submit() refuses, and a new Planners is needed."""
+        return self._pool._broken is not None
+
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
         """fn(*args, **kwargs) on a process that is free (or on this process's thread while
         none has started yet)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -132,6 +133,20 @@ def test_planners_dropped_without_close_end_their_processes():
     del planners
     gc.collect()
     assert gone(pid)
+
+
+def test_a_fetch_after_the_processes_were_killed_starts_new_ones():
+    rows = np.random.default_rng(4).integers(0, ROWS, 640).tolist()
+    with PirClient("http://a.test", "http://b.test", **options(planners=1)) as client:
+        assert client.fetch_rows(rows) == expected(rows)
+        first = client.core._planners_pool
+        wait_ready(first, 1)
+        os.kill(first.pids[0], signal.SIGKILL)  # the OOM killer, say
+        first._pool.processes[0].proc.wait(20)
+        with pytest.raises(PlannerError, match="ended"):  # the fetch that finds it dead
+            client.fetch_rows(rows)
+        assert client.fetch_rows(rows) == expected(rows)  # the next, on a new process
+        assert client.core._planners_pool is not first
 
 def test_each_process_draws_its_own_keys():
     planners = Planners(2)
