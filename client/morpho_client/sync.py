@@ -42,7 +42,7 @@ class PirClient:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(agen.aclose())
+            self._run(_closed(agen))
 
     # The options and what the last fetch used, read and set on the core.
     def __getattr__(self, name: str):
@@ -120,3 +120,12 @@ class PirClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _closed(agen) -> None:
+    """agen.aclose(), once a step of it that was cancelled (Ctrl-C as it waited) has run its
+    cleanup: closing a generator still in a step is a RuntimeError that would hide the
+    interrupt."""
+    while agen.ag_running:
+        await asyncio.sleep(0.005)
+    await agen.aclose()

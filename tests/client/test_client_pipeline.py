@@ -182,7 +182,10 @@ def test_decoys_are_distinct_and_the_slot_uniform():
     assert json.dumps(choose_pages_many(np.array([0, 1]), 2)[0].tolist())  # two pages: repeats
 
 
-def test_ctrl_c_in_a_blocking_fetch_cancels_its_requests():
+@pytest.mark.parametrize("fetch", [lambda client: client.fetch_rows(range(64)),
+                                   lambda client: list(client.iter_rows(range(64)))],
+                         ids=["fetch_rows", "iter_rows"])
+def test_ctrl_c_in_a_blocking_fetch_cancels_its_requests(fetch):
     parties = FakeParty(delay=60), FakeParty(delay=60)  # answers that do not come in time
 
     async def route(request: httpx.Request):
@@ -198,8 +201,8 @@ def test_ctrl_c_in_a_blocking_fetch_cancels_its_requests():
                        planners=0, transport=httpx.MockTransport(route))
     try:
         threading.Thread(target=interrupt_when_sent, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            client.fetch_rows(range(64))
+        with pytest.raises(KeyboardInterrupt):  # itself, not an error of closing the iterator
+            fetch(client)
         deadline = time.monotonic() + 5
         while any(p.in_flight for p in parties):  # the fetch ends in the loop too
             assert time.monotonic() < deadline, "the fetch went on after Ctrl-C"
