@@ -345,11 +345,16 @@ class AsyncPirClient(BulkJobs, Lookups):
 
     def _planner_pool(self) -> Optional[Planners]:
         """Processes that make keys beside this one (none: a thread of this process), started
-        on the first fetch of several windows and kept until close: key generation then takes
-        no time from the event loop's own thread, which reads the answers."""
+        on the first fetch of several windows and kept until close, or until they have all
+        ended: key generation then takes no time from the event loop's own thread, which reads
+        the answers."""
         count = self._planner_depth()
         if count == 0:
             return None
+        if self._planners_pool is not None and self._planners_pool.broken:
+            # its processes ended (killed, out of memory): that fetch failed, this one starts anew
+            self._planners_pool.close()
+            self._planners_pool = None
         if self._planners_pool is None:
             self._planners_pool = Planners(count)
         return self._planners_pool

@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -64,8 +65,8 @@ def _send(stream, data: bytes) -> None:
     stream.flush()
 
 
-def _receive(stream):
-    """The next message, or None where the other side has closed the pipe."""
+def _read(stream) -> Optional[bytes]:
+    """The next message's pickle, or None where the other side has closed the pipe."""
     head = stream.read(_FRAME.size)
     if len(head) < _FRAME.size:
         return None
@@ -73,7 +74,13 @@ def _receive(stream):
     data = stream.read(size)
     if len(data) < size:
         return None
-    return pickle.loads(data)
+    return data
+
+
+def _receive(stream):
+    """The next message, or None where the other side has closed the pipe."""
+    data = _read(stream)
+    return None if data is None else pickle.loads(data)
 
 
 def serve() -> None:
@@ -107,7 +114,7 @@ def serve() -> None:
 class _Process:
     """One key-making process and the thread that hands it requests, one at a time."""
 
-    def __init__(self, owner: "Planners", index: int) -> None:
+    def __init__(self, owner: "_Pool", index: int) -> None:
         paths = sorted({str(Path(module.__file__).resolve().parent.parent)
                         for module in (morpho_pir, sys.modules["morpho_client"])})
         self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, *paths],
@@ -120,7 +127,10 @@ class _Process:
     def _run(self) -> None:
         owner = self.owner
         try:
-            hello = _receive(self.proc.stdout)
+            try:
+                hello = _receive(self.proc.stdout)
+            except Exception:  # noqa: BLE001 - bytes that are no pickle: not a process of ours
+                hello = None
             if not (isinstance(hello, tuple) and hello[0] == "ready"):
                 owner._lost(self, f"did not start (exit status {self.proc.wait()})")
                 return
@@ -134,15 +144,22 @@ class _Process:
                     continue
                 try:
                     _send(self.proc.stdin, args)
-                    reply = _receive(self.proc.stdout)
+                    data = _read(self.proc.stdout)
                 except (OSError, ValueError):
-                    reply = None
-                if reply is None:
+                    data = None
+                if data is None:
                     lost = PlannerError(f"key-making process {self.proc.pid} ended "
                                         f"(exit status {self.proc.poll()}) during a fetch")
                     future.set_exception(lost)
                     owner._lost(self, str(lost))
                     return
+                try:
+                    reply = pickle.loads(data)
+                except Exception as exc:  # noqa: BLE001 - read whole, so the next call is in step
+                    # (an exception whose class pickles only some of its arguments, HexError's)
+                    future.set_exception(PlannerError(f"an answer of key-making process "
+                                                      f"{self.proc.pid} could not be read: {exc!r}"))
+                    continue
                 if reply[0] == "ok":
                     with owner._lock:
                         owner.planned += 1
@@ -166,16 +183,11 @@ class _Process:
             self.proc.wait()
 
 
-class Planners(concurrent.futures.Executor):
-    """`count` key-making processes, started at once and ready a moment later, as an Executor
-    (loop.run_in_executor takes it): submit(plan_window, rows, ...) runs on a process that is
-    free, or on a thread of this process while none has started yet, so that a fetch never
-    waits for them. The function and its arguments are pickled, so the function is one of a
-    module's (plan.plan_window, a lookup's planner). close() ends them all."""
+class _Pool:
+    """The processes, their threads and the queue of windows: what the threads hold, so that a
+    Planners nobody holds is collected, and its finalizer closes this."""
 
     def __init__(self, count: int) -> None:
-        if check_planners(count) is None or count < 1:
-            raise ValueError(f"Planners needs 1..{MAX_PLANNERS} processes, got {count!r}")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live = count
@@ -184,16 +196,13 @@ class Planners(concurrent.futures.Executor):
         self._broken: Optional[str] = None
         self._closed = False
         self._local = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pir-plan")
-        self.processes = [_Process(self, index) for index in range(count)]
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.proc.pid for p in self.processes]
-
-    @property
-    def ready(self) -> int:
-        """Processes that have started and take windows."""
-        return self._ready_count
+        self.processes: list[_Process] = []
+        try:
+            for index in range(count):
+                self.processes.append(_Process(self, index))
+        except BaseException:  # a process that could not start: those that did are ended
+            self.close()
+            raise
 
     def _ready(self, process: _Process) -> None:
         with self._lock:
@@ -214,9 +223,7 @@ class Planners(concurrent.futures.Executor):
             if job is not None and job[1].set_running_or_notify_cancel():
                 job[1].set_exception(PlannerError(f"no key-making process left: {why}"))
 
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-        """fn(*args, **kwargs) on a process that is free (or on this process's thread while
-        none has started yet)."""
+    def submit(self, fn, args, kwargs) -> concurrent.futures.Future:
         with self._lock:
             if self._closed:
                 raise PlannerError("the key-making processes are closed")
@@ -230,8 +237,6 @@ class Planners(concurrent.futures.Executor):
             return future
 
     def close(self) -> None:
-        """End every process (stdin closed, then killed after STOP_WAIT_S) and its thread;
-        windows not yet planned are cancelled."""
         with self._lock:
             if self._closed:
                 return
@@ -250,9 +255,54 @@ class Planners(concurrent.futures.Executor):
         for process in self.processes:
             process.reap(STOP_WAIT_S)
         for process in self.processes:
-            process.thread.join(STOP_WAIT_S)  # its process gone, its read has ended
+            if process.thread is not threading.current_thread():  # a finalizer may run on it
+                process.thread.join(STOP_WAIT_S)  # its process gone, its read has ended
             process.proc.stdout.close()
         self._local.shutdown(wait=False, cancel_futures=True)
+
+
+class Planners(concurrent.futures.Executor):
+    """`count` key-making processes, started at once and ready a moment later, as an Executor
+    (loop.run_in_executor takes it): submit(plan_window, rows, ...) runs on a process that is
+    free, or on a thread of this process while none has started yet, so that a fetch never
+    waits for them. The function and its arguments are pickled, so the function is one of a
+    module's (plan.plan_window, a lookup's planner). close() ends them all, as does the
+    collection of a Planners nobody closed, and the program's exit."""
+
+    def __init__(self, count: int) -> None:
+        if check_planners(count) is None or count < 1:
+            raise ValueError(f"Planners needs 1..{MAX_PLANNERS} processes, got {count!r}")
+        self._pool = _Pool(count)
+        self._close = weakref.finalize(self, self._pool.close)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.proc.pid for p in self._pool.processes]
+
+    @property
+    def ready(self) -> int:
+        """Processes that have started and take windows."""
+        return self._pool._ready_count
+
+    @property
+    def planned(self) -> int:
+        """Windows the processes have planned."""
+        return self._pool.planned
+
+    @property
+    def broken(self) -> bool:
+        """Whether every process has ended: submit() refuses, and a new Planners is needed."""
+        return self._pool._broken is not None
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        """fn(*args, **kwargs) on a process that is free (or on this process's thread while
+        none has started yet)."""
+        return self._pool.submit(fn, args, kwargs)
+
+    def close(self) -> None:
+        """End every process (stdin closed, then killed after STOP_WAIT_S) and its thread;
+        windows not yet planned are cancelled."""
+        self._close()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Executor's name for close(): windows not yet planned are cancelled either way."""

@@ -27,7 +27,12 @@ class PirClient:
         self._thread.start()
 
     def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:  # Ctrl-C as it waits: the call ends on the loop too, not later
+            future.cancel()
+            raise
 
     def _iterate(self, agen) -> Iterator:
         try:
@@ -37,7 +42,7 @@ class PirClient:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(agen.aclose())
+            self._run(_closed(agen))
 
     # The options and what the last fetch used, read and set on the core.
     def __getattr__(self, name: str):
@@ -115,3 +120,12 @@ class PirClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _closed(agen) -> None:
+    """agen.aclose(), once a step of it that was cancelled (Ctrl-C as it waited) has run its
+    cleanup: closing a generator still in a step is a RuntimeError that would hide the
+    interrupt."""
+    while agen.ag_running:
+        await asyncio.sleep(0.005)
+    await agen.aclose()

@@ -93,12 +93,16 @@ class _Reply(asyncio.BufferedProtocol):
     # -- one answer ---------------------------------------------------------------------------
     def expect(self) -> asyncio.Future:
         """A future of the next answer's (status, headers, body, keep-alive)."""
-        self.waiter = asyncio.get_running_loop().create_future()
+        waiter = self.waiter = asyncio.get_running_loop().create_future()
         self.filled = self.got = 0
         self.body, self.framing = None, ""
         if len(self.head) > MAX_HEAD_BYTES:
             self.head = bytearray(MAX_HEAD_BYTES)
-        return self.waiter
+        if self.lost or (self.transport is not None and self.transport.is_closing()):
+            # closed before the request was sent (a party at its limit closes new connections):
+            # nothing will come on it, and a request written there would wait out the timeout
+            self._fail(ConnectionResetError("the party closed the connection"))
+        return waiter
 
     def _read_head(self) -> None:
         end = self.head.find(b"\r\n\r\n", 0, self.filled)
@@ -259,6 +263,9 @@ class PartyPool:
                 except ValueError as exc:
                     conn.close()
                     raise ServerError(f"{url}: not an HTTP/1.1 answer ({exc})") from None
+                except BaseException:  # cancelled: its answer may still come, on no one's request
+                    conn.close()
+                    raise
                 if keep:
                     self._idle.append(conn)
                 else:

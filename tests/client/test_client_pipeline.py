@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
+import signal
+import threading
+import time
 import tracemalloc
 
 import httpx
@@ -176,3 +180,32 @@ def test_decoys_are_distinct_and_the_slot_uniform():
     with pytest.raises(ValueError, match=r"page 50 is outside \[0, 50\)"):
         choose_pages_many(np.array([50]), 50)
     assert json.dumps(choose_pages_many(np.array([0, 1]), 2)[0].tolist())  # two pages: repeats
+
+
+@pytest.mark.parametrize("fetch", [lambda client: client.fetch_rows(range(64)),
+                                   lambda client: list(client.iter_rows(range(64)))],
+                         ids=["fetch_rows", "iter_rows"])
+def test_ctrl_c_in_a_blocking_fetch_cancels_its_requests(fetch):
+    parties = FakeParty(delay=60), FakeParty(delay=60)  # answers that do not come in time
+
+    async def route(request: httpx.Request):
+        return await parties[request.url.host != "a.test"](request)
+
+    def interrupt_when_sent():
+        deadline = time.monotonic() + 30
+        while parties[0].in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the main thread waits for the fetch
+
+    client = PirClient("http://a.test", "http://b.test", key_format="v2", in_flight=2,
+                       planners=0, transport=httpx.MockTransport(route))
+    try:
+        threading.Thread(target=interrupt_when_sent, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):  # itself, not an error of closing the iterator
+            fetch(client)
+        deadline = time.monotonic() + 5
+        while any(p.in_flight for p in parties):  # the fetch ends in the loop too
+            assert time.monotonic() < deadline, "the fetch went on after Ctrl-C"
+            time.sleep(0.01)
+    finally:
+        client.close()

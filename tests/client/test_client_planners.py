@@ -3,7 +3,9 @@ process draws its own keys, none outlives its client, and a bad count is refused
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,10 +16,10 @@ import pytest
 
 from morpho_client import AsyncPirClient, PirClient
 from morpho_client.plan import plan_window
-from morpho_client.planners import Planners, auto_planners
+from morpho_client.planners import PlannerError, Planners, auto_planners
 from morpho_pir.dpf import KEY_FORMAT_V2, KeyBatch, eval_pages
 from morpho_pir.http import EPOCH_HEADER, OCTET_STREAM
-from morpho_pir.protocol import KEYS_PER_QUERY
+from morpho_pir.protocol import KEYS_PER_QUERY, parse_hex
 from tests.conftest import REPO
 
 PAGES, DOMAIN_BITS = 64, 6
@@ -98,6 +100,54 @@ def test_the_async_client_closes_its_processes_too():
     assert not any(alive(pid) for pid in pids)
 
 
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has ended and been reaped (a zombie still counts as alive)."""
+    deadline = time.monotonic() + 20
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_processes_end_with_a_client_dropped_without_close():
+    rows = list(range(0, ROWS, 3))
+
+    async def run():
+        client = AsyncPirClient("http://a.test", "http://b.test", **options(planners=2))
+        assert await client.fetch_rows(rows) == expected(rows)
+        planners = client._planners_pool
+        await asyncio.to_thread(wait_ready, planners, 2)
+        return planners.pids  # the client, never closed, goes with this frame
+    pids = asyncio.run(run())
+    gc.collect()
+    assert all(gone(pid) for pid in pids)
+
+
+def test_planners_dropped_without_close_end_their_processes():
+    planners = Planners(1)
+    wait_ready(planners, 1)
+    assert planners.submit(plan_window, np.arange(16), PAGES, DOMAIN_BITS).result(60).keys
+    pid = planners.pids[0]
+    del planners
+    gc.collect()
+    assert gone(pid)
+
+
+def test_a_fetch_after_the_processes_were_killed_starts_new_ones():
+    rows = np.random.default_rng(4).integers(0, ROWS, 640).tolist()
+    with PirClient("http://a.test", "http://b.test", **options(planners=1)) as client:
+        assert client.fetch_rows(rows) == expected(rows)
+        first = client.core._planners_pool
+        wait_ready(first, 1)
+        os.kill(first.pids[0], signal.SIGKILL)  # the OOM killer, say
+        first._pool.processes[0].proc.wait(20)
+        with pytest.raises(PlannerError, match="ended"):  # the fetch that finds it dead
+            client.fetch_rows(rows)
+        assert client.fetch_rows(rows) == expected(rows)  # the next, on a new process
+        assert client.core._planners_pool is not first
+
 def test_each_process_draws_its_own_keys():
     planners = Planners(2)
     try:
@@ -118,6 +168,21 @@ def test_each_process_draws_its_own_keys():
         assert (chosen == want).all()
         assert (window.pages[np.arange(len(window)), window.slots] == rows // 16).all()
 
+
+
+def test_an_answer_that_cannot_be_unpickled_fails_its_call_alone():
+    planners = Planners(1)
+    try:
+        wait_ready(planners, 1)
+        # HexError(message, code) pickles as HexError(message): loading it here raises TypeError
+        refused = planners.submit(parse_hex, "0xzz")
+        with pytest.raises(PlannerError, match="could not be read"):
+            refused.result(30)
+        rows = np.arange(16)
+        assert len(planners.submit(plan_window, rows, PAGES, DOMAIN_BITS).result(30)) == 16
+        assert planners.planned == 1  # on the same process, which goes on
+    finally:
+        planners.close()
 
 def test_a_bad_planner_count_is_refused_saying_what_is_allowed():
     for bad in (-1, 65, 1.5, True, "2"):

@@ -106,3 +106,54 @@ def test_an_answer_cut_short_is_an_error_naming_the_url():
             pool.close()
             server.close()
     asyncio.run(run())
+
+
+def test_a_request_cancelled_mid_answer_closes_its_connection():
+    closed = asyncio.Event()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read()  # no answer: waits until the client closes the connection
+        closed.set()
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        pool = PartyPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", 1, timeout=30)
+        try:
+            request = asyncio.ensure_future(pool.post("/q", b"", "a/b", "a/b"))
+            await asyncio.sleep(0.2)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            # its answer could still come on it: the connection is closed, not left open
+            await asyncio.wait_for(closed.wait(), 5)
+        finally:
+            pool.close()
+            server.close()
+    asyncio.run(run())
+
+
+def test_a_new_connection_the_party_closed_at_once_fails_without_waiting():
+    async def handle(reader, writer):
+        writer.close()  # accepted and closed before any request, as a party at its limit may
+
+    class SlowToHandOver(PartyPool):
+        async def _connect(self):
+            conn = await super()._connect()
+            await asyncio.sleep(0.2)  # the party's close arrives before the request is sent
+            return conn
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = SlowToHandOver(url, 1, timeout=10)
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ServerError, match=f"{url}/q: the connection broke"):
+                await pool.post("/q", b"", "a/b", "a/b")
+            assert asyncio.get_running_loop().time() - started < 5  # not the whole timeout
+        finally:
+            pool.close()
+            server.close()
+    asyncio.run(run())
