@@ -1,6 +1,7 @@
 """Views of the PIR API: validate with a serializer, hand the queries to the engine, answer."""
 from __future__ import annotations
 
+import logging
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.conf import settings
@@ -46,6 +47,8 @@ from queries.api.serializers import (
     PageQuerySerializer,
 )
 from queries.metrics import observe_query
+
+log = logging.getLogger(__name__)
 
 
 class PublicAPIView(APIView):
@@ -111,12 +114,14 @@ def answer(engine: QueryEngine, epoch, data):
     keys = data["key_batch"]
     try:
         return engine.submit_keys(keys, query_key_counts(len(keys))).result(timeout=timeout)
-    except ValueError:
+    except ValueError as exc:
         # The keys were validated against `epoch`; the engine (here or in the engine server)
-        # refuses them only if it switched to an epoch of another domain since. The client
-        # re-reads /epoch and retries.
+        # refuses them only if it switched to an epoch of another domain since, which a
+        # RemoteEngine may not know yet (its epoch comes with the engine server's answers). The
+        # client re-reads /epoch and retries.
         if engine.epoch.epoch_id == epoch.epoch_id:
-            raise
+            log.warning("the engine refused keys checked against its epoch %s: %s",
+                        epoch.epoch_id, exc)
         raise EngineUnavailable("the epoch changed while the request was validated", 1) from None
     except FutureTimeout:
         # Not cancelled: the engine resolves every future it dequeued, and the answer is

@@ -292,6 +292,21 @@ def test_answer_not_ready_in_time_is_a_503(api, settings):
     assert response.status_code == 200 and sha(response.json()["pages"][0]) == ANSWER0_SHA256
 
 
+def test_keys_the_engine_refuses_after_validation_are_a_503_not_a_500(api, monkeypatch):
+    # An engine server that switched epochs refuses keys that this web process checked against
+    # the epoch it still knows (a RemoteEngine learns the switch with its next answer): the client
+    # is told to read /epoch again, whatever this process's copy of the epoch says.
+    engine = get_engine()
+
+    def refuse(keys, counts):
+        raise ValueError("keys of domain_bits 3 for an epoch of domain_bits 20")
+
+    monkeypatch.setattr(engine, "submit_keys", refuse)
+    response = post(api, SINGLE, {"keys": [GOOD] * 3})
+    assert response.status_code == 503 and response["Retry-After"] == "1"
+    assert response.json() == {"detail": "the epoch changed while the request was validated"}
+
+
 def test_malformed_content_length_is_a_400(api):
     response = post(api, SINGLE, {"keys": [GOOD] * 3}, CONTENT_LENGTH="12x")
     assert response.status_code == 400
