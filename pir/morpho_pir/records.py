@@ -113,6 +113,13 @@ class RecordsTable:
     # -- where a key lives -------------------------------------------------------------------
 
     def check_key(self, key: bytes) -> bytes:
+        # bytes() of a str fails with a riddle, and of an int is that many zero bytes: a key
+        # that would look up something else than the one meant
+        if isinstance(key, str):
+            raise TypeError(f"key: expected bytes, got the str {key[:24]!r}"
+                            f"{'...' if len(key) > 24 else ''} (bytes.fromhex reads hex)")
+        if isinstance(key, int):
+            raise TypeError(f"key: expected bytes, got the int {key}")
         key = bytes(key)
         if len(key) != self.key_bytes:
             raise RecordsError(f"key: expected {self.key_bytes} bytes, got {len(key)}")
