@@ -122,7 +122,8 @@ class RecordsTable:
             raise TypeError(f"key: expected bytes, got the int {key}")
         key = bytes(key)
         if len(key) != self.key_bytes:
-            raise RecordsError(f"key: expected {self.key_bytes} bytes, got {len(key)}")
+            shown = key[:20].hex() + ("..." if len(key) > 20 else "")  # which one, of a file's
+            raise RecordsError(f"key 0x{shown}: expected {self.key_bytes} bytes, got {len(key)}")
         return key
 
     def candidate_pages(self, key: bytes) -> tuple:

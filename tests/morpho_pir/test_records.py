@@ -92,7 +92,7 @@ def test_find_returns_the_value_once_none_when_absent_and_refuses_twice():
     pages[2][15 * ROW_BYTES] = 0  # type 0 with bytes in it: not this layout
     with pytest.raises(RecordsError, match="empty row .* holds non-zero bytes"):
         table.find(key, [bytes(p) for p in pages])
-    with pytest.raises(RecordsError, match="key: expected 4 bytes, got 3"):
+    with pytest.raises(RecordsError, match="key 0x616263: expected 4 bytes, got 3"):
         table.find(b"abc", [bytes(p) for p in pages])
 
 
