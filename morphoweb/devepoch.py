@@ -62,6 +62,11 @@ def main(argv=None) -> int:
     parser.add_argument("matrix", help="the epoch's matrix file")
     parser.add_argument("--epoch-id", type=int, help="default: the file's sidecar's")
     args, rest = parser.parse_known_args(argv)
+    matrix = Path(args.matrix).resolve()
+    if not matrix.is_file():  # else the missing sidecar's epoch id would be the complaint
+        print(f"{args.matrix}: no such file; make one first (`manage.py make_matrix ... --out "
+              f"FILE`, or `build_records`: docs/OPERATIONS.md, Switching epochs)", file=sys.stderr)
+        return 2
     var_dir = state_folder()
     envs = {name: party_env(name, demo_matrix(var_dir, demo_pages()), var_dir) for name in PARTIES}
     # the SQLite file of each party, as its processes name it
@@ -72,7 +77,6 @@ def main(argv=None) -> int:
         print(f"no database of party {', '.join(m.upper() for m in missing)} in {var_dir}: start "
               f"the parties with `make run` (VAR= as there) first", file=sys.stderr)
         return 2
-    matrix = Path(args.matrix).resolve()
     epoch_id = args.epoch_id if args.epoch_id is not None else _sidecar_epoch_id(matrix)
     if epoch_id is None:
         print(f"{args.matrix}: no epoch id. Both parties must serve the same one: give it with "

@@ -212,9 +212,9 @@ def _party(name: str, host: str, port: int, matrix: Path, var_dir: Path, web_wor
 DEMOS = ("pages", "accounts")
 
 
-def _accounts_demo(var_dir: Path, accounts: int) -> tuple[Path, str]:
+def _accounts_demo(var_dir: Path, accounts: int) -> tuple[Path, str, str]:
     """The accounts demo's records epoch (made once): make_accounts, then build_records of its
-    state table; and the client options that look its first account up."""
+    state table; the client options that look its first account up; and where its dataset is."""
     dataset = var_dir / f"demo-accounts-{accounts}.jsonl"
     matrix = var_dir / "matrices" / f"demo-accounts-{accounts}.bin"
     if not matrix.exists():
@@ -225,7 +225,10 @@ def _accounts_demo(var_dir: Path, accounts: int) -> tuple[Path, str]:
                  "--out", str(matrix), "--type-column", "type", "--seed", "1"], dict(os.environ))
     with open(dataset) as fh:
         address = bytes.fromhex(json.loads(fh.readline())["address"][2:])
-    return matrix, f"--key 0x{state_key(ACCOUNT_TYPE, address).hex()}"
+    state = dataset.with_name(dataset.stem + ".state.jsonl")
+    where = (f"dataset: {dataset} (an account a line: address, balance, nonce, code, storage); "
+             f"the table's keys and values: {state}\n")
+    return matrix, f"--key 0x{state_key(ACCOUNT_TYPE, address).hex()}", where
 
 
 def main(argv=None) -> int:
@@ -279,14 +282,14 @@ def main(argv=None) -> int:
     var_dir.mkdir(parents=True, exist_ok=True)
     var_dir.chmod(0o700)
     if args.demo == "accounts":
-        matrix, hint = _accounts_demo(var_dir, args.accounts)
+        matrix, hint, dataset = _accounts_demo(var_dir, args.accounts)
     else:
         matrix = demo_matrix(var_dir, args.pages)
         if not matrix.exists():
             print(f"generating the demo matrix {matrix} ({args.pages} pages)", flush=True)
             _manage(["make_matrix", "--pages", str(args.pages), "--seed", "1", "--out",
                      str(matrix)], dict(os.environ))
-        hint = "--row 1234 --row 99 --batch"
+        hint, dataset = "--row 1234 --row 99 --batch", ""
 
     children: list[Child] = []
     try:
@@ -315,7 +318,8 @@ def main(argv=None) -> int:
             f"{args.web_workers} web processes x {args.threads} threads, an engine server "
             f"({var_dir}/engine-<party>.sock), bulk workers\n"
             f"demo matrix: {matrix} (served until another epoch is activated; "
-            f"`make epoch MATRIX=FILE{_var_arg(var_dir)}` switches both parties)\n\n"
+            f"`make epoch MATRIX=FILE{_var_arg(var_dir)}` switches both parties)\n"
+            f"{dataset}\n"
             f"try:  .venv/bin/morpho-client --server-a {urls['a']} "
             f"--server-b {urls['b']} {hint}\n"
             + (f"      .venv/bin/morpho-rpc --server-a {urls['a']} --server-b {urls['b']} "

@@ -26,9 +26,10 @@ Each party sees only pseudorandom DPF keys: neither learns which rows were read,
 the two do not collude. Rows come from --row (repeatable), from a file (--rows FILE: a
 pipelined fetch of batch queries, any number of rows) or through one bulk job per party
 (--bulk FILE, resumable). In a records epoch, --key HEX (repeatable) and --keys FILE look
-keys up instead (`key 0x...: 0x...` or `key 0x...: absent` a line): one query of the key's
-three candidate pages, the same traffic whether it is there or not. Exit status 0 when every row was fetched, 1 on any error (a row is
-never printed from answers of two different epochs or served states)."""
+keys up instead, `key 0x...: 0x... (type T)` or `key 0x...: absent` a line: one query of
+the key's three candidate pages, the same traffic whether it is there or not. Exit status 0
+when every row was fetched or every key looked up, found or absent; 1 on any error (a row
+or value is never printed from answers of two different epochs or served states)."""
 
 
 def seconds(minimum: float, inclusive: bool):
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "line, # comments)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE",
-                     help="write the rows there (row N: 0x...) instead of stdout; written beside "
+                     help="write the rows (row N: 0x...) or keys there instead of stdout; written beside "
                           "it and renamed at the end, so a failed fetch leaves no partial file")
     out.add_argument("-q", "--quiet", action="store_true",
                      help="no progress bar (there is none either when stderr is not a terminal)")

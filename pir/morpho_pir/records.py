@@ -113,9 +113,17 @@ class RecordsTable:
     # -- where a key lives -------------------------------------------------------------------
 
     def check_key(self, key: bytes) -> bytes:
+        # bytes() of a str fails with a riddle, and of an int is that many zero bytes: a key
+        # that would look up something else than the one meant
+        if isinstance(key, str):
+            raise TypeError(f"key: expected bytes, got the str {key[:24]!r}"
+                            f"{'...' if len(key) > 24 else ''} (bytes.fromhex reads hex)")
+        if isinstance(key, int):
+            raise TypeError(f"key: expected bytes, got the int {key}")
         key = bytes(key)
         if len(key) != self.key_bytes:
-            raise RecordsError(f"key: expected {self.key_bytes} bytes, got {len(key)}")
+            shown = key[:20].hex() + ("..." if len(key) > 20 else "")  # which one, of a file's
+            raise RecordsError(f"key 0x{shown}: expected {self.key_bytes} bytes, got {len(key)}")
         return key
 
     def candidate_pages(self, key: bytes) -> tuple:

@@ -5,6 +5,7 @@ import binascii
 from typing import Optional
 
 from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from morpho_pir.dpf import (
@@ -185,6 +186,9 @@ def checked_batch(keys) -> KeyBatch:
     return KeyBatch.from_bytes(raw, key_domain_bits(raw), trusted=True)
 
 
+@extend_schema_field({"type": "string", "description": "one DPF key as hex (0x optional): "
+                       "35 + 18 * domain_bits bytes (v1) or 36 + 18 * max(domain_bits - 7, 0) "
+                       "(v2), domain_bits of GET /epoch (docs/PROTOCOL.md section 3)"})
 class DpfKeyField(serializers.Field):
     """One DPF key as hex (with or without 0x), checked against the server's domain_bits; its
     validated value is the key's bytes."""

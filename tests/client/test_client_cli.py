@@ -37,9 +37,13 @@ def test_help_names_every_option():
                           text=True, timeout=60, check=True)
     for option in ("--row", "--rows", "--bulk", "--out", "--quiet", "--verbose", "--batch",
                    "--timeout", "--encoding", "--key-format", "--in-flight", "--switch-deadline",
-                   "--state", "--token-a", "--token-b", "--poll"):
+                   "--state", "--token-a", "--token-b", "--poll", "--key", "--keys", "--planners"):
         assert option in done.stdout, option
     assert done.stdout.startswith("usage: morpho-client")
+    # what a lookup prints and exits with, in lines a terminal shows whole
+    assert "`key 0x...: 0x... (type T)`" in done.stdout
+    assert "every key looked up, found or absent" in done.stdout
+    assert max(len(line) for line in done.stdout.splitlines()) <= 100
 
 
 def test_the_bar_is_on_stderr_and_off_where_it_means_nothing(capsys):

@@ -192,4 +192,4 @@ def test_the_cli_looks_keys_up_from_arguments_and_a_file(parties, tmp_path, caps
         cli_main(["--server-a", a, "--server-b", b, "--key", "abc"])  # odd hex: a usage error
     assert "key 'abc': expected an even number of hex digits" in capsys.readouterr().err
     assert cli_main(["--server-a", a, "--server-b", b, "--key", "ab" * 19]) == 1
-    assert "key: expected 20 bytes, got 19" in capsys.readouterr().err
+    assert f"key 0x{'ab' * 19}: expected 20 bytes, got 19" in capsys.readouterr().err

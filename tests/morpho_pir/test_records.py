@@ -92,8 +92,19 @@ def test_find_returns_the_value_once_none_when_absent_and_refuses_twice():
     pages[2][15 * ROW_BYTES] = 0  # type 0 with bytes in it: not this layout
     with pytest.raises(RecordsError, match="empty row .* holds non-zero bytes"):
         table.find(key, [bytes(p) for p in pages])
-    with pytest.raises(RecordsError, match="key: expected 4 bytes, got 3"):
+    with pytest.raises(RecordsError, match="key 0x616263: expected 4 bytes, got 3"):
         table.find(b"abc", [bytes(p) for p in pages])
+
+
+def test_a_key_given_as_hex_text_or_a_number_is_refused_naming_what_was_given():
+    table = RecordsTable(seed=1, num_pages=10, key_bytes=4, value_bytes=2)
+    with pytest.raises(TypeError, match=r"key: expected bytes, got the str '0x6b6b6b6b' "
+                                        r"\(bytes.fromhex reads hex\)"):
+        table.check_key("0x6b6b6b6b")
+    with pytest.raises(TypeError, match="key: expected bytes, got the int 4"):
+        table.check_key(4)  # bytes(4) would be a key of four zero bytes
+    assert table.check_key(bytearray(b"kkkk")) == b"kkkk"
+    assert table.check_key(memoryview(b"kkkk")) == b"kkkk"
 
 
 def test_parameters_come_back_from_their_description_and_a_wrong_fingerprint_is_refused():

@@ -32,6 +32,9 @@ def test_make_run_accounts_serves_a_records_epoch_the_printed_lookup_reads(tmp_p
             time.sleep(0.5)
         printed = log_path.read_text()
         assert "morpho-rpc --server-a" in printed
+        # where to read what the lookups should answer
+        assert f"dataset: {var / 'demo-accounts-300.jsonl'} (an account a line" in printed
+        assert f"the table's keys and values: {var / 'demo-accounts-300.state.jsonl'}" in printed
         key = re.search(r"--key (0x[0-9a-f]+)", printed).group(1)
         epoch = http_json(f"http://127.0.0.1:{ports[0]}/epoch")[2]
         assert epoch["records"]["key_bytes"] == 53 and epoch["records"]["value_bytes"] == 192
