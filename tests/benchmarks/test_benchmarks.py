@@ -14,7 +14,10 @@ from tests.conftest import REPO, wait_until
 
 BENCHMARKS = REPO / "benchmarks"
 RESULTS = REPO / "docs" / "benchmarks"
-SCRIPTS = sorted(p for p in BENCHMARKS.iterdir() if p.suffix == ".sh"
+# what a reader runs: shell scripts with a #! line (one without is sourced by them) and Python
+# files with a main guard (one without is imported by them)
+SCRIPTS = sorted(p for p in BENCHMARKS.iterdir()
+                 if (p.suffix == ".sh" and p.read_text().startswith("#!"))
                  or (p.suffix == ".py" and 'if __name__ == "__main__":' in p.read_text()))
 PY_SCRIPTS = [p for p in SCRIPTS if p.suffix == ".py"]
 # Where a reader is told to run something: every benchmarks/... path named there must exist.
