@@ -215,13 +215,19 @@ class _Pool:
                 return
             self._broken = why
         # no process is left to take the queued windows: each fails, saying why
+        for future in self._queued():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(PlannerError(f"no key-making process left: {why}"))
+
+    def _queued(self):
+        """The futures of the windows still queued, taken off the queue."""
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None and job[1].set_running_or_notify_cancel():
-                job[1].set_exception(PlannerError(f"no key-making process left: {why}"))
+            if job is not None:
+                yield job[1]
 
     def submit(self, fn, args, kwargs) -> concurrent.futures.Future:
         with self._lock:
@@ -241,13 +247,8 @@ class _Pool:
             if self._closed:
                 return
             self._closed = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[1].cancel()
+        for future in self._queued():
+            future.cancel()
         for _ in self.processes:
             self._jobs.put(None)
         for process in self.processes:
