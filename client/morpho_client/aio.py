@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import time
@@ -296,48 +297,77 @@ class AsyncPirClient(BulkJobs, Lookups):
         self._shape = (info.num_pages, info.domain_bits)
         self.last_key_format = self.key_format_for(info)
         key_format = format_by_name(self.last_key_format)
-        in_flight = await self.requests_in_flight()
         step = self.max_batch if batch else 1
+
+        def take(source, count: int) -> np.ndarray:
+            taken = np.fromiter(itertools.islice(source, count), dtype=np.int64)
+            bad = (taken < 0) | (taken >= info.num_rows)
+            if bad.any():
+                raise ValueError(f"row {int(taken[np.argmax(bad)])} is outside "
+                                 f"[0, {info.num_rows})")
+            return taken
+
+        pipeline = self._pipelined(
+            rows, take, lambda taken: (plan_window, taken, info.num_pages, info.domain_bits,
+                                       key_format),
+            lambda window, first, last: self.ask(window, first, last, batch),
+            lambda asked, answer: (asked, answer.rows(asked)), step)
+        async with contextlib.aclosing(pipeline):  # its requests cancelled as this one ends
+            async for found in pipeline:
+                yield found
+
+    async def _pipelined(self, source: Iterable, take, plan, ask, found, step: int):
+        """found(items, answer) request by request, in the order asked: `source` is read a
+        window at a time (take(iterator, in_flight * step), empty at its end), the window's
+        keys made by plan(items) -> (function, *arguments) on a planner while earlier requests
+        are answered, and items[first:last] asked by ask(window, first, last), `step` items a
+        request and in_flight requests at each party at once. Memory holds a few windows of
+        keys and in_flight answers, however long `source` is."""
+        in_flight = await self.requests_in_flight()
         loop = asyncio.get_running_loop()
-        source = iter(rows)
-        ahead: collections.deque = collections.deque()  # windows being planned, in order
-        pending: collections.deque = collections.deque()  # requests in flight, in order
+        source = iter(source)
+        ahead: collections.deque = collections.deque()  # (items, their window being planned)
+        pending: collections.deque = collections.deque()  # (items, request in flight), in order
         exhausted = False
 
         def plan_more() -> None:
-            """Read the next windows' rows and start planning them, up to the planners' depth."""
+            """Read the next windows' items and start planning them, up to the planners' depth."""
             nonlocal exhausted
             while not exhausted and len(ahead) < self._planner_depth() + 1:
-                taken = np.fromiter(itertools.islice(source, in_flight * step), dtype=np.int64)
-                if taken.size == 0:
+                items = take(source, in_flight * step)
+                if len(items) == 0:
                     exhausted = True
                     return
-                bad = (taken < 0) | (taken >= info.num_rows)
-                if bad.any():
-                    raise ValueError(f"row {int(taken[np.argmax(bad)])} is outside "
-                                     f"[0, {info.num_rows})")
                 # a fetch of several windows: key-making processes pay for themselves
                 planners = self._planner_pool() if ahead or pending else None
-                ahead.append(loop.run_in_executor(planners, plan_window, taken, info.num_pages,
-                                                  info.domain_bits, key_format))
+                ahead.append((items, loop.run_in_executor(planners, *plan(items))))
+
+        async def take_first():
+            items, task = pending[0]
+            answer = await task
+            pending.popleft()
+            return found(items, answer)
 
         try:
             plan_more()
             while ahead:
-                window = await ahead.popleft()
+                items, planned = ahead[0]
+                window = await planned
+                ahead.popleft()
                 plan_more()  # the next windows' keys are made while this one is answered
-                for first in range(0, len(window), step):
+                for first in range(0, len(items), step):
                     while len(pending) >= in_flight:
-                        yield await _take(pending)
-                    last = min(first + step, len(window))
-                    pending.append((window.rows[first:last],
-                                    asyncio.ensure_future(self.ask(window, first, last, batch))))
+                        yield await take_first()
+                    last = min(first + step, len(items))
+                    pending.append((items[first:last],
+                                    asyncio.ensure_future(ask(window, first, last))))
             while pending:
-                yield await _take(pending)
+                yield await take_first()
         finally:
             for _, task in pending:
                 task.cancel()
-            await asyncio.gather(*(task for _, task in pending), *ahead, return_exceptions=True)
+            await asyncio.gather(*(task for _, task in pending),
+                                 *(planned for _, planned in ahead), return_exceptions=True)
 
     def _planner_depth(self) -> int:
         """Key-making processes of a long fetch: windows planned at once beside the one sent."""
@@ -362,15 +392,17 @@ class AsyncPirClient(BulkJobs, Lookups):
     async def iter_rows(self, rows: Iterable[int], batch: bool = True
                         ) -> AsyncIterator[tuple[int, bytes]]:
         """(row, 256 bytes) in the order asked, as the answers come; see iter_answers."""
-        async for asked, data in self.iter_answers(rows, batch):
-            for row, content in zip(asked.tolist(), data):
-                yield row, content
+        async with contextlib.aclosing(self.iter_answers(rows, batch)) as answers:
+            async for asked, data in answers:
+                for row, content in zip(asked.tolist(), data):
+                    yield row, content
 
     async def fetch_rows(self, rows: Sequence[int], batch: bool = True) -> list[bytes]:
         """The 256-byte rows, in the order asked."""
         out: list[bytes] = []
-        async for _, data in self.iter_answers([int(r) for r in rows], batch):
-            out.extend(data)
+        async with contextlib.aclosing(self.iter_answers([int(r) for r in rows], batch)) as answers:
+            async for _, data in answers:
+                out.extend(data)
         return out
 
     async def fetch_row(self, row: int) -> bytes:
@@ -403,10 +435,3 @@ class AsyncPirClient(BulkJobs, Lookups):
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
-
-
-async def _take(pending: collections.deque):
-    rows, task = pending[0]
-    answer = await task
-    pending.popleft()
-    return rows, answer.rows(rows)

@@ -8,8 +8,7 @@ usual check), and the key's row is picked among their 48 rows by its full key.
 """
 from __future__ import annotations
 
-import asyncio
-import collections
+import contextlib
 import itertools
 import json
 from typing import AsyncIterator, Iterable, Optional, Sequence
@@ -139,54 +138,24 @@ class Lookups:
         requests at each party at once; `keys` is read a window (in_flight requests) at a time
         and each window's keys made on a planner while earlier requests are answered, as
         iter_answers does. A key found twice is a RecordsError (a corrupt table)."""
-        async for found in self._lookups(await self.settled_epoch(), keys):
-            yield found
+        async with contextlib.aclosing(self._lookups(await self.settled_epoch(), keys)) as found:
+            async for each in found:
+                yield each
 
-    async def _lookups(self, info: EpochInfo, keys: Iterable[bytes]):
+    def _lookups(self, info: EpochInfo, keys: Iterable[bytes]) -> AsyncIterator:
+        """The fetches' pipeline (AsyncPirClient._pipelined) over keys: (keys, Records or None)."""
         table = records_table(info, self.servers)
         self._shape = (info.num_pages, info.domain_bits)
         self.last_key_format = self.key_format_for(info)
         key_format = format_by_name(self.last_key_format)
-        in_flight = await self.requests_in_flight()
-        step = self.max_batch
-        loop = asyncio.get_running_loop()
-        source = iter(keys)
-        ahead: collections.deque = collections.deque()  # (keys, their window being planned)
-        pending: collections.deque = collections.deque()  # (keys, request in flight), in order
-        exhausted = False
-
-        def plan_more() -> None:
-            nonlocal exhausted
-            while not exhausted and len(ahead) < self._planner_depth() + 1:
-                chunk = [table.check_key(key) for key in itertools.islice(source, in_flight * step)]
-                if not chunk:
-                    exhausted = True
-                    return
-                # a lookup of several windows: key-making processes pay for themselves
-                executor = self._planner_pool() if ahead or pending else None
-                ahead.append((chunk, loop.run_in_executor(executor, plan_lookups, table, chunk,
-                                                          info.domain_bits, key_format)))
-
-        try:
-            plan_more()
-            while ahead:
-                chunk, planned = ahead[0]
-                window = await planned
-                ahead.popleft()
-                plan_more()  # the next windows' keys are made while this one is answered
-                for first in range(0, len(chunk), step):
-                    while len(pending) >= in_flight:
-                        yield await _take_found(table, pending)
-                    last = min(first + step, len(chunk))
-                    pending.append((chunk[first:last], asyncio.ensure_future(
-                        self._ask_lookups(window, first, last, table.fingerprint_hex))))
-            while pending:
-                yield await _take_found(table, pending)
-        finally:
-            for _, task in pending:
-                task.cancel()
-            await asyncio.gather(*(task for _, task in pending),
-                                 *(planned for _, planned in ahead), return_exceptions=True)
+        return self._pipelined(
+            keys, lambda source, count: [table.check_key(key)
+                                         for key in itertools.islice(source, count)],
+            lambda chunk: (plan_lookups, table, chunk, info.domain_bits, key_format),
+            lambda window, first, last: self._ask_lookups(window, first, last,
+                                                          table.fingerprint_hex),
+            lambda asked, answer: (asked, table.find_many(asked, answer.pages)),
+            self.max_batch)
 
     async def lookup_records(self, keys: Sequence[bytes]) -> list[Optional[Record]]:
         """Each key's Record (its value and type), or None where the table does not hold it;
@@ -195,8 +164,9 @@ class Lookups:
         table = records_table(info, self.servers)
         keys = [table.check_key(key) for key in keys]
         found: list[Optional[Record]] = []
-        async for _, records in self._lookups(info, keys):
-            found.extend(records)
+        async with contextlib.aclosing(self._lookups(info, keys)) as lookups:
+            async for _, records in lookups:
+                found.extend(records)
         return found
 
     async def lookup_many(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
@@ -207,13 +177,6 @@ class Lookups:
     async def lookup(self, key: bytes) -> Optional[bytes]:
         """The key's value, or None: one query of its three candidate pages."""
         return (await self.lookup_many([key]))[0]
-
-
-async def _take_found(table: RecordsTable, pending: collections.deque):
-    keys, task = pending[0]
-    answer = await task
-    pending.popleft()
-    return keys, table.find_many(keys, answer.pages)
 
 
 def parse_key(text: str) -> bytes:
