@@ -35,6 +35,12 @@ class Upstream(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(answer)
             return
+        if self.path.startswith("/blob/"):  # /blob/N: N bytes, head and body in one write
+            size = int(self.path[6:])
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % size
+                             + bytes(size))
+            self.close_connection = True
+            return
         if self.path == "/cut":  # promises 100,000 bytes, sends 10, closes
             self.send_response(200)
             self.send_header("Content-Length", "100000")
