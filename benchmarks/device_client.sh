@@ -3,7 +3,7 @@
 # (the parties of `make run` on this host, the reference and the client in one run each), then the
 # client's key generation at d = 16, 20, 25. Each party gets a GPU of its own where the host has
 # two (GPUS=0,1, as `make run GPU_A=0 GPU_B=1`; GPUS=0 puts both on GPU 0), and the files are
-# named after the GPUs used: h200x2_65536_client.csv on two H200s, h200_65536_client.csv on one.
+# named after the GPUs used: h200x2_65536_client.csv on two H200s, h100_65536_client.csv on one H100.
 # PLANNERS= sets the client's key-making processes (default: the client's own choice). Run from
 # the repo root on the device with the Django/Celery wheels in WHL (default .whl); about 5 minutes:
 #   bash benchmarks/device_client.sh

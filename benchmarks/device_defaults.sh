@@ -4,7 +4,8 @@
 # against the engine at 65,536 and 1,048,576 pages (benchmarks/bulk.py, JSON and binary uploads).
 # Run from the repo root on the device with the Django/Celery wheels in .whl:
 #   bash benchmarks/device_defaults.sh   (CSVs and one log under $OUT; benchmarks/fold.py folds
-#   each figure's runs into the file docs/benchmarks/ keeps: bulk_h200.csv, layout_h200_mainnet.csv)
+#   each figure's runs into the files docs/benchmarks/ keeps, named after the GPU:
+#   bulk_h100.csv, layout_h200_mainnet.csv)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -12,6 +13,8 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/pir PATH=/tmp/site/bin:$PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG="$OUT/device_defaults.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
+MODEL=$(head -n 1 "$LOG" | grep -o -i -E 'h100|h200|a100|l40s?' | head -n 1 | tr 'A-Z' 'a-z')
+MODEL=${MODEL:-gpu}
 # what the server's default (MORPHO_MATRIX_LAYOUT=auto) picks here, and why
 python3 -c "from gpu_engine.backends import create_backend as c; d = c('cuda', layout='auto').describe(); print({k: d[k] for k in ('device', 'layout', 'layout_reason', 'pass_queries')})" 2>&1 | tee -a "$LOG"
 for pages in 65536 1048576; do
@@ -19,7 +22,7 @@ for pages in 65536 1048576; do
     timeout "${BULK_S:-100}" python3 benchmarks/bulk.py --backend cuda --pages $pages --queries 10000 \
         --concurrency 2,4 --port 9650 --out "$OUT/bulk_${pages}p.csv" 2>&1 | tee -a "$LOG" | tail -3
 done
-python3 benchmarks/fold.py --out "$OUT/bulk_h200.csv" --columns pages \
+python3 benchmarks/fold.py --out "$OUT/bulk_${MODEL}.csv" --columns pages \
     65536="$OUT/bulk_65536p.csv" 1048576="$OUT/bulk_1048576p.csv" 2>&1 | tee -a "$LOG"
 MAINNET=16817159
 for keys in v1 v2; do
@@ -30,6 +33,6 @@ for keys in v1 v2; do
             --repeat 2 --out "$OUT/layout_mainnet_${keys}_${layout}.csv" 2>&1 | tail -6 | tee -a "$LOG"
     done
 done
-python3 benchmarks/fold.py --out "$OUT/layout_h200_mainnet.csv" --columns key_format,layout \
+python3 benchmarks/fold.py --out "$OUT/layout_${MODEL}_mainnet.csv" --columns key_format,layout \
     v1,auto="$OUT/layout_mainnet_v1_auto.csv" v1,pages="$OUT/layout_mainnet_v1_pages.csv" \
     v2,auto="$OUT/layout_mainnet_v2_auto.csv" v2,pages="$OUT/layout_mainnet_v2_pages.csv" 2>&1 | tee -a "$LOG"
