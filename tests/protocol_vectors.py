@@ -1,4 +1,8 @@
 """The test vectors of docs/PROTOCOL.md section 7 and its answer formula, shared by the test modules."""
+import re
+from pathlib import Path
+from typing import NamedTuple
+
 import numpy as np
 
 from morpho_pir.dpf import KeyBatch, eval_pages
@@ -47,35 +51,63 @@ def _with_byte(key_hex: str, offset: int, value: int) -> str:
     return key_hex[:2 * offset] + f"{value:02x}" + key_hex[2 * offset + 2:]
 
 
-# Refusals (docs/PROTOCOL.md section 7) on the d = 8 vector epoch: one query's three keys as hex
-# -> the one error's field, code and words, the same in JSON and in binary (where the message
-# adds the key's body bytes).
-REFUSALS = {
-    "v1 length, format byte 0x80": (
-        [KEY0_HEX, _with_byte(KEY0_HEX, 18, 0x80), KEY0_HEX], "queries[0].keys[1]", "key_format",
-        "format byte (byte 18) is 0x80"),
-    "v1 length, format byte 0x81": (
-        [KEY0_HEX, KEY1_HEX, _with_byte(KEY0_HEX, 18, 0x81)], "queries[0].keys[2]", "key_format",
-        "format byte (byte 18) is 0x81"),
-    "v1 length, format byte 0xff": (
-        [KEY0_HEX, _with_byte(KEY0_HEX, 18, 0xFF), KEY0_HEX], "queries[0].keys[1]", "key_format",
-        "format byte (byte 18) is 0xff"),
-    "v2 length, format byte 0x80": (
-        [V2_KEY0_HEX, _with_byte(V2_KEY0_HEX, 18, 0x80), V2_KEY1_HEX], "queries[0].keys[1]",
-        "key_format", "format byte (byte 18) is 0x80"),
-    "v1, domain_bits byte 0": (
-        [KEY0_HEX, KEY1_HEX, _with_byte(KEY0_HEX, 18, 0)], "queries[0].keys[2]", "key_format",
-        "domain_bits byte is 0, expected 1..32"),
-    "v1 of the epoch's length, domain_bits byte 9": (
-        [KEY0_HEX, _with_byte(KEY0_HEX, 18, 9), KEY0_HEX], "queries[0].keys[1]", "key_format",
-        "key is 179 bytes but its domain_bits byte says 9, which needs 197 bytes"),
-    "v2, domain_bits byte 40": (
-        [V2_KEY0_HEX, _with_byte(V2_KEY0_HEX, 19, 40), V2_KEY0_HEX], "queries[0].keys[1]",
-        "key_format", "v2 key's domain_bits byte (byte 19) is 40, expected 1..32"),
-    "v2, party byte 2": (
-        [V2_KEY0_HEX, V2_KEY1_HEX, _with_byte(V2_KEY0_HEX, 17, 2)], "queries[0].keys[2]",
-        "key_format", "party byte is 2, expected 0 or 1"),
-}
+# The keys docs/PROTOCOL.md section 7 names, as its "Refusals" table spells them
+NAMED_KEYS = {"key0": KEY0_HEX, "key1": KEY1_HEX, "v2 key0": V2_KEY0_HEX, "v2 key1": V2_KEY1_HEX,
+              "small v2 key0": V2_SHORT_KEY0_HEX, "small v2 key1": V2_SHORT_KEY1_HEX}
+_KEY_TERM = re.compile(r"(?P<prefix>0[xX] \+ )?(?P<name>[a-z0-9 ]+?)(?P<cut>\[:\d+\])?"
+                       r"(?: with byte (?P<byte>\d+) = 0x(?P<value>[0-9a-f]{2}))?"
+                       r"(?P<upper> in upper case)?")
+_ERROR = re.compile(r"`([^`]+)` `([^`]+)` `([^`]+)`")
+
+
+class Refusal(NamedTuple):
+    """One row of section 7's "Refusals": a request, the encodings it is sent in, what it gets."""
+    label: str
+    domain_bits: int  # of the epoch it is sent to: 8, the vector matrix, or 4
+    queries: list  # each query's three keys as the JSON strings
+    binary: bool  # sent in binary too, as the keys' bytes concatenated
+    status: int
+    errors: list  # (field, code, JSON message) each
+    body_bytes: list  # binary: each error's "A to B"
+
+
+def key_term(term: str) -> str:
+    """A key of the table (`K`, `K with byte i = 0xNN`, `K[:n]`, `0X + K in upper case`) as the
+    JSON string."""
+    match = _KEY_TERM.fullmatch(term)
+    if match is None or match["name"] not in NAMED_KEYS:
+        raise ValueError(f"not a key of PROTOCOL.md section 7: {term!r}")
+    key = NAMED_KEYS[match["name"]]
+    if match["cut"]:
+        key = key[:2 * int(match["cut"][2:-1])]
+    if match["byte"]:
+        key = _with_byte(key, int(match["byte"]), int(match["value"], 16))
+    if match["upper"]:
+        key = key.upper()
+    return (match["prefix"] or "")[:2] + key
+
+
+def key_bytes(key: str) -> bytes:
+    return bytes.fromhex(key[2:] if key[:2] in ("0x", "0X") else key)
+
+
+def read_refusals(text: str) -> list[Refusal]:
+    """The rows of the "Refusals" table in the text of docs/PROTOCOL.md."""
+    section = text[text.index("**Refusals.**"):text.index("## 8.")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # past the header
+    refusals = []
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        label, d, keys, sent, status, errors, body = cells
+        queries = [[key_term(k) for k in re.findall(r"`([^`]+)`", query)]
+                   for query in keys[1:-1].split("], [")]  # a `K[:n]` holds brackets
+        assert sent in ("JSON", "both"), row
+        refusals.append(Refusal(label, int(d), queries, sent == "both", int(status),
+                                _ERROR.findall(errors), [] if body == "-" else body.split("; ")))
+    return refusals
+
+
+REFUSALS = read_refusals((Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text())
 
 
 def vector_pages() -> np.ndarray:
