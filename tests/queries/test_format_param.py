@@ -25,4 +25,5 @@ def test_an_unknown_format_is_a_400_naming_both(api, query, got):
     response = post(api, SINGLE + query, V1 * 3, accept=BIN)
     assert response.status_code == 400 and response["Content-Type"] == "application/json"
     (error,) = response.json()["errors"]
-    assert (error["field"], error["message"]) == ("format", f"expected one of json, binary, got {got}")
+    assert (error["field"], error["code"], error["message"]) == (
+        "format", "invalid", f"expected one of json, binary, got {got}")
