@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -229,9 +230,11 @@ def test_a_client_that_pipelines_and_reads_nothing_has_one_request_upstream(fron
 def test_a_client_that_reads_its_answers_is_not_kept_waiting_for_its_next(front):
     """Answers of 256 KiB, each read whole before the next request: the front end reads the next
     request as soon as it comes, not at a poll of the client's socket 10 ms later (which added
-    about 5 ms to each 32-query batch on a GPU). Each takes about a millisecond here; with that
-    poll, more than half took 10 ms and more."""
+    about 5 ms to each 32-query batch on a GPU). A small receive buffer keeps most of each answer
+    in the front end's socket until the client reads it, so the front end always has to wait."""
     conn = front.connection()
+    conn.connect()
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
     size = 256 * 1024
     took = []
     for _ in range(41):
@@ -239,8 +242,8 @@ def test_a_client_that_reads_its_answers_is_not_kept_waiting_for_its_next(front)
         conn.request("GET", "/blob/%d" % size)
         assert len(conn.getresponse().read()) == size
         took.append(time.perf_counter() - started)
-    slow = [round(t * 1e3, 1) for t in took[1:] if t > 0.005]
-    assert len(slow) <= 4, sorted(round(t * 1e3, 1) for t in took)
+    # the median: a loaded machine delays a few requests whatever the front end does
+    assert statistics.median(took[1:]) < 0.006, sorted(round(t * 1e3, 1) for t in took)
 
 
 def test_past_its_connection_bound_a_new_connection_closes_the_longest_idle_one(tmp_path):
