@@ -157,8 +157,8 @@ class FrontEnd:
                     await self.reply(writer, refusal)
                     await self.linger(reader, writer)
                     return
-                if request is None:
-                    return
+                if request is None or writer.transport.is_closing():
+                    return  # the client left, or make_room closed this connection meanwhile
                 self.waiting.pop(task, None)
                 if not await self.forward(request, writer, client):
                     return
@@ -173,6 +173,7 @@ class FrontEnd:
                 except (TimeoutError, asyncio.IncompleteReadError):
                     return
                 finally:
+                    # also marks a failed read as seen (no "exception was never retrieved")
                     next_byte.cancel()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             writer.transport.abort()  # the client went away or stopped reading its answer
@@ -430,6 +431,8 @@ class FrontEnd:
         return keep
 
     async def send(self, writer, data: bytes) -> None:
+        if writer.transport.is_closing():  # closed by make_room or stop: the client is gone
+            raise ConnectionResetError("the connection to the client was closed")
         writer.write(data)
         # what the kernel took at once needs no wait (nor a timer)
         if writer.transport.get_write_buffer_size() or writer.transport.is_closing():
