@@ -36,6 +36,49 @@ RETRIED_STATUSES = (429, 503)
 JSON = "application/json"
 
 
+class Congestion:
+    """How many query requests of a client are at the parties at once: up to `limit`, halved
+    when a party answers busy (503 or 429: a request not started within its queue timeout), and
+    grown back by one a window of answers, as TCP's congestion window is. A client that asks
+    for more in flight than a party starts within its queue timeout settles on what it does,
+    instead of retrying into the same queue until its deadline."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = float(limit)
+        self.busy = 0  # requests at the parties
+        self._waiters: list = []
+
+    @contextlib.asynccontextmanager
+    async def slot(self):
+        """Held while a request is at the parties; yields the seconds it waited for it."""
+        began = time.monotonic()
+        while self.busy >= int(self.size):
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.busy += 1
+        try:
+            yield time.monotonic() - began
+        finally:
+            self.busy -= 1
+            for waiter in self._waiters:  # each looks again; at most `limit` wait
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._waiters.clear()
+
+    def answered(self) -> None:
+        self.size = min(float(self.limit), self.size + 1.0 / self.size)
+
+    def refused(self) -> None:
+        """A party was busy: half the requests that were in its queue with this one."""
+        self.size = max(1.0, min(self.size, self.busy + 1) / 2)
+
+
 def in_flight_for(health: dict, batch: int) -> int:
     """Requests to keep in flight at each party: two launches' worth of `batch`-query requests
     where /health names the engine's pass size (a launch holds at most one pass), else
@@ -94,6 +137,7 @@ class AsyncPirClient(BulkJobs, Lookups):
         self._http: Optional[httpx.AsyncClient] = None
         self._wire: list = [None, None]  # each party's query connections (wire.PartyPool)
         self._shape: tuple = (0, 0)  # (num_pages, domain_bits) the fetch's keys were made for
+        self._gate: Optional[Congestion] = None  # made with the first query request
 
     # -- transport ----------------------------------------------------------------------------
     @property
@@ -251,26 +295,46 @@ class AsyncPirClient(BulkJobs, Lookups):
         return await self._retrying(once, window)
 
     async def _retrying(self, call, window: Optional[Window] = None):
-        """call() until it returns, retrying mismatches and busy parties up to switch_deadline."""
-        deadline = time.monotonic() + self.switch_deadline
+        """call() until it returns, retrying mismatches and busy parties for switch_deadline
+        seconds from the first; a query request (a window's) goes out within the client's
+        congestion window."""
+        deadline = None
         pause = FIRST_RETRY_S
+        gate = self._congestion() if window is not None else None
         while True:
             try:
-                return await call()
+                if gate is None:
+                    return await call()
+                async with gate.slot() as waited:
+                    if deadline is not None:  # waiting here is not asking a busy party
+                        deadline += waited
+                    answer = await call()
+                gate.answered()
+                return answer
             except EpochMismatch:
                 wait = pause
+                deadline = deadline or time.monotonic() + self.switch_deadline
                 if time.monotonic() + wait > deadline:
                     raise
             except ServerError as exc:
                 if exc.status not in RETRIED_STATUSES:
                     raise
+                if gate is not None:
+                    gate.refused()
                 wait = exc.retry_after if exc.retry_after is not None else pause
+                deadline = deadline or time.monotonic() + self.switch_deadline
                 if time.monotonic() + wait > deadline:
                     raise
             await asyncio.sleep(wait)
             pause = min(2 * pause, MAX_RETRY_S)
             if window is not None:
                 await self._check_shape(window)
+
+    def _congestion(self) -> Congestion:
+        """The client's congestion window over its query requests, made on the first one."""
+        if self._gate is None:
+            self._gate = Congestion(self.in_flight or DEFAULT_IN_FLIGHT)
+        return self._gate
 
     async def _check_shape(self, window: Window) -> None:
         try:

@@ -60,6 +60,30 @@ class FakeParty:
             self.in_flight -= 1
 
 
+class BusyParty(FakeParty):
+    """A party that starts one request at a time, each `delay` s, and answers 503 with
+    Retry-After to one not started within `queue_timeout` s, as the engine's queue timeout does."""
+
+    def __init__(self, queue_timeout: float, **options) -> None:
+        super().__init__(**options)
+        self.queue_timeout, self.refused, self.turn = queue_timeout, 0, None
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/epoch", "/health"):
+            return await super().__call__(request)
+        self.turn = self.turn or asyncio.Lock()
+        try:
+            await asyncio.wait_for(self.turn.acquire(), self.queue_timeout)
+        except asyncio.TimeoutError:
+            self.refused += 1
+            return httpx.Response(503, headers={"Retry-After": "0"}, json={
+                "detail": "interactive query not started within the queue timeout"})
+        try:
+            return await super().__call__(request)
+        finally:
+            self.turn.release()
+
+
 def client_of(party_a, party_b, **options) -> AsyncPirClient:
     async def route(request: httpx.Request):
         return await (party_a if request.url.host == "a.test" else party_b)(request)
@@ -209,3 +233,40 @@ def test_ctrl_c_in_a_blocking_fetch_cancels_its_requests(fetch):
             time.sleep(0.01)
     finally:
         client.close()
+
+
+def test_a_busy_party_shrinks_the_requests_in_flight_until_they_start():
+    """32 in flight against parties that start a request within 2.5 requests' time: the client
+    halves what it sends at each refusal and grows it back by one a window, so the fetch ends
+    with every row and a few dozen refusals a party; sending 32 again at each retry met about
+    200 and, with a deadline of 0.6 s, failed."""
+    parties = BusyParty(0.05, delay=0.02), BusyParty(0.05, delay=0.02)
+
+    async def run():
+        async with client_of(*parties, in_flight=32, switch_deadline=5) as client:
+            got = await client.fetch_rows([i % ROWS for i in range(32 * 60)])
+            return got, client._gate
+    got, gate = asyncio.run(run())
+    assert len(got) == 32 * 60 and all(row == bytes(256) for row in got)
+    assert [party.requests for party in parties] == [60, 60]
+    assert all(party.refused < 100 for party in parties), [p.refused for p in parties]
+    assert 1 <= gate.size < 32 and gate.busy == 0
+
+
+def test_the_congestion_window_halves_what_was_queued_and_grows_one_a_window():
+    gate = aio_module.Congestion(8)
+    gate.busy = 5
+    gate.refused()  # six were in the queue, this one among them
+    assert gate.size == 3.0
+    gate.busy = 0
+    for _ in range(3):
+        gate.answered()
+    assert 3.9 < gate.size < 4.0  # one window of answers: one more
+    for _ in range(100):
+        gate.answered()
+    assert gate.size == 8.0  # never past what was asked
+    gate.refused()
+    gate.refused()
+    gate.refused()
+    gate.refused()
+    assert gate.size == 1.0  # never below one
