@@ -258,8 +258,10 @@ def main(argv=None) -> int:
                                  f"$GPU_{name.upper()}, else the host's)")
     args = parser.parse_args(argv)
     gpus = {"a": check_gpu("GPU_A", args.gpu_a), "b": check_gpu("GPU_B", args.gpu_b)}
-    # A SIGTERM (a supervisor, `kill`) or SIGHUP (the terminal closed) stops everything like Ctrl-C.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    # A SIGTERM (a supervisor, `kill`) or SIGHUP (the terminal closed) stops everything like
+    # Ctrl-C; so does SIGINT (`kill -INT`) where a shell started `make run` in the background
+    # and left SIGINT ignored, as shells do for background jobs of a script.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, _interrupt)
     parent = _stop_with_parent()
     if _orphaned(parent):  # the parent died before the kernel was asked to say so

@@ -103,9 +103,16 @@ def test_make_run_ports_state_folder_busy_ports_and_sighup(tmp_path):
         log.close()
 
 
-def test_killing_make_alone_stops_every_process_and_frees_the_ports(tmp_path):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("stop", ["kill make", "kill -INT, started in the background"])
+def test_killing_make_alone_stops_every_process_and_frees_the_ports(tmp_path, stop):
     """`kill <make's pid>` (or a tmux or screen session closed around make) signals make only:
-    the supervisor must notice that its parent has gone and stop both parties, as Ctrl-C does."""
+    the supervisor must notice that its parent has gone and stop both parties, as Ctrl-C does.
+    A script that starts `make run &` leaves SIGINT ignored in it, as shells do for background
+    jobs: `kill -INT` to the supervisor stops everything all the same."""
     var = tmp_path / "v"
     ports = free_port(), free_port()
     env = server_env(DEMO_PAGES=64, MORPHO_ENGINE_BACKEND="cpu", MORPHO_WEB_WORKERS=2,
@@ -116,7 +123,8 @@ def test_killing_make_alone_stops_every_process_and_frees_the_ports(tmp_path):
     log = open(log_path, "wb")  # noqa: SIM115 - make and the supervisor write to it
     # a session of its own, as a terminal's: only make is signalled below, not its group
     make = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=_ignore_sigint if "INT" in stop else None)
     family: list[int] = []
     try:
         wait_for_banner(make, log_path)
@@ -124,7 +132,10 @@ def test_killing_make_alone_stops_every_process_and_frees_the_ports(tmp_path):
         assert len(family) >= 9  # the supervisor, and per party its engine server, web, workers
         for port in ports:
             assert http_json(f"http://127.0.0.1:{port}/health")[0] == 200
-        make.send_signal(signal.SIGTERM)
+        if "INT" in stop:
+            os.kill(family[0], signal.SIGINT)  # the supervisor, make's child
+        else:
+            make.send_signal(signal.SIGTERM)
         make.wait(30)
         deadline = time.monotonic() + 90
         while [pid for pid in family if alive(pid)] and time.monotonic() < deadline:
