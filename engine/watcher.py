@@ -69,6 +69,13 @@ class Watcher:
         if thread is not None and thread is not threading.current_thread():
             thread.join(5)
 
+    def check(self, name: str) -> None:
+        """One poll of `name` now, in this thread (nothing if it is not watched)."""
+        with self._lock:
+            watch = self._watches.get(name)
+        if watch is not None:
+            self._check(name, watch)
+
     def check_all(self) -> None:
         """One round of polls (the thread's body; tests call it directly)."""
         with self._lock:

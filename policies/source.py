@@ -97,6 +97,9 @@ def live_policies() -> LivePolicies:
 def attach(engine, **kwargs) -> LivePolicies:
     """Make `engine` follow the active policies live (engine.signals.engine_built's receiver)."""
     source = live_policies()
+    # A new engine starts from the database's policies, not the last ones this process polled:
+    # a watcher thread that is late or absent (a management command, the tests) leaves those.
+    watcher.default_watcher().check(WATCH_NAME)
     engine.set_policy_source(source)
     source.on_change(engine.poke)
     return source

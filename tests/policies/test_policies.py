@@ -158,6 +158,26 @@ def test_watcher_swaps_the_snapshot_and_wakes_the_engine_without_a_read_per_quer
         watcher.stop()
 
 
+def test_a_new_engine_starts_from_the_databases_policies_not_the_last_polled(settings, serve_matrix,
+                                                                           vector_matrix_path):
+    """This process polled a policy that the database no longer holds active (a change rolled
+    back, or undone by another process, before the next poll): the next engine built runs the
+    database's, whether or not a watcher thread has polled since."""
+    from engine.holder import get_engine
+    from engine.watcher import default_watcher
+    from policies.source import live_policies
+
+    serve_matrix(vector_matrix_path)
+    live_policies()  # this process's source, watched
+    with transaction.atomic():
+        BatchingPolicy.objects.get(name="interactive-slo").activate()
+        default_watcher().check_all()
+        assert live_policies()("interactive").name == "interactive-slo"
+        transaction.set_rollback(True)
+    assert active("interactive").name == "interactive-latency"
+    assert get_engine().policies()["interactive"].name == "interactive-latency"
+
+
 def time_now():
     from django.utils import timezone
 
