@@ -7,14 +7,9 @@
 #   each figure's runs into the files docs/benchmarks/ keeps, named after the GPU:
 #   bulk_h100.csv, layout_h200_mainnet.csv)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD:$PWD/pir PATH=/tmp/site/bin:$PATH
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/device_env.sh
 LOG="$OUT/device_defaults.log"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
-MODEL=$(head -n 1 "$LOG" | grep -o -i -E 'h100|h200|a100|l40s?' | head -n 1 | tr 'A-Z' 'a-z')
-MODEL=${MODEL:-gpu}
+cp "$OUT/gpu.txt" "$LOG"
 # what the server's default (MORPHO_MATRIX_LAYOUT=auto) picks here, and why
 python3 -c "from gpu_engine.backends import create_backend as c; d = c('cuda', layout='auto').describe(); print({k: d[k] for k in ('device', 'layout', 'layout_reason', 'pass_queries')})" 2>&1 | tee -a "$LOG"
 for pages in 65536 1048576; do

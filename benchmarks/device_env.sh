@@ -1,4 +1,5 @@
-# Sourced by the client's device scripts (device_client.sh, device_lookup.sh): the wheels in WHL
+# Sourced by device scripts (device_client.sh, device_lookup.sh, device_defaults.sh,
+# device_frontend.sh): the wheels in WHL
 # (default .whl) installed into /tmp/site, this checkout's protocol core and client on PYTHONPATH
 # (distributions of this repository, not installed there), $OUT made, the GPUs listed in
 # $OUT/gpu.txt (index, name, memory, driver) and MODEL set from the first (h100, h200, ...).

@@ -4,12 +4,8 @@
 # the repo root on the device with the Django/Celery/uvloop wheels in .whl:
 #   bash benchmarks/device_frontend.sh [PAGES] [extra frontend_cost.py options]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD:$PWD/pir PATH=/tmp/site/bin:$PATH
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PAGES=${1:-65536,1048576}; shift || true
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source benchmarks/device_env.sh
 timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/frontend_cost.py --backend cuda --pages "$PAGES" \
     --out "$OUT/frontend_cost.csv" "$@" 2>&1 | tee "$OUT/bench.log"
 cat "$OUT/frontend_cost.csv"
