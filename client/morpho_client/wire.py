@@ -55,10 +55,9 @@ class _Reply(asyncio.BufferedProtocol):
             # the answer is whole: asyncio asks for a buffer before it reads the party's close (or
             # bytes nobody asked for), and an empty one is a fatal error of the transport
             return memoryview(self.head)
-        if self.framing:  # chunked or up to the close: gathered at the end of head
-            if len(self.head) - self.filled < 65536:
-                self.head.extend(bytes(max(65536, len(self.head))))
-            return memoryview(self.head)[self.filled:]
+        if self.framing and len(self.head) - self.filled < 65536:
+            # chunked or up to the close: gathered at the end of head, which grows for it
+            self.head.extend(bytes(max(65536, len(self.head))))
         return memoryview(self.head)[self.filled:]
 
     def buffer_updated(self, nbytes: int) -> None:
