@@ -331,9 +331,11 @@ class AsyncPirClient(BulkJobs, Lookups):
                 await self._check_shape(window)
 
     def _congestion(self) -> Congestion:
-        """The client's congestion window over its query requests, made on the first one."""
-        if self._gate is None:
-            self._gate = Congestion(self.in_flight or DEFAULT_IN_FLIGHT)
+        """The client's congestion window over its query requests, made on the first one and
+        again when in_flight changes (set, or chosen from /health by a later fetch)."""
+        limit = self.in_flight or DEFAULT_IN_FLIGHT
+        if self._gate is None or self._gate.limit != limit:
+            self._gate = Congestion(limit)
         return self._gate
 
     async def _check_shape(self, window: Window) -> None:

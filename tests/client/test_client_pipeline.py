@@ -118,6 +118,20 @@ def test_the_window_follows_the_parties_pass_size():
     assert max(p.most_in_flight for p in parties) == 6
 
 
+def test_a_fetch_after_a_single_request_keeps_its_whole_window_in_flight():
+    """The client's first request, of pages it picked, comes before in_flight is chosen from
+    /health; the fetch after it still keeps the parties' window (16 here) in flight."""
+    parties = FakeParty(pass_queries=256), FakeParty(pass_queries=256)
+
+    async def run():
+        async with client_of(*parties) as client:
+            await client.fetch_pages([0])
+            await client.fetch_rows([i % ROWS for i in range(32 * 40)])
+            return client.in_flight
+    assert asyncio.run(run()) == 16
+    assert [p.most_in_flight for p in parties] == [16, 16]
+
+
 def test_keys_are_made_a_window_at_a_time(monkeypatch):
     calls = []
     real = aio_module.plan_window
