@@ -57,8 +57,8 @@ LINGER_S = 2.0  # after an early answer (408, 413, ...) what the client still se
 # unsent (in the front end's buffer and the kernel's send queue): a 32-query answer is 128-256 KiB.
 ANSWER_BUFFER_BYTES = 64 * 1024
 # A connection over that bound looks again when its next request starts, else after 1 ms, then at
-# doubling gaps up to 10 ms: a fixed 10 ms wait added about 5 ms to each request of a client that
-# reads its answers (a fifth of a 32-query batch's time at 65,536 pages on a GPU).
+# doubling gaps up to 10 ms: a fixed 10 ms wait would add about 5 ms to each request of a client
+# that reads its answers (a fifth of a 32-query batch's time at 65,536 pages on a GPU).
 TAKEN_POLL_S = (0.001, 0.002, 0.004, 0.008, 0.01)
 CHILD_POLL_S = 0.5  # how often the first process looks whether the forked ones still run
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] [1-5][0-9][0-9][ \r]")

@@ -229,8 +229,8 @@ def test_a_client_that_pipelines_and_reads_nothing_has_one_request_upstream(fron
 
 def test_a_client_that_reads_its_answers_is_not_kept_waiting_for_its_next(front):
     """Answers of 256 KiB, each read whole before the next request: the front end reads the next
-    request as soon as it comes, not at a poll of the client's socket 10 ms later (which added
-    about 5 ms to each 32-query batch on a GPU). A small receive buffer keeps most of each answer
+    request as soon as it comes, not at a poll of the client's socket 10 ms later (which would
+    add about 5 ms to each 32-query batch on a GPU). A small receive buffer keeps most of each answer
     in the front end's socket until the client reads it, so the front end always has to wait."""
     conn = front.connection()
     conn.connect()
