@@ -613,16 +613,6 @@ class Engine:
         # whichever came later, to now.
         device_from = max(flight.started, self._answered_at)
         seconds = time.perf_counter() - device_from
-        row = 0
-        for request in flight.batch:
-            count = len(request.keys)
-            settle(request.future, BatchAnswer(flight.epoch.epoch_id, answers[row:row + count],
-                                               request.query_keys, flight.state))
-            row += count
-        # The cost model plans with how long a launch keeps the scheduler from the next one:
-        # the device time and handing the answers out (futures' callbacks run here).
-        self._answered_at = time.perf_counter()
-        self.cost.observe({r.keys.key_format for r in flight.batch}, flight.queries, self._answered_at - device_from)
         done = time.monotonic()
         decision, batch = flight.decision, flight.batch
         self._last_launch_end[decision.lane] = done
@@ -630,8 +620,20 @@ class Engine:
         # a fuller batch cost (near zero for a policy that launches at once)
         held = max(0.0, flight.started_mono - max(self._idle_since, batch[0].arrived))
         self._idle_since = done
+        # Counted before any caller has its answer, so that what a caller reads from the
+        # metrics after its answer already holds the launch that made it.
         self.stats.launched(decision, seconds, [(r.size, flight.started_mono - r.arrived, done - r.arrived)
                                                 for r in batch], done, held, self._waited)
+        row = 0
+        for request in batch:
+            count = len(request.keys)
+            settle(request.future, BatchAnswer(flight.epoch.epoch_id, answers[row:row + count],
+                                               request.query_keys, flight.state))
+            row += count
+        # The cost model plans with how long a launch keeps the scheduler from the next one:
+        # the device time and handing the answers out (futures' callbacks run here).
+        self._answered_at = time.perf_counter()
+        self.cost.observe({r.keys.key_format for r in batch}, flight.queries, self._answered_at - device_from)
         self._waited = False
 
     def _start_keys(self, batch: List[_Request], dispatch) -> PendingAnswer:
