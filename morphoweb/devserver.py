@@ -15,7 +15,6 @@ of the process that started this one (`make`, killed alone or with its terminal)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -27,12 +26,11 @@ from pathlib import Path
 from typing import Optional
 
 from morpho_pir.ethereum import ACCOUNT_TYPE, state_key
-from morphoweb.partyprocs import NotHealthy, health, wait_healthy
+from morphoweb.partyprocs import NotHealthy, end_with_parent, health, wait_healthy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RESTART_DELAY_S = 1.0  # pause before an engine server that died is started again
 IPC_PATH_MAX = 100  # bytes: a Unix socket path must fit sockaddr_un (108 with the NUL)
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies (Linux)
 
 
 class Child:
@@ -173,11 +171,7 @@ def _stop_with_parent() -> int:
     not this process: without this, the parties would run on, orphaned, holding their ports. Where
     prctl is missing (not Linux), the supervision loop notices the parent's pid change instead."""
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    end_with_parent()
     return parent
 
 

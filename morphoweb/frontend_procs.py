@@ -8,14 +8,13 @@ under `make run`, then stops the party); a forked one also stops when the first 
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 
-log = logging.getLogger("morphoweb.frontend")
+from morphoweb.partyprocs import end_with_parent
 
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+log = logging.getLogger("morphoweb.frontend")
 
 
 class Processes:
@@ -36,7 +35,7 @@ class Processes:
             if pid == 0:
                 self.forked, self.children = True, []
                 # the first process's end is this one's: no process is left holding the port
-                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+                end_with_parent()
                 if os.getppid() == 1:  # the first one died before the call above
                     os._exit(1)
                 return

@@ -5,8 +5,10 @@ Standard library only: it runs in the supervising process, which loads no Django
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -18,6 +20,19 @@ from typing import Optional
 
 class NotHealthy(RuntimeError):
     """A party did not answer /health with 200: one of its processes exited, or time ran out."""
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies (Linux)
+
+
+def end_with_parent() -> bool:
+    """Have the kernel send this process SIGTERM when its parent dies; False where prctl is
+    missing (not Linux), and the caller must notice the parent's end some other way."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def free_port() -> int:
