@@ -154,10 +154,12 @@ class EngineServer:
             wake.close(0)
             router.close(0)
             return
-        if self.url.startswith("ipc://"):
+        ipc = self.url[len("ipc://"):] if self.url.startswith("ipc://") else None
+        if ipc:
             # ZeroMQ makes the socket under the process's umask (0755 by the usual 022, 0777
             # under 0): only this user and its group may submit queries or control operations.
-            os.chmod(self.url[len("ipc://"):], 0o660)
+            os.chmod(ipc, 0o660)
+            made = os.stat(ipc).st_ino
         self._bound.set()
         log.info("engine server listening on %s", self.url)
         poller = zmq.Poller()
@@ -179,6 +181,8 @@ class EngineServer:
             router.close(0)
             wake.close(0)
             self._waker.close()
+            if ipc:
+                _remove_socket(ipc, made)
 
     def _handle(self, router: zmq.Socket, frames: List[bytes]) -> None:
         if len(frames) < 3:
@@ -229,3 +233,13 @@ def _error_body(exc: BaseException) -> bytes:
         kind, retry = wire.UNAVAILABLE, 5
     reason = exc.reason if isinstance(exc, EngineBusy) else str(exc)
     return wire.dumps({"kind": kind, "reason": reason, "retry_after": retry})
+
+
+def _remove_socket(path: str, made: int) -> None:
+    """Remove the ipc socket this server bound (ZeroMQ leaves the file behind), unless another
+    server has bound the path since: ZeroMQ's bind replaces a file there with its own."""
+    try:
+        if os.stat(path).st_ino == made:
+            os.unlink(path)
+    except OSError:
+        pass

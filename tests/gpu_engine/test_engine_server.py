@@ -5,6 +5,7 @@ to it as a web or Celery process would; the processes-and-signals tests are in
 test_engine_server_processes.py."""
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import wait
 
@@ -215,6 +216,16 @@ def test_requests_in_flight_fail_at_once_when_the_server_goes_away(served):
         client.submit([random_keys_as_dpf(d, 3)])
     assert client.health() == {"running": False, "reachable": False, "failure": client.failure,
                                "engine_url": server.url, "backend": "unknown", "queue_depth": {}}
+
+
+def test_a_stopped_server_removes_its_socket_file_but_not_a_newer_servers(served, tmp_path):
+    engine, server, client, _ = served()
+    path = server.url[len("ipc://"):]
+    other = EngineServer(engine, server.url, {}).start()  # binds over the same path
+    server.stop()
+    assert os.path.exists(path)  # the second server's, still listening
+    other.stop()
+    assert not os.path.exists(path)
 
 
 def test_key_batches_parse_from_bytes_as_the_keys_do():
