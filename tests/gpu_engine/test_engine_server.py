@@ -218,7 +218,7 @@ def test_requests_in_flight_fail_at_once_when_the_server_goes_away(served):
                                "engine_url": server.url, "backend": "unknown", "queue_depth": {}}
 
 
-def test_a_stopped_server_removes_its_socket_file_but_not_a_newer_servers(served, tmp_path):
+def test_a_stopped_server_removes_its_socket_file_but_not_a_newer_servers(served):
     engine, server, client, _ = served()
     path = server.url[len("ipc://"):]
     other = EngineServer(engine, server.url, {}).start()  # binds over the same path
