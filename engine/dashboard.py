@@ -14,6 +14,7 @@ from collections import deque
 from typing import Callable
 
 from django.contrib.admin.views.decorators import staff_member_required
+from django.db import close_old_connections
 from django.http import JsonResponse
 from django.shortcuts import render
 
@@ -180,11 +181,22 @@ class History:
 
     def _run(self) -> None:
         while True:
-            try:
-                self.sample()
-            except Exception:  # a broken collector must not end the history
-                log.exception("dashboard history: sampling failed")
+            self.tick()
             time.sleep(SAMPLE_EVERY_S - time.time() % SAMPLE_EVERY_S)
+
+    def tick(self) -> None:
+        """One point, then this thread's database connection closed as a request's is: after
+        CONN_MAX_AGE, and at once if a transaction was left open in it. The collectors read the
+        database; a thread outside the request cycle that kept a transaction open would hold its
+        locks for good (a TRUNCATE, a migration waits on them)."""
+        try:
+            self.sample()
+        except Exception:  # a broken collector must not end the history
+            log.exception("dashboard history: sampling failed")
+        try:
+            close_old_connections()
+        except Exception:  # noqa: BLE001 - the next sample connects afresh
+            log.exception("dashboard history: closing the database connection failed")
 
 
 _history = History()
